@@ -1,0 +1,255 @@
+"""Building blocks shared by the three families: norms, feed-forward, the one attention module, the block."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, EncoderDecoderCache
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+from .attention import check_flash_can_run, get_attention_backend
+from .masks import AttentionMask
+from .rope import apply_rotary
+
+NORM_TYPES = ("layernorm", "rmsnorm")
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (Llama, T5): statistics in fp32, then weight * x in the input dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        input_dtype = hidden_states.dtype
+        hidden_states = hidden_states.to(torch.float32)
+        variance = hidden_states.pow(2).mean(-1, keepdim=True)
+        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        return self.weight * hidden_states.to(input_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+
+
+def build_norm(norm_type: str, hidden_size: int, eps: float, bias: bool = True) -> nn.Module:
+    if norm_type == "layernorm":
+        return nn.LayerNorm(hidden_size, eps=eps, bias=bias)
+    if norm_type == "rmsnorm":
+        return RMSNorm(hidden_size, eps=eps)
+    raise ValueError(f"unknown norm_type {norm_type!r}; choose one of {list(NORM_TYPES)}")
+
+
+class FeedForward(nn.Module):
+    """Plain (down(act(up(x)))) or gated (down(act(gate(x)) * up(x)), SwiGLU / gated-GELU) feed-forward."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        hidden_act: str,
+        *,
+        gated: bool,
+        bias: bool,
+        activation_dropout: float = 0.0,
+    ):
+        super().__init__()
+        if hidden_act not in ACT2FN:
+            raise ValueError(f"unknown hidden_act {hidden_act!r}; choose one of {sorted(ACT2FN)}")
+        self.gated = gated
+        if gated:
+            self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = ACT2FN[hidden_act]
+        self.dropout = nn.Dropout(activation_dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            hidden = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+        else:
+            hidden = self.act_fn(self.up_proj(x))
+        return self.down_proj(self.dropout(hidden))
+
+
+class Attention(nn.Module):
+    """One attention module for encoder self-attention, causal self-attention and cross-attention.
+
+    Owns the projections, RoPE, the KV-cache update and the head reshaping; the math is a backend from
+    attention.py chosen by `config._attn_implementation` at every call (so set_attn_implementation works live).
+    """
+
+    def __init__(self, config, layer_idx: int, *, is_cross_attention: bool = False):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.is_cross_attention = is_cross_attention
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        scale = getattr(config, "attention_scale", None)
+        self.scaling = self.head_dim**-0.5 if scale is None else scale
+        self.dropout = getattr(config, "attention_dropout", 0.0)
+        bias = getattr(config, "attention_bias", False)
+        out_bias = getattr(config, "attention_output_bias", None)
+        out_bias = bias if out_bias is None else out_bias
+        hidden = config.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=out_bias)
+
+    def _project_kv(self, states: torch.Tensor):
+        shape = (*states.shape[:-1], -1, self.head_dim)
+        key = self.k_proj(states).view(shape).transpose(1, 2)
+        value = self.v_proj(states).view(shape).transpose(1, 2)
+        return key, value
+
+    def _cached_kv(self, kv_input, past_key_values, position_embeddings):
+        """K/V for this call: projected (and rotated) now, merged with the cache, or reused for cross-attention."""
+        cache = past_key_values
+        if isinstance(past_key_values, EncoderDecoderCache):
+            cache = (
+                past_key_values.cross_attention_cache
+                if self.is_cross_attention
+                else past_key_values.self_attention_cache
+            )
+            if self.is_cross_attention and past_key_values.is_updated.get(self.layer_idx):
+                # Encoder states do not change while decoding: their K/V were computed at the first step.
+                layer = cache.layers[self.layer_idx]
+                return layer.keys, layer.values
+        key, value = self._project_kv(kv_input)
+        if position_embeddings is not None:
+            key = apply_rotary(key, *position_embeddings)
+        if cache is not None:
+            key, value = cache.update(key, value, self.layer_idx)
+            if self.is_cross_attention and isinstance(past_key_values, EncoderDecoderCache):
+                past_key_values.is_updated[self.layer_idx] = True
+        return key, value
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[AttentionMask] = None,
+        *,
+        position_embeddings: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        key_value_states: Optional[torch.Tensor] = None,
+        past_key_values: Optional[Cache] = None,
+        output_attentions: bool = False,
+    ):
+        if self.is_cross_attention and key_value_states is None:
+            raise ValueError(f"cross-attention layer {self.layer_idx} needs encoder hidden states (key_value_states)")
+        batch, seq_len = hidden_states.shape[:2]
+        query = self.q_proj(hidden_states).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+        if position_embeddings is not None:
+            query = apply_rotary(query, *position_embeddings)
+        kv_input = key_value_states if self.is_cross_attention else hidden_states
+        key, value = self._cached_kv(kv_input, past_key_values, position_embeddings)
+
+        implementation = self.config._attn_implementation
+        backend = get_attention_backend(implementation)
+        if implementation == "flash_attention_2":
+            check_flash_can_run(query.device, query.dtype)
+        mask, is_causal = attention_mask if attention_mask is not None else (None, False)
+        out, weights = backend(
+            query,
+            key,
+            value,
+            mask,
+            scale=self.scaling,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=is_causal,
+            output_attentions=output_attentions,
+        )
+        out = out.transpose(1, 2).reshape(batch, seq_len, -1)
+        return self.o_proj(out), weights
+
+
+class TransformerBlock(GradientCheckpointingLayer):
+    """Self-attention [+ cross-attention] + feed-forward, each a residual sublayer with its norm.
+
+    pre_norm=True (Llama, T5):      x = x + dropout(sublayer(norm(x)))
+    pre_norm=False (BERT, BART):    x = norm(x + dropout(sublayer(x)))
+    Norm names follow Llama so tools find them by habit: `input_layernorm` belongs to self-attention,
+    `cross_attn_layernorm` to cross-attention, `post_attention_layernorm` to the feed-forward sublayer.
+    """
+
+    def __init__(
+        self,
+        config,
+        layer_idx: int,
+        *,
+        pre_norm: bool,
+        norm_type: str,
+        norm_eps: float,
+        hidden_act: str,
+        intermediate_size: int,
+        mlp_gated: bool,
+        mlp_bias: bool,
+        norm_bias: bool = True,
+        hidden_dropout: float = 0.0,
+        activation_dropout: float = 0.0,
+        cross_attention: bool = False,
+    ):
+        super().__init__()
+        hidden = config.hidden_size
+        self.pre_norm = pre_norm
+        self.self_attn = Attention(config, layer_idx)
+        self.input_layernorm = build_norm(norm_type, hidden, norm_eps, norm_bias)
+        if cross_attention:
+            self.cross_attn = Attention(config, layer_idx, is_cross_attention=True)
+            self.cross_attn_layernorm = build_norm(norm_type, hidden, norm_eps, norm_bias)
+        self.mlp = FeedForward(
+            hidden, intermediate_size, hidden_act, gated=mlp_gated, bias=mlp_bias, activation_dropout=activation_dropout
+        )
+        self.post_attention_layernorm = build_norm(norm_type, hidden, norm_eps, norm_bias)
+        self.dropout = nn.Dropout(hidden_dropout)
+
+    def _residual(self, x: torch.Tensor, norm: nn.Module, sublayer) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        out = sublayer(norm(x) if self.pre_norm else x)
+        weights = None
+        if isinstance(out, tuple):
+            out, weights = out
+        x = x + self.dropout(out)
+        return (x if self.pre_norm else norm(x)), weights
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: Optional[AttentionMask] = None,
+        position_embeddings: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        encoder_hidden_states: Optional[torch.Tensor] = None,
+        encoder_attention_mask: Optional[AttentionMask] = None,
+        past_key_values: Optional[Cache] = None,
+        output_attentions: bool = False,
+    ):
+        hidden_states, self_weights = self._residual(
+            hidden_states,
+            self.input_layernorm,
+            lambda x: self.self_attn(
+                x,
+                attention_mask,
+                position_embeddings=position_embeddings,
+                past_key_values=past_key_values,
+                output_attentions=output_attentions,
+            ),
+        )
+        cross_weights = None
+        if hasattr(self, "cross_attn"):
+            hidden_states, cross_weights = self._residual(
+                hidden_states,
+                self.cross_attn_layernorm,
+                lambda x: self.cross_attn(
+                    x,
+                    encoder_attention_mask,
+                    key_value_states=encoder_hidden_states,
+                    past_key_values=past_key_values,
+                    output_attentions=output_attentions,
+                ),
+            )
+        hidden_states, _ = self._residual(hidden_states, self.post_attention_layernorm, self.mlp)
+        return hidden_states, self_weights, cross_weights

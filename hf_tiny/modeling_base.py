@@ -1,0 +1,72 @@
+"""The PreTrainedModel base every hf_tiny family inherits: attention backend choice and weight init."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from .attention import ATTENTION_BACKENDS
+from .layers import RMSNorm
+
+
+def resolve_attn_implementation(requested) -> str:
+    """None -> 'sdpa' (the Hugging Face default); otherwise one of our backends, or a clear error."""
+    name = "sdpa" if requested is None else requested
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"attn_implementation={requested!r} is not supported by hf_tiny; choose one of "
+            f"{sorted(ATTENTION_BACKENDS)} ('eager' = naive formula, 'sdpa' = torch SDPA, "
+            "'flash_attention_2' = FlashAttention kernels on CUDA)"
+        )
+    if name == "flash_attention_2" and not torch.cuda.is_available():
+        raise ValueError(
+            "attn_implementation='flash_attention_2' needs a CUDA GPU and none is available; "
+            "use attn_implementation='sdpa' or 'eager'"
+        )
+    return name
+
+
+class HfTinyPreTrainedModel(PreTrainedModel):
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _supports_sdpa = True
+    _supports_flash_attn = True
+    _skip_keys_device_placement = ["past_key_values"]
+
+    # Our backends live in hf_tiny/attention.py, so transformers' own checks (the flash-attn package, hub
+    # kernels) do not apply: we validate the three names ourselves. Overriding these keeps
+    # `from_pretrained(attn_implementation=...)` and `set_attn_implementation(...)` working without warnings.
+    def _check_and_adjust_attn_implementation(self, attn_implementation, is_init_check=False, *args, **kwargs):
+        return resolve_attn_implementation(attn_implementation)
+
+    def get_correct_attn_implementation(self, requested_attention, is_init_check=False, *args, **kwargs):
+        return resolve_attn_implementation(requested_attention)
+
+    @classmethod
+    def _can_set_attn_implementation(cls) -> bool:
+        return True
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            module.weight.normal_(mean=0.0, std=std)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, nn.Embedding):
+            module.weight.normal_(mean=0.0, std=std)
+            if module.padding_idx is not None:
+                module.weight[module.padding_idx].zero_()
+        elif isinstance(module, nn.LayerNorm):
+            if module.weight is not None:
+                module.weight.fill_(1.0)
+            if module.bias is not None:
+                module.bias.zero_()
+        elif isinstance(module, RMSNorm):
+            module.weight.fill_(1.0)
+        # from_pretrained fills non-persistent buffers with garbage (empty_like on meta): modules that own such
+        # buffers (RoPE inv_freq, position ids) rebuild them here.
+        init_buffers = getattr(module, "_init_buffers", None)
+        if callable(init_buffers):
+            init_buffers()
