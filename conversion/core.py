@@ -36,9 +36,13 @@ parse_dtype(name)                       "float32" | "bfloat16" | "float16" (| to
 max_abs_diff(a, b)                      float max |a - b| (computed in float64).
 save_state_dict_safetensors(sd, path, *, metadata=None)
                                         saves tensors that share memory (tied weights) as separate copies.
-atomic_output_dir(dst, *, force=False)  context manager yielding a temp folder beside dst, swapped in on success.
+atomic_output_dir(dst, *, force=False, src=None)
+                                        context manager yielding a temp folder beside dst, swapped in on success;
+                                        src (optional) refuses a dst that is or contains the source.
 copy_tokenizer_files(src_dir, dst_dir)  copies the tokenizer files (and generation_config.json) that exist.
 render_model_card(template_name="hf_tiny", **fields) / write_model_card(dst_dir, template_name=..., **fields)
+                                        model_cards/<name>.md filled in; writes dst_dir/README.md.
+TOKENIZER_FILES, MODEL_CARDS_DIR        the file names copied, and where the templates live.
 """
 
 from __future__ import annotations
@@ -170,12 +174,16 @@ def _load_pickle_weights_only(path: Path, expected_keys: Iterable[str] | None = 
             f"(torch.load weights_only=True said: {first_line}). Re-save it as safetensors from a trusted source."
         ) from error
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as error:
-        raise ConversionError(f"{path} is not a readable PyTorch weights file (truncated or corrupt?): {error}") from error
+        raise ConversionError(
+            f"{path} is not a readable PyTorch weights file (truncated or corrupt?): {error}"
+        ) from error
     if not isinstance(loaded, Mapping):
         raise ConversionError(f"{path} holds a {type(loaded).__name__}, expected a dict of tensors (a state dict)")
     not_tensors = [str(k) for k, v in loaded.items() if not isinstance(v, torch.Tensor)]
     if not_tensors:
-        raise ConversionError(f"{path} is not a plain state dict: entries that are not tensors: {_list_names(not_tensors)}")
+        raise ConversionError(
+            f"{path} is not a plain state dict: entries that are not tensors: {_list_names(not_tensors)}"
+        )
     state = dict(loaded)
     if expected_keys is not None:
         state = {key: state[key] for key in _keys_from_shard(path, set(state), expected_keys)}
@@ -291,13 +299,42 @@ def _official_meta_model(config: dict):
         return auto.from_config(hf_config)
 
 
+@contextlib.contextmanager
+def _gguf_shared_parsing(path: Path, reader):
+    """Lets transformers' GGUF loader reuse our parsed reader and one tensor-name map.
+
+    load_gguf_checkpoint builds a fresh GGUFReader per call (~4 s for a 100 MB file with its tokenizer) and
+    get_gguf_hf_weights_map rebuilds gguf's TensorNameMap for every submodule (hundreds of times). Both are
+    looked up as `from gguf import ...` at call time, so swapping the gguf attributes for the duration of
+    the load serves them from one parse; the originals are restored afterwards.
+    """
+    import functools
+
+    import gguf
+
+    original_reader, original_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def reuse_reader(file, *args, **kwargs):
+        if not args and not kwargs and Path(file) == path:
+            return reader
+        return original_reader(file, *args, **kwargs)
+
+    gguf.GGUFReader = reuse_reader
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original_name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = original_reader, original_name_map
+
+
 def load_gguf(
     path: str | os.PathLike, *, expected_architecture: str, dtype: torch.dtype | None = None
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """Reads a GGUF file into (transformers config dict, dequantized state dict with transformers names).
 
-    The architecture and every tensor's quantization type are checked before anything is dequantized.
-    Tensors come from transformers' own GGUF loader, so q/k are already un-permuted as in
+    The architecture and every tensor's quantization type are checked before anything is dequantized, and
+    every GGUF tensor must get a transformers name. Tensors come from transformers' own GGUF loader
+    (load_gguf_checkpoint), so q/k are un-permuted exactly as in
     `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`.
     """
     path = Path(path)
@@ -336,27 +373,25 @@ def load_gguf(
             f"supported types: {_list_names(t.name for t in supported)}"
         )
     gguf_names = [t.name for t in reader.tensors]
-    del reader
 
     try:
-        config = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
-        model = _official_meta_model(config)
-        processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config)
-        name_map = get_gguf_hf_weights_map(model, processor)
-        unmapped = [name for name in gguf_names if name not in name_map]
-        if unmapped:
-            raise ConversionError(
-                f"{path}: GGUF tensors with no transformers name for architecture {architecture!r}: "
-                f"{_list_names(unmapped)}"
-            )
-        tensors = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model, torch_dtype=dtype)[
-            "tensors"
-        ]
+        with _gguf_shared_parsing(path, reader):
+            config = load_gguf_checkpoint(str(path), return_tensors=False)["config"]
+            model = _official_meta_model(config)
+            processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config)
+            name_map = get_gguf_hf_weights_map(model, processor)
+            unmapped = [name for name in gguf_names if name not in name_map]
+            if unmapped:
+                raise ConversionError(
+                    f"{path}: GGUF tensors with no transformers name for architecture {architecture!r}: "
+                    f"{_list_names(unmapped)}"
+                )
+            loaded = load_gguf_checkpoint(str(path), return_tensors=True, model_to_load=model, torch_dtype=dtype)
     except ConversionError:
         raise
     except (ValueError, KeyError, NotImplementedError, OSError) as error:
         raise ConversionError(f"cannot read GGUF file {path}: {type(error).__name__}: {error}") from error
-    return dict(config), dict(tensors)
+    return dict(config), dict(loaded["tensors"])
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -384,8 +419,8 @@ class Rule:
 
     Without a transform, one side may hold several keys: they are tied copies of one tensor (one source ->
     several targets copies it; several sources -> one target requires them bit-equal and keeps one).
-    optional=True: the rule is skipped when none of its input keys is present (e.g. a bias some checkpoints
-    lack); a partially present rule is still an error.
+    optional=True: the rule is skipped when none of its input keys is present in any layer (e.g. a bias some
+    checkpoints lack); present in some layers only, the missing ones are an error.
     """
 
     source: str | tuple[str, ...]
@@ -434,6 +469,7 @@ class _ConcreteRule:
     target: tuple[str, ...]
     transform: Transform | None
     optional: bool
+    origin: int  # index of the Rule it was expanded from
 
 
 class KeyMap:
@@ -468,16 +504,17 @@ class KeyMap:
             if isinstance(count, bool) or not isinstance(count, int) or count < 0:
                 raise ValueError(f"num_layers[{name!r}] must be an int >= 0, got {count!r}")
         concrete = []
-        for rule in self.rules:
+        for origin, rule in enumerate(self.rules):
             names = sorted(_placeholders(rule.source + rule.target))
             for values in itertools.product(*(range(counts[n]) for n in names)):
-                fill = dict(zip(names, values))
+                fill = dict(zip(names, values, strict=True))
                 concrete.append(
                     _ConcreteRule(
                         tuple(k.format(**fill) for k in rule.source),
                         tuple(k.format(**fill) for k in rule.target),
                         rule.transform,
                         rule.optional,
+                        origin,
                     )
                 )
         for side in ("source", "target"):
@@ -517,14 +554,22 @@ class KeyMap:
         missing: list[str] = []
         runnable: list[tuple[tuple[str, ...], tuple[str, ...], Callable | None, Transform | None]] = []
         used: set[str] = set()
+        # An optional rule is all-or-nothing over its layers: absent everywhere -> skipped, else required.
+        present_origins = {
+            rule.origin
+            for rule in rules
+            if any(key in state_dict for key in (rule.source if forward else rule.target))
+        }
         for rule in rules:
             inputs, outputs = (rule.source, rule.target) if forward else (rule.target, rule.source)
-            present = [key for key in inputs if key in state_dict]
-            if not present and rule.optional:
+            if rule.optional and rule.origin not in present_origins:
                 continue
+            present = [key for key in inputs if key in state_dict]
             missing.extend(key for key in inputs if key not in state_dict)
             used.update(present)
-            function = None if rule.transform is None else (rule.transform.forward if forward else rule.transform.backward)
+            function = None
+            if rule.transform is not None:
+                function = rule.transform.forward if forward else rule.transform.backward
             runnable.append((inputs, outputs, function, rule.transform))
         unknown = [k for k in state_dict if k not in used and not any(p.fullmatch(k) for p in ignore)]
         problems = []
@@ -555,13 +600,13 @@ class KeyMap:
                         f"transform {transform.name!r} returned {len(produced)} tensors for {len(outputs)} keys "
                         f"{', '.join(outputs)}"
                     )
-            result.update(zip(outputs, produced))
+            result.update(zip(outputs, produced, strict=True))
         return result
 
 
 def _require_tied(keys: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
     first = tensors[0]
-    for key, tensor in zip(keys[1:], tensors[1:]):
+    for key, tensor in zip(keys[1:], tensors[1:], strict=True):
         if tensor.shape != first.shape or tensor.dtype != first.dtype or not torch.equal(tensor, first):
             raise ConversionError(
                 f"tensors {keys[0]} and {key} should be tied (identical) copies but differ"
@@ -646,11 +691,11 @@ def save_state_dict_safetensors(
             raise ValueError(f"state_dict[{key!r}] is on the meta device (no data to save)")
         tensor = tensor.detach()
         storage = (tensor.untyped_storage().data_ptr(), str(tensor.device))
-        if storage in seen_storages or not tensor.is_contiguous() or tensor.numel() != tensor.untyped_storage().nbytes() // max(tensor.element_size(), 1):
+        if storage in seen_storages:  # safetensors refuses two names over one storage (ties, chunks of a fusion)
             tensor = tensor.clone(memory_format=torch.contiguous_format)
         else:
             seen_storages.add(storage)
-        prepared[key] = tensor.to("cpu")
+        prepared[key] = tensor.to("cpu").contiguous()
     save_file(prepared, str(path), metadata={"format": "pt", **(metadata or {})})
 
 
@@ -673,8 +718,8 @@ def _clean_stale(dst: Path) -> None:
     pattern = re.compile(rf"\.{re.escape(dst.name)}\.(tmp|old)-(\d+)-[0-9a-f]+")
     for entry in dst.parent.iterdir():
         match = pattern.fullmatch(entry.name)
-        if not match or _alive(int(match.group(2))) and int(match.group(2)) != os.getpid():
-            continue
+        if not match or _alive(int(match.group(2))):
+            continue  # not ours, or a conversion still running
         if match.group(1) == "old" and not dst.exists():
             os.rename(entry, dst)
         else:
@@ -704,21 +749,33 @@ def _exchange(a: Path, b: Path) -> bool:
 
 
 @contextlib.contextmanager
-def atomic_output_dir(dst: str | os.PathLike, *, force: bool = False) -> Iterator[Path]:
+def atomic_output_dir(
+    dst: str | os.PathLike, *, force: bool = False, src: str | os.PathLike | None = None
+) -> Iterator[Path]:
     """Yields a fresh temp folder beside dst; on success it becomes dst, on any failure dst is untouched.
 
     An existing dst is an error unless force=True, raised before any work. With force the old dst is
     swapped out atomically (renameat2 exchange; two renames where unsupported) and then deleted. A run killed
     mid-write leaves only a `.DST.tmp-PID-XXXX` folder beside dst, which the next run removes.
+    src (optional): the checkpoint being converted; a dst that is src or contains it is refused, since
+    replacing it would delete the source.
     """
     dst = Path(dst).absolute()
+    if src is not None:
+        source = Path(src).resolve()
+        if dst.resolve() == source or dst.resolve() in source.parents:
+            raise ConversionError(f"destination {dst} is (or contains) the source {src}; choose another destination")
+    try:
+        if dst.parent.is_dir():
+            _clean_stale(dst)  # first: it may put back a destination a killed --force swap had moved aside
+    except OSError as error:
+        raise ConversionError(f"cannot clean stale temporary folders beside {dst}: {error}") from error
     if dst.exists() and not force:
         raise ConversionError(f"destination {dst} already exists; pass --force to replace it")
     if dst.exists() and not dst.is_dir():
         raise ConversionError(f"destination {dst} exists and is not a folder; remove it or choose another path")
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)
-        _clean_stale(dst)
         tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         tmp.mkdir()
     except OSError as error:
@@ -729,7 +786,7 @@ def atomic_output_dir(dst: str | os.PathLike, *, force: bool = False) -> Iterato
             if not force:  # appeared while we worked
                 raise ConversionError(f"destination {dst} appeared while converting; pass --force to replace it")
             if _exchange(tmp, dst):
-                shutil.rmtree(tmp)  # tmp now holds the old destination
+                shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old destination
             else:
                 old = dst.parent / f".{dst.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
                 os.rename(dst, old)
@@ -738,7 +795,7 @@ def atomic_output_dir(dst: str | os.PathLike, *, force: bool = False) -> Iterato
                 except BaseException:
                     os.rename(old, dst)
                     raise
-                shutil.rmtree(old)
+                shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, dst)
     except BaseException:
@@ -809,7 +866,7 @@ def _parity_table(rows) -> str:
     lines = ["| backend | dtype | device | max abs diff | tolerance | within tolerance |", "|---|---|---|---|---|---|"]
     for number, row in enumerate(rows):
         if isinstance(row, (tuple, list)) and len(row) == len(PARITY_COLUMNS):
-            row = dict(zip(PARITY_COLUMNS, row))
+            row = dict(zip(PARITY_COLUMNS, row, strict=True))
         if not isinstance(row, Mapping) or any(column not in row for column in PARITY_COLUMNS):
             raise ValueError(f"parity_rows[{number}] must give {', '.join(PARITY_COLUMNS)}; got {rows[number]!r}")
         within = "yes" if float(row["max_abs_diff"]) <= float(row["tolerance"]) else "NO"

@@ -1,0 +1,236 @@
+"""Warm-start an hf_tiny seq2seq model from one BERT checkpoint (bert2bert), as transformers' EncoderDecoderModel does.
+
+    python -m conversion bert2seq SRC DST
+
+What transformers' `EncoderDecoderModel.from_encoder_decoder_pretrained(SRC, SRC)` builds, and so what this
+produces: the encoder is SRC's BertModel; the decoder is SRC's BERT loaded as BertLMHeadModel with
+is_decoder=True and add_cross_attention=True, i.e. the same weights (its own copy: encoder and decoder
+embeddings are separate tables) plus newly initialized cross-attention (normal(0, initializer_range) weights,
+zero biases, LayerNorm 1/0) and, when SRC has no MLM head, a newly initialized LM-head transform; the LM head
+is tied to the decoder's word embeddings. The new weights are drawn by transformers itself (seeded): this
+converter builds that official model and maps its tensors, so the output equals the official warm start.
+
+In hf_tiny terms: post-LN, learned absolute positions without offset, token-type embedding (type 0 added),
+embedding LayerNorm, GELU, separate encoder/decoder embeddings, BERT's LM-head transform and bias.
+The encoder's pooler is unused by a seq2seq model and dropped. decoder_start_token_id / bos = [CLS] and
+eos = [SEP] of SRC's tokenizer (the usual bert2bert recipe). There is no reverse direction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .core import (
+    ConversionError,
+    KeyMap,
+    Rule,
+    atomic_output_dir,
+    cast_floating,
+    load_config_json,
+    parse_dtype,
+    require_model_type,
+)
+from .seq2seq_common import (
+    drop_tied_copies,
+    fail_on_parity,
+    head_is_tied,
+    layer_rules,
+    load_ours_checked,
+    measure_parity,
+    our_config,
+    round_trip_weights,
+    save_ours,
+    write_card,
+)
+
+BERT_LAYER = {
+    "attention.self.query": "self_attn.q_proj",
+    "attention.self.key": "self_attn.k_proj",
+    "attention.self.value": "self_attn.v_proj",
+    "attention.output.dense": "self_attn.o_proj",
+    "attention.output.LayerNorm": "input_layernorm",
+    "intermediate.dense": "mlp.up_proj",
+    "output.dense": "mlp.down_proj",
+    "output.LayerNorm": "post_attention_layernorm",
+}
+BERT_CROSS = {
+    "crossattention.self.query": "cross_attn.q_proj",
+    "crossattention.self.key": "cross_attn.k_proj",
+    "crossattention.self.value": "cross_attn.v_proj",
+    "crossattention.output.dense": "cross_attn.o_proj",
+    "crossattention.output.LayerNorm": "cross_attn_layernorm",
+}
+HEAD = {"cls.predictions.transform.dense": "lm_head_transform.dense", "cls.predictions.transform.LayerNorm": "lm_head_transform.norm"}
+
+
+def key_map(*, tied_head: bool) -> KeyMap:
+    """EncoderDecoderModel(BertModel, BertLMHeadModel) names -> hf_tiny names. {i}: encoder, {j}: decoder layer."""
+    rules: list = []
+    for source, target in (("encoder.", "model.encoder."), ("decoder.bert.", "model.decoder.")):
+        rules.append((f"{source}embeddings.position_embeddings.weight", f"{target}embed_positions.weight"))
+        rules.append((f"{source}embeddings.token_type_embeddings.weight", f"{target}token_type_embeddings.weight"))
+        rules += layer_rules(f"{source}embeddings", target.rstrip("."), {"LayerNorm": "embedding_norm"})
+    rules.append(Rule("encoder.embeddings.word_embeddings.weight", ("model.shared.weight", "model.encoder.embed_tokens.weight")))
+    decoder_words = ("model.decoder.embed_tokens.weight",) + (("lm_head.weight",) if tied_head else ())
+    rules.append(Rule("decoder.bert.embeddings.word_embeddings.weight", decoder_words))
+    if not tied_head:
+        rules.append(("decoder.cls.predictions.decoder.weight", "lm_head.weight"))
+    rules += layer_rules("encoder.encoder.layer.{i}", "model.encoder.layers.{i}", BERT_LAYER)
+    rules += layer_rules("decoder.bert.encoder.layer.{j}", "model.decoder.layers.{j}", {**BERT_LAYER, **BERT_CROSS})
+    rules += [(f"decoder.{s}.{p}", f"{t}.{p}") for s, t in HEAD.items() for p in ("weight", "bias")]
+    rules.append(("decoder.cls.predictions.bias", "lm_head.bias"))
+    ignore = [r"encoder\.pooler\.dense\.(weight|bias)", r".*embeddings\.(position_ids|token_type_ids)"]
+    return KeyMap(rules, ignore=ignore)
+
+
+def special_token_ids(src: Path, bert_config) -> dict:
+    """[CLS] starts decoding (and is bos), [SEP] ends it, [PAD] pads: read from SRC's tokenizer when it loads."""
+    ids = {"pad_token_id": bert_config.pad_token_id, "bos_token_id": None, "eos_token_id": None, "decoder_start_token_id": None}
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(src))
+    except Exception:  # no usable tokenizer files: ids stay unset, generate() then asks for them
+        return ids
+    for field, value in (
+        ("pad_token_id", tokenizer.pad_token_id),
+        ("bos_token_id", tokenizer.cls_token_id),
+        ("eos_token_id", tokenizer.sep_token_id),
+        ("decoder_start_token_id", tokenizer.cls_token_id),
+    ):
+        if value is not None and 0 <= value < bert_config.vocab_size:
+            ids[field] = value
+    return ids
+
+
+def config_from_bert(bert, *, src, tied_head: bool, token_ids: dict):
+    position_type = getattr(bert, "position_embedding_type", None) or "absolute"
+    if position_type != "absolute":
+        raise ConversionError(f"{src}: position_embedding_type={position_type!r} is not supported (only 'absolute')")
+    return our_config(
+        src,
+        vocab_size=bert.vocab_size,
+        hidden_size=bert.hidden_size,
+        num_attention_heads=bert.num_attention_heads,
+        intermediate_size=bert.intermediate_size,
+        num_hidden_layers=bert.num_hidden_layers,
+        num_decoder_layers=bert.num_hidden_layers,
+        hidden_act=bert.hidden_act,
+        max_position_embeddings=bert.max_position_embeddings,
+        layer_norm_eps=bert.layer_norm_eps,
+        initializer_range=bert.initializer_range,
+        attention_dropout=float(bert.attention_probs_dropout_prob),
+        hidden_dropout=float(bert.hidden_dropout_prob),
+        activation_dropout=0.0,
+        norm_placement="post",
+        norm_type="layernorm",
+        position_embedding_type="learned",
+        position_offset=0,
+        type_vocab_size=bert.type_vocab_size,
+        mlp_bias=True,
+        attention_bias=True,
+        embedding_norm=True,
+        use_padding_idx=bert.pad_token_id is not None,
+        share_encoder_decoder_embeddings=False,
+        tie_word_embeddings=tied_head,
+        lm_head_transform=True,
+        lm_head_bias=True,
+        final_logits_bias=False,
+        **token_ids,
+    )
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """from_encoder_decoder_pretrained reports every newly initialized tensor; that is the point here."""
+    from transformers.utils import logging
+
+    previous = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(previous)
+
+
+def official_warm_start(src: Path, *, seed: int):
+    """transformers' own bert2bert warm start of SRC (fp32, eval mode), new weights drawn after manual_seed(seed)."""
+    from transformers import EncoderDecoderModel
+
+    torch.manual_seed(seed)
+    with _quiet_transformers():
+        model = EncoderDecoderModel.from_encoder_decoder_pretrained(str(src), str(src), dtype=torch.float32)
+    return model.eval()
+
+
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    force: bool = False,
+    dtype: Optional[torch.dtype | str] = None,
+    seed: int = 0,
+    base_model: Optional[str] = None,
+) -> dict:
+    """One BERT folder -> hf_tiny seq2seq folder warm-started like EncoderDecoderModel (atomic).
+
+    Returns {"dst", "parity", "parity_inputs"}."""
+    from transformers import BertConfig
+
+    src, dst = Path(src), Path(dst)
+    dtype = parse_dtype(dtype)
+    raw = load_config_json(src)
+    require_model_type(raw, "bert", src=src)
+    try:
+        bert = BertConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "auto_map", "model_type")})
+    except (TypeError, ValueError) as error:
+        raise ConversionError(f"{src}: config.json is not a valid BERT config: {error}") from error
+
+    with atomic_output_dir(dst, force=force) as tmp:
+        official = official_warm_start(src, seed=seed)
+        state = {k: v.detach().clone() for k, v in official.state_dict().items()}
+        tied_head = head_is_tied(state, "decoder.bert.embeddings.word_embeddings.weight", "decoder.cls.predictions.decoder.weight")
+        copies = ["decoder.cls.predictions.decoder.weight"] if tied_head else []
+        state = drop_tied_copies(state, "decoder.bert.embeddings.word_embeddings.weight", copies, src=src)
+        # BertLMPredictionHead ties decoder.bias to predictions.bias
+        state = drop_tied_copies(state, "decoder.cls.predictions.bias", ["decoder.cls.predictions.decoder.bias"], src=src)
+        config = config_from_bert(bert, src=src, tied_head=tied_head, token_ids=special_token_ids(src, bert))
+        ours = key_map(tied_head=tied_head).to_target(
+            state, num_layers={"i": config.num_hidden_layers, "j": config.num_decoder_layers}, progress=True
+        )
+        ours = cast_floating(ours, dtype)
+        save_ours(config, ours, tmp, src)
+        from transformers import GenerationConfig
+
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+
+        round_trip_weights(official, dtype)
+        converted = load_ours_checked(tmp, dtype=torch.float32)
+        rows, inputs = measure_parity(official, converted, config, flash_ok=True)
+        del official, converted
+        write_card(
+            tmp,
+            dst,
+            base_model=base_model or src.resolve().name,
+            description=(
+                "An encoder-decoder warm-started from one BERT checkpoint, as transformers' "
+                "`EncoderDecoderModel.from_encoder_decoder_pretrained` does: encoder and decoder carry the BERT "
+                f"weights, cross-attention (and the LM-head transform, when the checkpoint has none) is newly "
+                f"initialized (seed {seed}). Fine-tune it before use."
+            ),
+            rows=rows,
+            inputs=inputs,
+            tags=["bert", "bert2bert", "seq2seq"],
+            extra="\nParity reference: `EncoderDecoderModel.from_encoder_decoder_pretrained(SRC, SRC)` built with the "
+            "same seed, whose newly initialized tensors are the ones stored here.\n",
+        )
+        fail_on_parity(rows, "EncoderDecoderModel warm start")
+    return {"dst": dst, "parity": rows, "parity_inputs": inputs}
+
+
+__all__ = ["convert", "key_map", "config_from_bert", "official_warm_start", "special_token_ids"]

@@ -1,0 +1,812 @@
+"""Llama-family checkpoints <-> hf_tiny causal LM (`model_type: hf_tiny_causal`).
+
+    python -m conversion llama SRC DST              -> hf_tiny folder
+    python -m conversion llama SRC DST --reverse    hf_tiny causal folder -> official Llama / Mistral / Qwen2 folder
+
+SRC may be
+  (a) a Hugging Face folder of model_type llama, mistral or qwen2 (safetensors, sharded, or .bin read with
+      weights_only): the tensor names are already Llama's, so the key map is the identity, strictly checked;
+  (b) a .gguf file of architecture "llama" (or a folder holding exactly one): transformers' own GGUF reader
+      dequantizes it and un-permutes q/k, exactly what `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`
+      does; its tokenizer is rebuilt from the GGUF and saved beside the weights;
+  (c) Meta's original layout: consolidated.*.pth (one per model-parallel shard) + params.json (+ tokenizer.model).
+      Meta's q/k rows interleave the two halves of each rotary pair; transformers' Llama expects them split into
+      halves (rotate_half), hence the RoPE permutation below (the `permute` of transformers'
+      convert_llama_weights_to_hf.py) and its inverse.
+Parity with the official transformers model is measured while converting and written into the model card; an
+fp32 row above its tolerance fails the conversion (DST is then left untouched).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from .core import (
+    ConversionError,
+    KeyMap,
+    Rule,
+    Transform,
+    atomic_output_dir,
+    cast_floating,
+    check_shapes,
+    copy_tokenizer_files,
+    expected_shapes,
+    load_checkpoint,
+    load_config_json,
+    load_gguf,
+    max_abs_diff,
+    parse_dtype,
+    require_model_type,
+    save_state_dict_safetensors,
+    write_model_card,
+)
+
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
+GGUF_ARCHITECTURE = "llama"
+# hf_tiny class -> (Auto class, pipeline tag, prefix of the base model's tensors)
+OUR_CLASSES = {
+    "TinyCausalForCausalLM": ("AutoModelForCausalLM", "text-generation", "model."),
+    "TinyCausalForSequenceClassification": ("AutoModelForSequenceClassification", "text-classification", "model."),
+    "TinyCausalModel": ("AutoModel", "feature-extraction", ""),
+}
+# official class name suffix -> hf_tiny class
+CLASS_BY_SUFFIX = {
+    "ForCausalLM": "TinyCausalForCausalLM",
+    "ForSequenceClassification": "TinyCausalForSequenceClassification",
+    "Model": "TinyCausalModel",
+}
+OFFICIAL_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+
+# Per layer: the Llama names, shared by the official classes and hf_tiny.
+ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
+# Old checkpoints carry the rotary buffers; the model recomputes them.
+IGNORED_BUFFERS = (r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"(model\.)?rotary_emb\.inv_freq")
+
+# Meta layout: tensors split across model-parallel shards along this dimension (None = replicated).
+META_SHARD_DIMS = {
+    "attention.wq.weight": 0,
+    "attention.wk.weight": 0,
+    "attention.wv.weight": 0,
+    "attention.wo.weight": 1,
+    "feed_forward.w1.weight": 0,
+    "feed_forward.w2.weight": 1,
+    "feed_forward.w3.weight": 0,
+    "attention_norm.weight": None,
+    "ffn_norm.weight": None,
+    "norm.weight": None,
+    "output.weight": 0,
+}
+META_IGNORED = (r"rope\.freqs",)
+# Meta's params.json has no context length; these are the lengths transformers' converter assigns.
+META_CONTEXT_LENGTH = {"llama3.1": 131072, "llama3": 8192, "codellama": 16384, "llama2": 4096}
+
+# Parity: fp32 tolerance is absolute on tiny random models in the tests; here it is relative to the logits'
+# scale, RELATIVE_TOLERANCE[dtype] * max(1, max |official logits|).
+RELATIVE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+SAMPLE_PROMPTS = (
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Hi",
+    "A converted checkpoint holds the same numbers under different names, so both models must agree.",
+)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Key maps
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def key_map(config, class_name: str = "TinyCausalForCausalLM") -> KeyMap:
+    """Official (Llama naming) <-> hf_tiny key map of one class; biases follow the config."""
+    if class_name not in OUR_CLASSES:
+        raise ConversionError(f"unsupported hf_tiny class {class_name!r}; supported: {', '.join(OUR_CLASSES)}")
+    p = OUR_CLASSES[class_name][2]
+    layer = f"{p}layers.{{i}}."
+    qkv_bias = config.attention_bias
+    out_bias = config.attention_bias if config.attention_output_bias is None else config.attention_output_bias
+    rules: list = []
+    embed = f"{p}embed_tokens.weight"
+    if class_name == "TinyCausalForCausalLM" and config.tie_word_embeddings:
+        rules.append(Rule(embed, (embed, "lm_head.weight")))
+    else:
+        rules.append((embed, embed))
+    for name in ATTENTION_PROJECTIONS:
+        rules.append((f"{layer}self_attn.{name}.weight",) * 2)
+        if qkv_bias:
+            rules.append((f"{layer}self_attn.{name}.bias",) * 2)
+    rules.append((f"{layer}self_attn.o_proj.weight",) * 2)
+    if out_bias:
+        rules.append((f"{layer}self_attn.o_proj.bias",) * 2)
+    for name in MLP_PROJECTIONS:
+        rules.append((f"{layer}mlp.{name}.weight",) * 2)
+        if config.mlp_bias:
+            rules.append((f"{layer}mlp.{name}.bias",) * 2)
+    for name in LAYER_NORMS:
+        rules.append((f"{layer}{name}.weight",) * 2)
+    rules.append((f"{p}norm.weight",) * 2)
+    if class_name == "TinyCausalForCausalLM" and not config.tie_word_embeddings:
+        rules.append(("lm_head.weight", "lm_head.weight"))
+    if class_name == "TinyCausalForSequenceClassification":
+        rules.append(("score.weight", "score.weight"))
+    return KeyMap(rules, ignore=IGNORED_BUFFERS)
+
+
+def rope_permutation(num_heads: int) -> Transform:
+    """Meta's q/k row order (rotary pairs interleaved) <-> Llama's (pairs split into halves), per head."""
+
+    def to_halves(weight: torch.Tensor) -> torch.Tensor:
+        rows, cols = weight.shape
+        return weight.view(num_heads, rows // num_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+    def to_interleaved(weight: torch.Tensor) -> torch.Tensor:
+        rows, cols = weight.shape
+        return weight.view(num_heads, 2, rows // num_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+    return Transform(f"rope_permutation({num_heads} heads)", to_halves, to_interleaved)
+
+
+def meta_key_map(config) -> KeyMap:
+    """Meta consolidated.*.pth naming <-> hf_tiny TinyCausalForCausalLM."""
+    rules = [
+        ("tok_embeddings.weight", "model.embed_tokens.weight"),
+        ("norm.weight", "model.norm.weight"),
+        ("output.weight", "lm_head.weight"),
+        Rule(
+            "layers.{i}.attention.wq.weight",
+            "model.layers.{i}.self_attn.q_proj.weight",
+            rope_permutation(config.num_attention_heads),
+        ),
+        Rule(
+            "layers.{i}.attention.wk.weight",
+            "model.layers.{i}.self_attn.k_proj.weight",
+            rope_permutation(config.num_key_value_heads),
+        ),
+        ("layers.{i}.attention.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
+        ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+        ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
+        ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
+        ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
+        ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+        ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    ]
+    return KeyMap(rules, ignore=META_IGNORED)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Configs
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _official_config(raw: dict, *, src):
+    """The transformers config object of a config.json / GGUF config dict (it standardizes rope_parameters)."""
+    from transformers import AutoConfig
+
+    model_type = raw.get("model_type")
+    fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map", "_model_name_or_path")}
+    try:
+        return AutoConfig.for_model(model_type, **fields)
+    except (TypeError, ValueError, KeyError) as error:
+        raise ConversionError(f"{src}: config is not a valid {model_type} config: {error}") from error
+
+
+def causal_config_from_official(official, *, src):
+    """TinyCausalConfig equivalent to an official Llama / Mistral / Qwen2 config; variants without an hf_tiny
+    equivalent are errors naming the field."""
+    from hf_tiny import TinyCausalConfig
+
+    model_type = official.model_type
+    values = {
+        name: getattr(official, name)
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "hidden_act",
+            "max_position_embeddings",
+            "initializer_range",
+            "rms_norm_eps",
+            "attention_dropout",
+            "tie_word_embeddings",
+            "pad_token_id",
+            "bos_token_id",
+            "eos_token_id",
+        )
+    }
+    values["head_dim"] = getattr(official, "head_dim", None) or official.hidden_size // official.num_attention_heads
+    values["rope_parameters"] = dict(official.rope_parameters or {})
+    if model_type == "llama":
+        values["attention_bias"] = official.attention_bias
+        values["mlp_bias"] = official.mlp_bias
+    elif model_type == "mistral":
+        values["sliding_window"] = official.sliding_window
+    elif model_type == "qwen2":
+        layer_types = getattr(official, "layer_types", None) or []
+        if "sliding_attention" in layer_types:
+            raise ConversionError(
+                f"{src}: Qwen2 with use_sliding_window=True (sliding attention on layers >= max_window_layers="
+                f"{official.max_window_layers}) is not supported; hf_tiny applies one sliding_window to every layer"
+            )
+        values["attention_bias"] = True  # Qwen2 has biases on q/k/v and none on o_proj
+        values["attention_output_bias"] = False
+    for label_field in ("id2label", "label2id", "problem_type"):
+        value = getattr(official, label_field, None)
+        if value is not None:
+            values[label_field] = value
+    if values.get("pad_token_id") is not None and not 0 <= values["pad_token_id"] < values["vocab_size"]:
+        values["pad_token_id"] = None  # some checkpoints store pad_token_id=-1 for "none"
+    try:
+        return TinyCausalConfig(**values)
+    except (TypeError, ValueError) as error:
+        raise ConversionError(f"{src}: this {model_type} config has no hf_tiny equivalent: {error}") from error
+
+
+def official_config_from_causal(config, official_class: str, dtype: torch.dtype):
+    """The official transformers config for an hf_tiny causal config (Llama; Mistral when sliding_window is set;
+    Qwen2 for q/k/v-only attention biases)."""
+    import transformers
+
+    family = official_family(config)
+    values = dict(
+        vocab_size=config.vocab_size,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        hidden_act=config.hidden_act,
+        max_position_embeddings=config.max_position_embeddings,
+        initializer_range=config.initializer_range,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_parameters=dict(config.rope_parameters),
+        attention_dropout=config.attention_dropout,
+        tie_word_embeddings=config.tie_word_embeddings,
+        pad_token_id=config.pad_token_id,
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        architectures=[official_class],
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    if config.id2label is not None and official_class.endswith("ForSequenceClassification"):
+        values.update(id2label=config.id2label, label2id=config.label2id, problem_type=config.problem_type)
+    if family == "llama":
+        values.update(head_dim=config.head_dim, attention_bias=config.attention_bias, mlp_bias=config.mlp_bias)
+        return transformers.LlamaConfig(**values)
+    if family == "mistral":
+        values.update(head_dim=config.head_dim, sliding_window=config.sliding_window)
+        return transformers.MistralConfig(**values)
+    if config.head_dim != config.hidden_size // config.num_attention_heads:
+        raise ConversionError(
+            f"Qwen2 has no head_dim field: head_dim={config.head_dim} must equal hidden_size // num_attention_heads"
+        )
+    values.update(use_sliding_window=False)
+    return transformers.Qwen2Config(**values)
+
+
+def official_family(config) -> str:
+    """Which official model type can hold an hf_tiny causal config."""
+    out_bias = config.attention_bias if config.attention_output_bias is None else config.attention_output_bias
+    if config.sliding_window is not None:
+        if config.attention_bias or out_bias or config.mlp_bias:
+            raise ConversionError(
+                "no official class has both a sliding_window and attention/MLP biases "
+                f"(sliding_window={config.sliding_window}, attention_bias={config.attention_bias}, "
+                f"mlp_bias={config.mlp_bias})"
+            )
+        return "mistral"
+    if config.attention_bias == out_bias:
+        return "llama"
+    if config.attention_bias and not out_bias and not config.mlp_bias:
+        return "qwen2"
+    raise ConversionError(
+        f"no official class has attention_bias={config.attention_bias}, attention_output_bias="
+        f"{config.attention_output_bias}, mlp_bias={config.mlp_bias}"
+    )
+
+
+def meta_config(params: dict, state: dict, *, src):
+    """TinyCausalConfig of a Meta checkpoint: params.json for the architecture, the tensors for the sizes."""
+    from hf_tiny import TinyCausalConfig
+
+    params = params.get("model", params)
+    for field in ("dim", "n_layers", "n_heads", "norm_eps"):
+        if field not in params:
+            raise ConversionError(f"{src}/params.json lacks the field {field!r}; it has {sorted(params)}")
+    for key in ("tok_embeddings.weight", "layers.0.feed_forward.w1.weight"):
+        if key not in state:
+            raise ConversionError(f"{src}: consolidated checkpoint lacks the tensor {key!r}")
+    vocab_size = state["tok_embeddings.weight"].shape[0]
+    theta = float(params.get("rope_theta", 10000.0))
+    if params.get("use_scaled_rope"):
+        # Llama 3.1's apply_scaling(): low/high frequency factors 1 and 4 around an 8192-token original context.
+        rope = {
+            "rope_type": "llama3",
+            "rope_theta": theta,
+            "factor": float(params.get("rope_scaling_factor", 8.0)),
+            "low_freq_factor": 1.0,
+            "high_freq_factor": float(params.get("high_freq_factor", 4.0)),
+            "original_max_position_embeddings": 8192,
+        }
+        version = "llama3.1"
+    else:
+        rope = {"rope_type": "default", "rope_theta": theta}
+        version = "llama3" if vocab_size >= 128000 else ("codellama" if theta > 10000.0 else "llama2")
+    max_positions = params.get("max_seq_len") or META_CONTEXT_LENGTH[version]
+    bos, eos = (128000, 128001) if vocab_size >= 128000 else (1, 2)
+    try:
+        return TinyCausalConfig(
+            vocab_size=vocab_size,
+            hidden_size=params["dim"],
+            intermediate_size=state["layers.0.feed_forward.w1.weight"].shape[0],
+            num_hidden_layers=params["n_layers"],
+            num_attention_heads=params["n_heads"],
+            num_key_value_heads=params.get("n_kv_heads") or params["n_heads"],
+            max_position_embeddings=max_positions,
+            rms_norm_eps=params["norm_eps"],
+            rope_parameters=rope,
+            tie_word_embeddings=False,
+            bos_token_id=bos if bos < vocab_size else None,
+            eos_token_id=eos if eos < vocab_size else None,
+        )
+    except (TypeError, ValueError) as error:
+        raise ConversionError(f"{src}/params.json describes no valid model: {error}") from error
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading the three source kinds
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def detect_source(src: Path) -> tuple[str, Path]:
+    """("gguf", file) | ("meta", folder) | ("hf", folder)."""
+    if not src.exists():
+        raise ConversionError(f"source {src} does not exist")
+    if src.is_file():
+        if src.suffix == ".gguf":
+            return "gguf", src
+        raise ConversionError(f"source {src} is a file but not a .gguf; pass a checkpoint folder or a .gguf file")
+    if (src / "params.json").is_file() and sorted(src.glob("consolidated.*.pth")):
+        return "meta", src
+    if (src / "config.json").is_file():
+        return "hf", src
+    ggufs = sorted(src.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return "gguf", ggufs[0]
+    if len(ggufs) > 1:
+        raise ConversionError(
+            f"{src} holds {len(ggufs)} GGUF files ({', '.join(p.name for p in ggufs)}); pass the one to convert"
+        )
+    raise ConversionError(
+        f"{src} is not a Llama checkpoint: expected config.json (Hugging Face), params.json + consolidated.*.pth "
+        "(Meta), or a .gguf file"
+    )
+
+
+def merge_meta_shards(shards: list[dict], params: dict, *, src) -> dict:
+    """One state dict from Meta's model-parallel shards (each holds a slice of every split tensor)."""
+    if len(shards) == 1:
+        return dict(shards[0])
+    keys = set(shards[0])
+    for number, shard in enumerate(shards[1:], start=1):
+        if set(shard) != keys:
+            raise ConversionError(
+                f"{src}: consolidated.{number:02d}.pth holds different tensor names than consolidated.00.pth"
+            )
+    dim = params.get("model", params).get("dim")
+    merged = {}
+    for key in sorted(keys):
+        pieces = [shard[key] for shard in shards]
+        suffix = re.sub(r"^layers\.\d+\.", "", key)
+        if key == "tok_embeddings.weight":
+            # Llama 1/2 split the embedding width across shards, Llama 3 the vocabulary.
+            merged[key] = torch.cat(pieces, dim=0 if pieces[0].shape[1] == dim else 1)
+        elif suffix in META_SHARD_DIMS and META_SHARD_DIMS[suffix] is not None:
+            merged[key] = torch.cat(pieces, dim=META_SHARD_DIMS[suffix])
+        else:
+            for number, piece in enumerate(pieces[1:], start=1):
+                if piece.shape != pieces[0].shape or not torch.equal(piece, pieces[0]):
+                    raise ConversionError(f"{src}: replicated tensor {key!r} differs between shard 00 and shard {number:02d}")
+            merged[key] = pieces[0]
+    return merged
+
+
+def _read_meta(src: Path):
+    params_path = src / "params.json"
+    try:
+        params = json.loads(params_path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ConversionError(f"cannot read {params_path}: {error}") from error
+    if not isinstance(params, dict):
+        raise ConversionError(f"{params_path} holds a JSON {type(params).__name__}, expected an object")
+    files = sorted(src.glob("consolidated.*.pth"))
+    shards = [load_checkpoint(path) for path in files]
+    state = merge_meta_shards(shards, params, src=src)
+    config = meta_config(params, state, src=src)
+    converted = meta_key_map(config).to_target(state, num_layers=config.num_hidden_layers, progress=sys.stderr.isatty())
+    return config, converted, "TinyCausalForCausalLM", f"Meta consolidated checkpoint ({len(files)} shard(s))"
+
+
+def _class_for_official(architectures, state: dict, *, src) -> str:
+    named = (architectures or [None])[0]
+    if named:
+        for suffix, ours in CLASS_BY_SUFFIX.items():
+            if named.endswith(suffix) and named[: -len(suffix)] in OFFICIAL_PREFIX.values():
+                return ours
+        raise ConversionError(
+            f"{src}: architecture {named!r} is not supported; supported: "
+            + ", ".join(f"{p}{s}" for p in OFFICIAL_PREFIX.values() for s in CLASS_BY_SUFFIX)
+        )
+    if "score.weight" in state:
+        return "TinyCausalForSequenceClassification"
+    if "embed_tokens.weight" in state:
+        return "TinyCausalModel"
+    return "TinyCausalForCausalLM"
+
+
+def _drop_tied_copy(state: dict, config, class_name: str, *, src) -> dict:
+    """A tied checkpoint may still store lm_head.weight: it must equal the embeddings, and is then dropped."""
+    if class_name != "TinyCausalForCausalLM" or not config.tie_word_embeddings or "lm_head.weight" not in state:
+        return state
+    state = dict(state)
+    copy = state.pop("lm_head.weight")
+    embed = state.get("model.embed_tokens.weight")
+    if embed is not None and (copy.shape != embed.shape or not torch.equal(copy, embed)):
+        raise ConversionError(
+            f"{src}: lm_head.weight differs from model.embed_tokens.weight although tie_word_embeddings=true; "
+            "set tie_word_embeddings=false in config.json if the head is really untied"
+        )
+    return state
+
+
+def _read_hf(src: Path):
+    raw = load_config_json(src)
+    require_model_type(raw, HF_MODEL_TYPES, src=src)
+    official = _official_config(raw, src=src)
+    config = causal_config_from_official(official, src=src)
+    state = load_checkpoint(src)
+    class_name = _class_for_official(raw.get("architectures"), state, src=src)
+    state = _drop_tied_copy(state, config, class_name, src=src)
+    converted = key_map(config, class_name).to_target(
+        state, num_layers=config.num_hidden_layers, progress=sys.stderr.isatty()
+    )
+    return config, converted, class_name, f"Hugging Face {raw['model_type']} folder"
+
+
+def _read_gguf(path: Path):
+    raw, state = load_gguf(path, expected_architecture=GGUF_ARCHITECTURE)
+    require_model_type(raw, ("llama",), src=path)
+    official = _official_config(raw, src=path)
+    config = causal_config_from_official(official, src=path)
+    state = _drop_tied_copy(state, config, "TinyCausalForCausalLM", src=path)
+    converted = key_map(config).to_target(state, num_layers=config.num_hidden_layers, progress=sys.stderr.isatty())
+    return config, converted, "TinyCausalForCausalLM", f"GGUF file {path.name} (dequantized to float32)"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Parity at conversion time
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def left_padded_batch(tokenizer, prompts, config) -> Optional[dict]:
+    """The tokenizer's left-padded batch of prompts, or None if it cannot produce one for this model."""
+    try:
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        batch = tokenizer(list(prompts), padding=True, return_tensors="pt")
+    except Exception:  # a tokenizer that cannot pad is as unusable as none: random ids are then used
+        return None
+    if int(batch["input_ids"].max()) >= config.vocab_size:
+        return None
+    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+
+
+def random_left_padded_batch(config, seed: int = 0) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    seq_len = min(16, config.max_position_embeddings)
+    lengths = [seq_len, max(1, seq_len - 5), max(1, seq_len // 4)]
+    input_ids = torch.randint(0, config.vocab_size, (len(lengths), seq_len), generator=generator)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, length in enumerate(lengths):
+        attention_mask[row, seq_len - length :] = 1
+    input_ids = input_ids.masked_fill(attention_mask == 0, config.pad_token_id or 0)
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def with_positions(batch: dict) -> dict:
+    """Adds position_ids counting real tokens only, as generate() does for left padding."""
+    mask = batch["attention_mask"]
+    return {**batch, "position_ids": (mask.long().cumsum(-1) - 1).clamp(min=0)}
+
+
+def compared_logits(model, batch: dict, device) -> torch.Tensor:
+    """Logits at the real (non-padding) tokens of a batch, in float32."""
+    with torch.no_grad():
+        logits = model(**{k: v.to(device) for k, v in batch.items()}).logits
+    return logits[batch["attention_mask"].bool().to(device)].float()
+
+
+def measure_parity(official, ours, batch: dict, dtype: torch.dtype) -> list[dict]:
+    """max |ours - official| over the real tokens' logits per backend / device / dtype; official fp32 is the
+    reference (its logits are computed once per device)."""
+    official.eval()
+    ours.eval()
+    batch = with_positions(batch)
+    plans = [("cpu", dtype, backend) for backend in ("eager", "sdpa")]
+    if torch.cuda.is_available():
+        plans += [("cuda", torch.float32, b) for b in ("eager", "sdpa")]
+        plans += [("cuda", torch.bfloat16, b) for b in ("eager", "sdpa", "flash_attention_2")]
+    rows, reference_device, reference = [], None, None
+    for device, run_dtype, backend in plans:
+        if device != reference_device:
+            official.to(device=device, dtype=torch.float32)
+            official.set_attn_implementation("eager")
+            reference = compared_logits(official, batch, device)
+            scale = max(1.0, float(reference.abs().max()))
+            reference_device = device
+        ours.to(device=device, dtype=run_dtype)
+        ours.set_attn_implementation(backend)
+        produced = compared_logits(ours, batch, device)
+        rows.append(
+            {
+                "backend": backend,
+                "dtype": str(run_dtype).removeprefix("torch."),
+                "device": device,
+                "max_abs_diff": max_abs_diff(produced, reference),
+                "tolerance": RELATIVE_TOLERANCE[run_dtype] * scale,
+            }
+        )
+    official.to("cpu")
+    ours.to(device="cpu", dtype=dtype)
+    return rows
+
+
+def _official_for_parity(kind: str, source: Path, config, class_name: str, state: dict):
+    """The official transformers model to compare with: loaded from the source where transformers can read it;
+    for Meta's layout (no transformers loader) LlamaForCausalLM holding the converted weights."""
+    import transformers
+
+    official_class = _official_class_name(config, class_name)
+    if kind == "gguf":
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(source.parent), gguf_file=source.name, dtype=torch.float32
+        )
+    if kind == "hf":
+        return getattr(transformers, official_class).from_pretrained(str(source), dtype=torch.float32)
+    official_config = official_config_from_causal(config, official_class, torch.float32)
+    with torch.device("meta"):
+        model = getattr(transformers, official_class)(official_config)
+    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True, assign=True)
+    model.tie_weights()
+    return model
+
+
+def _official_class_name(config, class_name: str) -> str:
+    prefix = OFFICIAL_PREFIX[official_family(config)]
+    suffix = next(s for s, ours in CLASS_BY_SUFFIX.items() if ours == class_name)
+    return prefix + suffix
+
+
+def _parity_batch(tmp: Path, config) -> tuple[dict, str]:
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tmp))
+    except Exception:  # no or unusable tokenizer: random ids are as good a parity input
+        tokenizer = None
+    if tokenizer is not None:
+        batch = left_padded_batch(tokenizer, SAMPLE_PROMPTS, config)
+        if batch is not None:
+            return batch, f"{len(SAMPLE_PROMPTS)} prompts through the converted tokenizer, left-padded"
+    batch = random_left_padded_batch(config)
+    lengths = batch["attention_mask"].sum(-1).tolist()
+    return batch, f"seeded random token ids, left-padded batch of lengths {lengths}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The two directions
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def full_auto_map() -> dict:
+    """auto_map naming every causal class, so a converted folder loads with any Auto head and trust_remote_code."""
+    auto_map = {"AutoConfig": "configuration_causal.TinyCausalConfig"}
+    for name, (auto_class, _tag, _prefix) in OUR_CLASSES.items():
+        auto_map[auto_class] = f"modeling_causal.{name}"
+    return auto_map
+
+
+def _save_tokenizer(kind: str, source: Path, tmp: Path) -> str:
+    if kind == "gguf":
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+        except Exception as error:  # the weights are still usable; say so on the card
+            return f"the GGUF tokenizer could not be rebuilt ({type(error).__name__}: {error})"
+        tokenizer.save_pretrained(str(tmp))
+        return "rebuilt from the GGUF metadata"
+    copied = copy_tokenizer_files(source, tmp)
+    return f"copied from the source ({', '.join(copied)})" if copied else "none in the source folder"
+
+
+def convert(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    force: bool = False,
+    dtype: Optional[torch.dtype | str] = None,
+    base_model: Optional[str] = None,
+    reference_model=None,
+) -> dict:
+    """Llama-family checkpoint (HF folder, .gguf, or Meta consolidated layout) -> hf_tiny causal folder.
+
+    reference_model: an official transformers model already loaded from the same source (saves loading it a
+    second time to measure parity, e.g. the ~17 s of dequantizing a GGUF).
+    Returns {"dst", "source_kind", "hf_tiny_class", "config", "parity" (rows measured now), "parity_inputs"}.
+    """
+    src, dst = Path(src), Path(dst)
+    dtype = parse_dtype(dtype)
+    kind, source = detect_source(src)
+    readers = {"hf": _read_hf, "gguf": _read_gguf, "meta": _read_meta}
+    with atomic_output_dir(dst, force=force) as tmp:
+        config, converted, class_name, description = readers[kind](source)
+        fp32_state = converted
+        converted = cast_floating(converted, dtype)
+
+        from hf_tiny import modeling_causal
+
+        config.architectures = [class_name]
+        config.auto_map = full_auto_map()
+        with torch.device("meta"):
+            model = getattr(modeling_causal, class_name)(config)
+        check_shapes(converted, expected_shapes(model))
+        model.load_state_dict(converted, strict=True, assign=True)
+        model.tie_weights()
+        model.save_pretrained(str(tmp))
+        tokenizer_note = _save_tokenizer(kind, source, tmp)
+
+        ours = getattr(modeling_causal, class_name).from_pretrained(str(tmp), dtype=dtype or torch.float32)
+        official = reference_model or _official_for_parity(kind, source, config, class_name, fp32_state)
+        batch, inputs_description = _parity_batch(tmp, config)
+        if class_name != "TinyCausalForCausalLM":
+            parity = _measure_hidden_parity(official, ours, batch, ours.dtype)
+        else:
+            parity = measure_parity(official, ours, batch, ours.dtype)
+
+        auto_class, pipeline_tag, _ = OUR_CLASSES[class_name]
+        official_note = {
+            "gguf": "`AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` on the same file",
+            "hf": f"`{_official_class_name(config, class_name)}.from_pretrained` on the source folder",
+            "meta": "`LlamaForCausalLM` holding the same weights in the Hugging Face layout (transformers has no "
+            "loader for Meta's layout; the RoPE permutation itself is checked by the test suite)",
+        }[kind]
+        write_model_card(
+            tmp,
+            model_name=dst.name,
+            model_id=str(dst),
+            base_model=base_model or source.resolve().name,
+            pipeline_tag=pipeline_tag,
+            family="hf_tiny_causal (Llama-style decoder)",
+            auto_class=auto_class,
+            description=f"`{class_name}` converted from the {description}.",
+            parity_rows=parity,
+            tags=["llama", "causal-lm", "text-generation"],
+            extra=f"\nParity inputs: {inputs_description}; logits compared at real tokens only, position ids "
+            "counted over real tokens (as generate() does). The official side is "
+            f"{official_note}. Tolerance = relative tolerance of the dtype × max(1, max |official logits|). "
+            f"Tokenizer: {tokenizer_note}.\n",
+        )
+        failed = [r for r in parity if r["dtype"] == "float32" and not r["max_abs_diff"] <= r["tolerance"]]
+        if failed:
+            detail = ", ".join(
+                f"{r['backend']} on {r['device']}: {r['max_abs_diff']:.3g} > {r['tolerance']:.3g}" for r in failed
+            )
+            raise ConversionError(f"converted model does not match the official model: {detail}")
+    return {
+        "dst": dst,
+        "source_kind": kind,
+        "hf_tiny_class": class_name,
+        "config": config,
+        "parity": parity,
+        "parity_inputs": inputs_description,
+    }
+
+
+def _measure_hidden_parity(official, ours, batch: dict, dtype: torch.dtype) -> list[dict]:
+    """Parity for the base model / classifier: last hidden states resp. pooled logits, CPU backends."""
+    official.eval()
+    ours.eval()
+    batch = with_positions(batch)
+    real = batch["attention_mask"].bool()
+
+    def outputs(model):
+        with torch.no_grad():
+            out = model(**batch)
+        return out.logits.float() if hasattr(out, "logits") else out.last_hidden_state[real].float()
+
+    official.set_attn_implementation("eager")
+    reference = outputs(official)
+    scale = max(1.0, float(reference.abs().max()))
+    rows = []
+    for backend in ("eager", "sdpa"):
+        ours.set_attn_implementation(backend)
+        rows.append(
+            {
+                "backend": backend,
+                "dtype": str(dtype).removeprefix("torch."),
+                "device": "cpu",
+                "max_abs_diff": max_abs_diff(outputs(ours), reference),
+                "tolerance": RELATIVE_TOLERANCE[dtype] * scale,
+            }
+        )
+    return rows
+
+
+def convert_back(src: str | os.PathLike, dst: str | os.PathLike, *, force: bool = False) -> dict:
+    """hf_tiny causal folder -> official folder (LlamaForCausalLM; Mistral* with a sliding window; Qwen2* with
+    q/k/v-only biases) that transformers loads with no missing or unexpected keys. Returns {"dst", "architecture"}."""
+    from hf_tiny import TinyCausalConfig
+
+    src, dst = Path(src), Path(dst)
+    raw = load_config_json(src)
+    require_model_type(raw, "hf_tiny_causal", src=src)
+    try:
+        config = TinyCausalConfig.from_dict({k: v for k, v in raw.items() if k != "auto_map"})
+    except (TypeError, ValueError) as error:
+        raise ConversionError(f"{src}: invalid hf_tiny causal config: {error}") from error
+    class_name = (config.architectures or ["TinyCausalForCausalLM"])[0]
+    if class_name not in OUR_CLASSES:
+        raise ConversionError(f"{src}: architecture {class_name!r} is not supported; supported: {', '.join(OUR_CLASSES)}")
+    official_class = _official_class_name(config, class_name)
+
+    with atomic_output_dir(dst, force=force) as tmp:
+        state = dict(load_checkpoint(src))
+        if class_name == "TinyCausalForCausalLM" and config.tie_word_embeddings and "lm_head.weight" not in state:
+            state["lm_head.weight"] = state.get("model.embed_tokens.weight")  # save_pretrained stores tied weights once
+            if state["lm_head.weight"] is None:
+                state.pop("lm_head.weight")
+        official = key_map(config, class_name).to_source(
+            state, num_layers=config.num_hidden_layers, progress=sys.stderr.isatty()
+        )
+        dtype = next(iter(official.values())).dtype
+        official_config = official_config_from_causal(config, official_class, dtype)
+
+        import transformers
+
+        with torch.device("meta"):
+            reference = getattr(transformers, official_class)(official_config)
+        expected = expected_shapes(reference)
+        for tied_copy in reference.get_expanded_tied_weights_keys(all_submodels=True):
+            expected.pop(tied_copy, None)
+            official.pop(tied_copy, None)
+        check_shapes(official, expected)
+
+        official_config.save_pretrained(str(tmp))
+        save_state_dict_safetensors(official, tmp / "model.safetensors")
+        copy_tokenizer_files(src, tmp)
+    return {"dst": dst, "architecture": official_class}
+
+
+__all__ = [
+    "convert",
+    "convert_back",
+    "key_map",
+    "meta_key_map",
+    "rope_permutation",
+    "causal_config_from_official",
+    "official_config_from_causal",
+    "measure_parity",
+    "merge_meta_shards",
+]

