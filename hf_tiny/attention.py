@@ -10,7 +10,8 @@ q is [B, H, Sq, D]; k and v are [B, Hkv, Sk, D] with H a multiple of Hkv (GQA / 
 mask is None, a bool tensor (True = attend) or a float additive tensor, broadcastable to [B, H, Sq, Sk]. A given
 mask is complete (causality already inside it). `is_causal` says whether the attention is causal: with no mask
 the backend applies it, aligned bottom-right (query i sees keys j <= i + Sk - Sq, the rule for decoding after a
-KV cache); with a mask, naive and sdpa ignore it and flash uses it to rebuild the mask for its kernels.
+KV cache); with a mask, naive and sdpa ignore it and flash reads causality from the mask itself (trying the
+`is_causal` reading first) to choose its kernels.
 A query row with no visible key returns zeros, never NaN, in every backend.
 
 Names follow Hugging Face habits: "eager" is the naive formula, "sdpa" is torch's
@@ -66,6 +67,17 @@ def _visible_rows(mask: torch.Tensor) -> torch.Tensor:
     return (mask > torch.finfo(mask.dtype).min / 2).any(dim=-1, keepdim=True)
 
 
+def _score_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Scores and softmax of half-precision inputs run in fp32.
+
+    Official eager computes QKᵀ in the input dtype: in fp16 it overflows to inf (then NaN) once |QKᵀ| passes
+    65504 (e.g. head_dim 64 and activations ~40), and in bf16 every logit is rounded to 8 bits of mantissa.
+    SDPA and flash kernels accumulate scores in fp32, so doing the same keeps the reference finite and closest to
+    them. The softmax weights are cast back to the input dtype before · V, as in official eager.
+    """
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def naive_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -80,7 +92,8 @@ def naive_attention(
     """softmax(Q Kᵀ · scale + M) V written out; the reference the other backends are tested against."""
     n_rep = _check_shapes(q, k, v)
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-    scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    score_dtype = _score_dtype(q.dtype)
+    scores = torch.matmul(q.to(score_dtype), k.to(score_dtype).transpose(-2, -1)) * scale
     if mask is None and is_causal:
         mask = causal_bool_mask(q.shape[2], k.shape[2], q.device)
     if mask is not None:
@@ -89,8 +102,7 @@ def naive_attention(
             scores = scores.masked_fill(~mask, lowest)
         else:
             scores = (scores + mask.to(scores.dtype)).clamp(min=lowest)
-    # Softmax in fp32 as the official models do, then back to the activation dtype.
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    weights = torch.softmax(scores, dim=-1).to(q.dtype)
     if mask is not None:
         weights = weights * _visible_rows(mask).to(weights.dtype)
     if dropout_p > 0.0:
@@ -137,14 +149,22 @@ def torch_attention(
             gqa_kwargs["enable_gqa"] = True
         else:
             k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-    if mask is not None and mask.dtype != torch.bool:
-        mask = mask.to(q.dtype)
+    visible = None
+    if mask is not None:
+        # A fully masked row is NaN on some SDPA kernels (CUDA memory-efficient: pytorch#110213), in the forward
+        # and in the gradients. Such rows attend to everything inside the kernel and are zeroed after, so no
+        # -inf row ever reaches a kernel; the zeroed rows send no gradient back.
+        visible = _visible_rows(mask)
+        if mask.dtype == torch.bool:
+            mask = mask | ~visible
+        else:
+            lowest = torch.finfo(q.dtype).min
+            mask = torch.where(visible, mask.to(q.dtype).clamp(min=lowest), 0.0).to(q.dtype)
     out = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **gqa_kwargs
     )
-    if mask is not None:
-        # Fully masked rows: SDPA gives NaN (or a uniform average on some kernels); the contract is zeros.
-        out = out.masked_fill(~_visible_rows(mask), 0.0)
+    if visible is not None:
+        out = out.masked_fill(~visible, 0.0)
     return out, None
 
 
@@ -169,33 +189,53 @@ def check_flash_can_run(device: torch.device, dtype: torch.dtype) -> None:
         )
 
 
-def _padding_pattern(mask: torch.Tensor, sq: int, sk: int, is_causal: bool):
-    """Reads a bool mask as per-sequence padding: which queries and keys are real.
+def _causal_within_real_tokens(query_valid: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
+    """[B, Sq, Sk]: causal among the real tokens only, aligned bottom-right (last real query sees last real key)."""
+    q_pos = query_valid.long().cumsum(-1) + (key_valid.sum(-1, keepdim=True) - query_valid.sum(-1, keepdim=True))
+    k_pos = key_valid.long().cumsum(-1)
+    return k_pos[:, None, :] <= q_pos[:, :, None]
 
-    Flash kernels take only "real tokens + optional causal" patterns; any other mask (sliding windows, custom
-    4-D masks, additive biases) cannot be expressed and raises instead of computing something else.
+
+def _padding_pattern(mask: torch.Tensor, q: torch.Tensor, sk: int, is_causal: bool):
+    """Reads a bool mask as per-sequence padding: which queries and keys are real, and whether it is causal.
+
+    Returns (query_valid [B, Sq], key_valid [B, Sk], causal). Flash kernels take only "real tokens + optional
+    causal" patterns; any other mask (sliding windows, custom 4-D masks, additive biases) cannot be expressed and
+    raises instead of computing something else. Causality is read from the mask itself (a given mask is
+    complete); `is_causal` only says which reading to try first.
     """
     if mask.dtype != torch.bool:
         raise ValueError(
             "attn_implementation='flash_attention_2' cannot apply an additive (float) attention mask or position "
             "bias; use attn_implementation='sdpa' or 'eager'"
         )
-    batch = mask.shape[0]
-    full = mask.expand(batch, 1, sq, sk)[:, 0]
+    batch, heads, sq = q.shape[:3]
+    try:
+        if mask.dim() > 4:
+            raise RuntimeError
+        full = mask.expand(batch, heads, sq, sk)
+    except RuntimeError:
+        raise ValueError(
+            f"attention mask of shape {tuple(mask.shape)} does not broadcast to [batch, heads, query, key] = "
+            f"{[batch, heads, sq, sk]}"
+        ) from None
+    if mask.dim() == 4 and mask.shape[1] != 1 and not bool((full == full[:, :1]).all()):
+        raise ValueError(
+            "attn_implementation='flash_attention_2' needs the same mask for every head; this mask differs across "
+            "heads, use attn_implementation='sdpa' or 'eager'"
+        )
+    full = full[:, 0]
     key_valid = full.any(dim=1)  # [B, Sk]
     query_valid = full.any(dim=2)  # [B, Sq]
-    rebuilt = query_valid[:, :, None] & key_valid[:, None, :]
-    if is_causal:
-        # Causal within the real tokens, aligned bottom-right (the last real query sees the last real key).
-        q_pos = query_valid.long().cumsum(-1) + (key_valid.sum(-1, keepdim=True) - query_valid.sum(-1, keepdim=True))
-        k_pos = key_valid.long().cumsum(-1)
-        rebuilt = rebuilt & (k_pos[:, None, :] <= q_pos[:, :, None])
-    if not torch.equal(rebuilt, full):
-        raise ValueError(
-            "attn_implementation='flash_attention_2' supports padding and causal masks only; this mask (for "
-            "example a sliding window or a custom 4-D mask) needs attn_implementation='sdpa' or 'eager'"
-        )
-    return query_valid, key_valid
+    padding_only = query_valid[:, :, None] & key_valid[:, None, :]
+    for causal in (True, False) if is_causal else (False, True):
+        rebuilt = padding_only & _causal_within_real_tokens(query_valid, key_valid) if causal else padding_only
+        if torch.equal(rebuilt, full):
+            return query_valid, key_valid, causal
+    raise ValueError(
+        "attn_implementation='flash_attention_2' supports padding and causal masks only; this mask (for "
+        "example a sliding window or a custom 4-D mask) needs attn_implementation='sdpa' or 'eager'"
+    )
 
 
 def _flash_sdpa(q, k, v, *, scale, dropout_p, is_causal) -> torch.Tensor:
@@ -210,12 +250,26 @@ def _flash_sdpa(q, k, v, *, scale, dropout_p, is_causal) -> torch.Tensor:
             "attn_implementation='flash_attention_2' without the flash-attn package cannot run a causal step with "
             f"{q.shape[2]} new queries over {k.shape[2]} keys; install flash-attn or use 'sdpa'"
         )
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+    except RuntimeError as error:
+        if "No available kernel" not in str(error):
+            raise
+        raise ValueError(
+            f"attn_implementation='flash_attention_2': PyTorch's flash kernel cannot run q {tuple(q.shape)} "
+            f"{q.dtype} on this GPU (head_dim or GPU unsupported, see the warnings above); install flash-attn or "
+            "use attn_implementation='sdpa' or 'eager'"
+        ) from None
 
 
 def _flash_package(q, k, v, query_valid, key_valid, *, scale, dropout_p, is_causal) -> torch.Tensor:
-    from flash_attn import flash_attn_func, flash_attn_varlen_func
+    # Inside try: so that transformers' remote-code import check (which skips try blocks) does not demand the
+    # optional flash-attn package from every machine that downloads a pushed model.
+    try:
+        from flash_attn import flash_attn_func, flash_attn_varlen_func
+    except ImportError as error:
+        raise ImportError(f"the flash-attn package is installed but cannot be imported: {error}") from error
 
     # flash-attn works in [B, S, H, D] and aligns causal masks bottom-right, as we do.
     q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))
@@ -266,10 +320,10 @@ def flash_attention(
         )
     _check_shapes(q, k, v)
     check_flash_can_run(q.device, q.dtype)
-    sq, sk = q.shape[2], k.shape[2]
+    sk = k.shape[2]
     query_valid = key_valid = None
     if mask is not None:
-        query_valid, key_valid = _padding_pattern(mask, sq, sk, is_causal)
+        query_valid, key_valid, is_causal = _padding_pattern(mask, q, sk, is_causal)
         if bool(query_valid.all()) and bool(key_valid.all()):
             query_valid = key_valid = None
     if flash_attn_package_available():
@@ -304,3 +358,10 @@ def get_attention_backend(name: str) -> Callable[..., BackendOutput]:
             f"{sorted(ATTENTION_BACKENDS)} ('eager' = naive formula, 'sdpa' = torch SDPA, "
             "'flash_attention_2' = FlashAttention on CUDA)"
         ) from None
+
+
+def check_backend_can_run(name: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Raises a clear ValueError when backend `name` is unknown or cannot run on this device / dtype."""
+    get_attention_backend(name)
+    if name == "flash_attention_2":
+        check_flash_can_run(torch.device(device), dtype)
