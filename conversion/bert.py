@@ -419,17 +419,24 @@ def convert(
         stages.close()
 
 
+def _note_unused_pooler(state: dict, architecture: str) -> None:
+    unused = sorted(k for k in state if k.startswith("bert.pooler.")) if not ARCHITECTURES[architecture][3] else []
+    if unused:
+        print(
+            f"note: ignoring {', '.join(unused)}: {architecture} has no pooler (transformers ignores them too)",
+            file=sys.stderr,
+        )
+
+
 def _convert_into(src, dst, force, dtype, base_model, bert_config, config, stages) -> dict:
-    with atomic_output_dir(dst, force=force) as tmp:
+    src_dir = src if src.is_dir() else src.parent
+    with atomic_output_dir(dst, force=force, src=src) as tmp:
         state = load_checkpoint(src)
         architecture = detect_architecture(bert_config, state, src=src)
         ours_name, auto_class, pipeline_tag, _ = ARCHITECTURES[architecture]
         stages.next()
 
-        unused_pooler = sorted(k for k in state if k.startswith("bert.pooler.")) if not ARCHITECTURES[architecture][3] else []
-        if unused_pooler:
-            print(f"note: ignoring {', '.join(unused_pooler)}: {architecture} has no pooler (transformers ignores "
-                  "them too)", file=sys.stderr)
+        _note_unused_pooler(state, architecture)
         state = _drop_tied_copies(state, architecture, config.tie_word_embeddings)
         mapping = key_map(architecture, tied=config.tie_word_embeddings)
         converted = mapping.to_target(state, num_layers=config.num_hidden_layers, progress=sys.stderr.isatty())
@@ -446,17 +453,17 @@ def _convert_into(src, dst, force, dtype, base_model, bert_config, config, stage
         model.load_state_dict(converted, strict=True, assign=True)
         model.tie_weights()
         model.save_pretrained(tmp)
-        copy_tokenizer_files(src if src.is_dir() else src.parent, tmp)
+        copy_tokenizer_files(src_dir, tmp)
         stages.next()
 
         saved_dtype = dtype or next(iter(converted.values())).dtype
-        parity, inputs_description = measure_parity(src, tmp, architecture, saved_dtype)
+        parity, inputs_description = measure_parity(src_dir, tmp, architecture, saved_dtype)
         stages.next()
 
         write_model_card(
             tmp,
             model_name=dst.name,
-            license=source_license(src if src.is_dir() else src.parent),
+            license=source_license(src_dir),
             model_id=str(dst),
             base_model=base_model or src.resolve().name,
             pipeline_tag=pipeline_tag,
@@ -500,7 +507,7 @@ def convert_back(src: str | os.PathLike, dst: str | os.PathLike, *, force: bool 
     architecture = OFFICIAL_BY_OURS[ours_name]
     tied = config.tie_word_embeddings
 
-    with atomic_output_dir(dst, force=force) as tmp:
+    with atomic_output_dir(dst, force=force, src=src) as tmp:
         state = dict(load_checkpoint(src))
         if architecture == "BertForMaskedLM" and tied and "lm_head.decoder.weight" not in state:
             # save_pretrained stores tied weights once.

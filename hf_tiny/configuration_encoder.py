@@ -1,0 +1,83 @@
+"""Configuration of the BERT-style encoder family (model_type "hf_tiny_encoder")."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+
+from .validation import check_choice, check_divisible, check_positive, check_probability
+
+
+class TinyEncoderConfig(PretrainedConfig):
+    """A post-LN transformer encoder: word + learned absolute position + token-type embeddings, LayerNorm,
+    N blocks of (self-attention, GELU feed-forward), optional tanh pooler. The field names are the transformers
+    standard ones; `hidden_dropout` / `attention_dropout` are BERT's `hidden_dropout_prob` /
+    `attention_probs_dropout_prob`.
+    """
+
+    model_type = "hf_tiny_encoder"
+
+    def __init__(
+        self,
+        vocab_size: int = 30522,
+        hidden_size: int = 768,
+        num_hidden_layers: int = 12,
+        num_attention_heads: int = 12,
+        intermediate_size: int = 3072,
+        hidden_act: str = "gelu",
+        hidden_dropout: float = 0.1,
+        attention_dropout: float = 0.1,
+        max_position_embeddings: int = 512,
+        type_vocab_size: int = 2,
+        layer_norm_eps: float = 1e-12,
+        initializer_range: float = 0.02,
+        pad_token_id: int | None = 0,
+        classifier_dropout: float | None = None,
+        attention_bias: bool = True,
+        tie_word_embeddings: bool = True,
+        **kwargs,
+    ):
+        owner = type(self).__name__
+        check_positive(
+            owner,
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=num_attention_heads,
+            intermediate_size=intermediate_size,
+            max_position_embeddings=max_position_embeddings,
+            type_vocab_size=type_vocab_size,
+        )
+        check_divisible(owner, "hidden_size", hidden_size, "num_attention_heads", num_attention_heads)
+        check_choice(owner, "hidden_act", hidden_act, sorted(ACT2FN))
+        check_probability(owner, hidden_dropout=hidden_dropout, attention_dropout=attention_dropout)
+        if classifier_dropout is not None:
+            check_probability(owner, classifier_dropout=classifier_dropout)
+        for name, value in (("layer_norm_eps", layer_norm_eps), ("initializer_range", initializer_range)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{owner}: {name} must be a positive number, got {value!r}")
+        if pad_token_id is not None and (
+            isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or not 0 <= pad_token_id < vocab_size
+        ):
+            raise ValueError(f"{owner}: pad_token_id must be None or a token id in [0, {vocab_size}), got {pad_token_id!r}")
+
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.intermediate_size = intermediate_size
+        self.hidden_act = hidden_act
+        self.hidden_dropout = hidden_dropout
+        self.attention_dropout = attention_dropout
+        self.max_position_embeddings = max_position_embeddings
+        self.type_vocab_size = type_vocab_size
+        self.layer_norm_eps = layer_norm_eps
+        self.initializer_range = initializer_range
+        self.pad_token_id = pad_token_id
+        self.classifier_dropout = classifier_dropout
+        self.attention_bias = attention_bias
+        self.tie_word_embeddings = tie_word_embeddings
+        super().__init__(**kwargs)
+
+
+__all__ = ["TinyEncoderConfig"]

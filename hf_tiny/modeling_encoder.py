@@ -1,0 +1,412 @@
+"""The BERT-style encoder family: a post-LN transformer encoder and its task heads.
+
+    ids -> embed_tokens + embed_token_types + embed_positions -> embed_norm -> dropout
+        -> layers[0..N-1]  (x = norm(x + attn(x)); x = norm(x + mlp(x)))
+        -> [pooler: tanh(dense(h[:, 0]))] -> head
+
+Parameter names follow Llama habits (DESIGN.md) so PEFT target_modules and device maps work as usual:
+model.layers.N.self_attn.{q,k,v,o}_proj, model.layers.N.mlp.{up,down}_proj, model.layers.N.input_layernorm (the
+norm after attention in post-LN) and model.layers.N.post_attention_layernorm (the norm after the feed-forward).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import nn
+from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
+from transformers.activations import ACT2FN
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPooling,
+    MaskedLMOutput,
+    QuestionAnsweringModelOutput,
+    SequenceClassifierOutput,
+    TokenClassifierOutput,
+)
+
+from .configuration_encoder import TinyEncoderConfig
+from .layers import TransformerBlock
+from .masks import self_attention_mask
+from .modeling_base import HfTinyPreTrainedModel
+from .validation import check_attention_mask, check_input_ids, check_sequence_length
+
+
+def _check_index_tensor(tensor: torch.Tensor, *, field: str, limit: int, limit_name: str, shape: tuple) -> None:
+    """token_type_ids / position_ids: integer tensors broadcastable to the input shape, values in [0, limit)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{field} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
+        raise TypeError(f"{field} must hold integers, got dtype {tensor.dtype}")
+    batch, seq_len = shape
+    if tensor.dim() != 2 or tensor.shape[1] != seq_len or tensor.shape[0] not in (1, batch):
+        raise ValueError(f"{field} has shape {tuple(tensor.shape)} but the input needs ({batch}, {seq_len}) or (1, {seq_len})")
+    if tensor.numel() == 0 or torch.compiler.is_compiling():
+        return
+    low, high = int(tensor.min()), int(tensor.max())
+    if low < 0 or high >= limit:
+        bad = low if low < 0 else high
+        raise ValueError(f"{field} contains {bad}, outside [0, {limit_name}={limit})")
+
+
+class TinyEncoderPreTrainedModel(HfTinyPreTrainedModel):
+    config_class = TinyEncoderConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["TransformerBlock"]
+    # The heads compute a mean loss themselves: Trainer must not pass num_items_in_batch (see HF_V5_NOTES.md).
+    accepts_loss_kwargs = False
+
+    def _return_dict(self, return_dict: Optional[bool]) -> bool:
+        return self.config.return_dict if return_dict is None else return_dict
+
+
+class TinyEncoderPooler(nn.Module):
+    """BERT's pooler: tanh(dense(hidden state of the first token))."""
+
+    def __init__(self, config: TinyEncoderConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.activation = nn.Tanh()
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.activation(self.dense(hidden_states[:, 0]))
+
+
+class TinyEncoderModel(TinyEncoderPreTrainedModel):
+    def __init__(self, config: TinyEncoderConfig, add_pooling_layer: bool = True):
+        super().__init__(config)
+        hidden = config.hidden_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden, padding_idx=config.pad_token_id)
+        self.embed_positions = nn.Embedding(config.max_position_embeddings, hidden)
+        self.embed_token_types = nn.Embedding(config.type_vocab_size, hidden)
+        self.embed_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.layers = nn.ModuleList(
+            TransformerBlock(
+                config,
+                layer_idx,
+                pre_norm=False,
+                norm_type="layernorm",
+                norm_eps=config.layer_norm_eps,
+                hidden_act=config.hidden_act,
+                intermediate_size=config.intermediate_size,
+                mlp_gated=False,
+                mlp_bias=True,
+                hidden_dropout=config.hidden_dropout,
+            )
+            for layer_idx in range(config.num_hidden_layers)
+        )
+        self.pooler = TinyEncoderPooler(config) if add_pooling_layer else None
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    def _check_inputs(self, input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids) -> tuple[int, int]:
+        config = self.config
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if input_ids is not None:
+            check_input_ids(input_ids, vocab_size=config.vocab_size)
+            shape = tuple(input_ids.shape)
+        else:
+            if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.is_floating_point():
+                raise TypeError("inputs_embeds must be a floating-point torch.Tensor [batch, sequence, hidden_size]")
+            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size or inputs_embeds.shape[0] == 0:
+                raise ValueError(
+                    f"inputs_embeds has shape {tuple(inputs_embeds.shape)} but must be [batch, sequence, "
+                    f"hidden_size={config.hidden_size}]"
+                )
+            shape = tuple(inputs_embeds.shape[:2])
+        if position_ids is None:
+            check_sequence_length(shape[1], limit=config.max_position_embeddings, field="input sequence length")
+        else:
+            _check_index_tensor(
+                position_ids, field="position_ids", limit=config.max_position_embeddings,
+                limit_name="max_position_embeddings", shape=shape,
+            )
+        if token_type_ids is not None:
+            _check_index_tensor(
+                token_type_ids, field="token_type_ids", limit=config.type_vocab_size,
+                limit_name="type_vocab_size", shape=shape,
+            )
+        check_attention_mask(attention_mask, expected_shape=shape)
+        return shape
+
+    def embed(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None) -> torch.Tensor:
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        batch, seq_len = inputs_embeds.shape[:2]
+        device = inputs_embeds.device
+        if token_type_ids is None:
+            token_type_ids = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
+        if position_ids is None:
+            position_ids = torch.arange(seq_len, device=device)[None, :]
+        # Same summation order as BERT (words + types, then positions): fp32 addition is not associative.
+        hidden = inputs_embeds + self.embed_token_types(token_type_ids)
+        hidden = hidden + self.embed_positions(position_ids)
+        return self.dropout(self.embed_norm(hidden))
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        token_type_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        output_attentions: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+    ) -> Union[BaseModelOutputWithPooling, tuple]:
+        config = self.config
+        output_attentions = config.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        if output_attentions and config._attn_implementation != "eager":
+            raise ValueError(
+                f"output_attentions=True needs the attention weights, which attn_implementation="
+                f"{config._attn_implementation!r} does not compute; load the model with attn_implementation='eager' "
+                "or call model.set_attn_implementation('eager') first"
+            )
+        batch, seq_len = self._check_inputs(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids)
+
+        hidden_states = self.embed(input_ids, token_type_ids, position_ids, inputs_embeds)
+        mask = self_attention_mask(
+            attention_mask, batch_size=batch, query_length=seq_len, key_length=seq_len, causal=False,
+            device=hidden_states.device,
+        )
+        all_hidden_states = (hidden_states,) if output_hidden_states else None
+        all_attentions = () if output_attentions else None
+        for layer in self.layers:
+            # Hidden states positionally: gradient checkpointing (GradientCheckpointingLayer) needs it.
+            hidden_states, attention_weights, _ = layer(hidden_states, mask, output_attentions=output_attentions)
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+            if output_attentions:
+                all_attentions += (attention_weights,)
+
+        output = BaseModelOutputWithPooling(
+            last_hidden_state=hidden_states,
+            pooler_output=self.pooler(hidden_states) if self.pooler is not None else None,
+            hidden_states=all_hidden_states,
+            attentions=all_attentions,
+        )
+        return output if self._return_dict(return_dict) else output.to_tuple()
+
+
+class TinyEncoderMaskedLMHead(nn.Module):
+    """BERT's MLM head: dense -> activation -> LayerNorm -> decoder (tied to the word embeddings, own bias)."""
+
+    def __init__(self, config: TinyEncoderConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.act_fn = ACT2FN[config.hidden_act]
+        self.layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=True)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.layer_norm(self.act_fn(self.dense(hidden_states))))
+
+
+class TinyEncoderForMaskedLM(TinyEncoderPreTrainedModel):
+    _tied_weights_keys = {"lm_head.decoder.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: TinyEncoderConfig):
+        super().__init__(config)
+        self.model = TinyEncoderModel(config, add_pooling_layer=False)
+        self.lm_head = TinyEncoderMaskedLMHead(config)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head.decoder
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        self.lm_head.decoder = new_embeddings
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        token_type_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        output_attentions: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+    ) -> Union[MaskedLMOutput, tuple]:
+        outputs = self.model(
+            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
+            inputs_embeds=inputs_embeds, output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states, return_dict=True,
+        )
+        logits = self.lm_head(outputs.last_hidden_state)
+        loss = None
+        if labels is not None:
+            # Positions labelled -100 (not masked) are ignored.
+            loss = CrossEntropyLoss()(logits.view(-1, self.config.vocab_size), labels.view(-1).to(logits.device))
+        output = MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+        return output if self._return_dict(return_dict) else output.to_tuple()
+
+
+class TinyEncoderForSequenceClassification(TinyEncoderPreTrainedModel):
+    """Pooled output -> dropout -> linear. The loss follows config.problem_type as in BERT: "regression" (MSE),
+    "single_label_classification" (cross-entropy) or "multi_label_classification" (BCE with logits); when unset
+    it is inferred from num_labels and the labels' dtype on the first call, and stored in the config."""
+
+    def __init__(self, config: TinyEncoderConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = TinyEncoderModel(config, add_pooling_layer=True)
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        config = self.config
+        if config.problem_type is None:
+            if self.num_labels == 1:
+                config.problem_type = "regression"
+            elif labels.dtype in (torch.long, torch.int):
+                config.problem_type = "single_label_classification"
+            else:
+                config.problem_type = "multi_label_classification"
+        labels = labels.to(logits.device)
+        if config.problem_type == "regression":
+            labels = labels.to(logits.dtype)
+            if self.num_labels == 1:
+                return MSELoss()(logits.squeeze(), labels.squeeze())
+            return MSELoss()(logits, labels)
+        if config.problem_type == "single_label_classification":
+            return CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.view(-1))
+        if config.problem_type == "multi_label_classification":
+            return BCEWithLogitsLoss()(logits, labels.to(logits.dtype))
+        raise ValueError(
+            f"config.problem_type {config.problem_type!r} is not one of 'regression', "
+            "'single_label_classification', 'multi_label_classification'"
+        )
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        token_type_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        output_attentions: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+    ) -> Union[SequenceClassifierOutput, tuple]:
+        outputs = self.model(
+            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
+            inputs_embeds=inputs_embeds, output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states, return_dict=True,
+        )
+        logits = self.classifier(self.dropout(outputs.pooler_output))
+        loss = self._loss(logits, labels) if labels is not None else None
+        output = SequenceClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+        return output if self._return_dict(return_dict) else output.to_tuple()
+
+
+class TinyEncoderForTokenClassification(TinyEncoderPreTrainedModel):
+    def __init__(self, config: TinyEncoderConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = TinyEncoderModel(config, add_pooling_layer=False)
+        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout
+        self.dropout = nn.Dropout(dropout)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        token_type_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        output_attentions: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+    ) -> Union[TokenClassifierOutput, tuple]:
+        outputs = self.model(
+            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
+            inputs_embeds=inputs_embeds, output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states, return_dict=True,
+        )
+        logits = self.classifier(self.dropout(outputs.last_hidden_state))
+        loss = None
+        if labels is not None:
+            # Tokens labelled -100 (padding, continuation word pieces) are ignored.
+            loss = CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.view(-1).to(logits.device))
+        output = TokenClassifierOutput(
+            loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
+        )
+        return output if self._return_dict(return_dict) else output.to_tuple()
+
+
+class TinyEncoderForQuestionAnswering(TinyEncoderPreTrainedModel):
+    """Extractive QA: a linear layer gives start and end logits for every token (config.num_labels must be 2)."""
+
+    def __init__(self, config: TinyEncoderConfig):
+        if config.num_labels != 2:
+            raise ValueError(
+                f"{type(self).__name__} predicts a start and an end logit per token, so config.num_labels must be 2, "
+                f"got {config.num_labels}"
+            )
+        super().__init__(config)
+        self.model = TinyEncoderModel(config, add_pooling_layer=False)
+        self.qa_outputs = nn.Linear(config.hidden_size, 2)
+        self.post_init()
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        token_type_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        start_positions: Optional[torch.Tensor] = None,
+        end_positions: Optional[torch.Tensor] = None,
+        output_attentions: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+    ) -> Union[QuestionAnsweringModelOutput, tuple]:
+        outputs = self.model(
+            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
+            inputs_embeds=inputs_embeds, output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states, return_dict=True,
+        )
+        logits = self.qa_outputs(outputs.last_hidden_state)
+        start_logits, end_logits = (part.squeeze(-1).contiguous() for part in logits.split(1, dim=-1))
+        loss = None
+        if start_positions is not None and end_positions is not None:
+            # As in BERT: positions outside the input (e.g. an answer cut off by truncation) are clamped to
+            # seq_len and ignored by the loss.
+            ignored_index = start_logits.size(1)
+            start = start_positions.reshape(-1).to(logits.device).clamp(0, ignored_index)
+            end = end_positions.reshape(-1).to(logits.device).clamp(0, ignored_index)
+            loss_fct = CrossEntropyLoss(ignore_index=ignored_index)
+            loss = (loss_fct(start_logits, start) + loss_fct(end_logits, end)) / 2
+        output = QuestionAnsweringModelOutput(
+            loss=loss, start_logits=start_logits, end_logits=end_logits,
+            hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+        )
+        return output if self._return_dict(return_dict) else output.to_tuple()
+
+
+__all__ = [
+    "TinyEncoderPreTrainedModel",
+    "TinyEncoderModel",
+    "TinyEncoderForMaskedLM",
+    "TinyEncoderForSequenceClassification",
+    "TinyEncoderForTokenClassification",
+    "TinyEncoderForQuestionAnswering",
+]
