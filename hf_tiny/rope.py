@@ -1,11 +1,48 @@
-"""Rotary position embeddings (RoPE): applying cos/sin to queries and keys.
+"""Rotary position embeddings (RoPE): the frequency tables, their scaling variants, and applying cos/sin.
 
-The rotary tables themselves (inv_freq and the scaling variants) are added by the causal family.
+Scaling variants follow transformers' `modeling_rope_utils.py` and its `rope_parameters` dict exactly (same
+fields, same defaults, same float32 arithmetic), so a converted checkpoint rotates queries and keys the way the
+official model does:
+
+    default   inv_freq[i] = 1 / theta^(2i / d)
+    linear    inv_freq / factor                                  (position interpolation)
+    dynamic   theta grows with the sequence length past max_position_embeddings (NTK-aware, recomputed at run time)
+    yarn      per-frequency blend of interpolation / extrapolation, cos/sin scaled by attention_factor
+    llama3    low frequencies / factor, high ones kept, smooth ramp in between (Llama 3.1)
 """
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import torch
+from torch import nn
+
+DEFAULT_ROPE_THETA = 10000.0
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+# Fields each rope type needs besides rope_type / rope_theta (transformers' `_validate_<type>_rope_parameters`).
+REQUIRED_ROPE_FIELDS = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor",),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+}
+_NUMERIC_ROPE_FIELDS = (
+    "rope_theta",
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "attention_factor",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+)
+# A cos/sin table over every position costs 2 * positions * head_dim floats: above this many positions (long
+# context models) cos/sin are computed from the positions at each call instead.
+MAX_TABLE_POSITIONS = 16384
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -22,3 +59,285 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# rope_parameters: standardize + validate
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def standardize_rope_parameters(
+    rope_parameters: Optional[dict],
+    *,
+    max_position_embeddings: int,
+    rope_theta: Optional[float] = None,
+    owner: str = "rope_parameters",
+) -> dict:
+    """A validated copy of `rope_parameters` with transformers' defaults filled in.
+
+    Accepts the legacy spelling too (`type` for `rope_type`; `rope_theta` given beside the dict, as in
+    `rope_scaling` + `rope_theta` configs). Defaults as transformers' `standardize_rope_params`: rope_type
+    "default", rope_theta 10000, and for yarn / llama3 original_max_position_embeddings = max_position_embeddings.
+    """
+    if rope_parameters is not None and not isinstance(rope_parameters, dict):
+        raise TypeError(f"{owner}: rope_parameters must be a dict or None, got {type(rope_parameters).__name__}")
+    params = dict(rope_parameters or {})
+    legacy_type = params.pop("type", None)
+    params.setdefault("rope_type", legacy_type if legacy_type is not None else "default")
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = DEFAULT_ROPE_THETA if rope_theta is None else rope_theta
+    rope_type = params["rope_type"]
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(
+            f"{owner}: unknown rope_parameters['rope_type'] {rope_type!r}; hf_tiny supports {list(ROPE_TYPES)}"
+        )
+    if rope_type in ("yarn", "llama3"):
+        params.setdefault("original_max_position_embeddings", max_position_embeddings)
+    for field in REQUIRED_ROPE_FIELDS[rope_type]:
+        if field not in params:
+            raise ValueError(
+                f"{owner}: rope_parameters for rope_type {rope_type!r} needs the field {field!r}; "
+                f"got {sorted(params)} (rope_parameters={params})"
+            )
+        value = params[field]
+        if value is None and not (rope_type == "yarn" and field == "factor"):  # yarn derives a None factor
+            raise ValueError(f"{owner}: rope_parameters[{field!r}] must be a number for rope_type {rope_type!r}, got None")
+    for field in _NUMERIC_ROPE_FIELDS:
+        value = params.get(field)
+        if value is not None and not _is_number(value):
+            raise ValueError(f"{owner}: rope_parameters[{field!r}] must be a number, got {value!r}")
+    if not params["rope_theta"] > 0:
+        raise ValueError(f"{owner}: rope_parameters['rope_theta'] must be > 0, got {params['rope_theta']!r}")
+    factor = params.get("factor")
+    if factor is not None and not factor > 0:
+        raise ValueError(f"{owner}: rope_parameters['factor'] must be > 0, got {factor!r}")
+    original = params.get("original_max_position_embeddings")
+    if original is not None and (isinstance(original, bool) or not isinstance(original, int) or original <= 0):
+        raise ValueError(
+            f"{owner}: rope_parameters['original_max_position_embeddings'] must be a positive integer, got {original!r}"
+        )
+    if rope_type == "llama3" and params["high_freq_factor"] == params["low_freq_factor"]:
+        raise ValueError(
+            f"{owner}: rope_parameters['high_freq_factor'] ({params['high_freq_factor']}) must differ from "
+            f"rope_parameters['low_freq_factor'] ({params['low_freq_factor']})"
+        )
+    partial = params.get("partial_rotary_factor", 1.0)
+    if partial != 1.0:
+        raise ValueError(
+            f"{owner}: rope_parameters['partial_rotary_factor']={partial!r} is not supported (the Llama family "
+            "rotates the whole head); use 1.0"
+        )
+    return params
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# inverse frequencies: one function per rope type, the arithmetic of transformers' modeling_rope_utils.py
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _default_inv_freq(base, dim: int, device) -> torch.Tensor:
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
+
+
+def _linear(params, dim, max_positions, device, seq_len):
+    inv_freq = _default_inv_freq(params["rope_theta"], dim, device)
+    inv_freq /= params["factor"]
+    return inv_freq, 1.0
+
+
+def _dynamic(params, dim, max_positions, device, seq_len):
+    factor = params["factor"]
+    if seq_len is None:
+        seq_len = max_positions
+    elif isinstance(seq_len, torch.Tensor):
+        seq_len = torch.maximum(seq_len, torch.tensor(max_positions, dtype=seq_len.dtype, device=seq_len.device))
+    else:
+        seq_len = max(seq_len, max_positions)
+    base = params["rope_theta"] * ((factor * seq_len / max_positions) - (factor - 1)) ** (dim / (dim - 2))
+    return _default_inv_freq(base, dim, device), 1.0
+
+
+def _yarn(params, dim, max_positions, device, seq_len):
+    base = params["rope_theta"]
+    factor = params.get("factor")
+    attention_factor = params.get("attention_factor")
+    mscale = params.get("mscale")
+    mscale_all_dim = params.get("mscale_all_dim")
+    original_max = params["original_max_position_embeddings"]
+    if factor is None:
+        factor = max_positions / original_max
+
+    def get_mscale(scale, m=1):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def correction_dim(num_rotations):
+        return (dim * math.log(original_max / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoids a division by zero in the ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(device=device, dtype=torch.float) / dim)
+    inv_freq_extrapolation = 1.0 / pos_freqs
+    inv_freq_interpolation = 1.0 / (factor * pos_freqs)
+    extrapolation_weight = 1 - ramp.to(device=device, dtype=torch.float)
+    inv_freq = (
+        inv_freq_interpolation * (1 - extrapolation_weight) + inv_freq_extrapolation * extrapolation_weight
+    )
+    return inv_freq, attention_factor
+
+
+def _llama3(params, dim, max_positions, device, seq_len):
+    inv_freq = _default_inv_freq(params["rope_theta"], dim, device)
+    factor = params["factor"]
+    low_freq_factor = params["low_freq_factor"]
+    high_freq_factor = params["high_freq_factor"]
+    old_context_len = params["original_max_position_embeddings"]
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama), 1.0
+
+
+def _default(params, dim, max_positions, device, seq_len):
+    return _default_inv_freq(params["rope_theta"], dim, device), 1.0
+
+
+_INV_FREQ_FUNCTIONS = {"default": _default, "linear": _linear, "dynamic": _dynamic, "yarn": _yarn, "llama3": _llama3}
+
+
+def compute_inv_freq(
+    rope_parameters: dict,
+    head_dim: int,
+    max_position_embeddings: int,
+    *,
+    device: Optional[torch.device] = None,
+    seq_len=None,
+) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim // 2] float32, attention_scaling) for standardized rope_parameters.
+
+    seq_len matters only for "dynamic" (the current sequence length, int or 0-d tensor).
+    """
+    function = _INV_FREQ_FUNCTIONS[rope_parameters["rope_type"]]
+    return function(rope_parameters, head_dim, max_position_embeddings, device, seq_len)
+
+
+def position_limit(rope_parameters: dict, max_position_embeddings: int) -> int:
+    """How many positions the model accepts: max_position_embeddings, or × factor for dynamic NTK, whose purpose
+    is to run past the trained length (its config keeps the trained length as max_position_embeddings)."""
+    if rope_parameters["rope_type"] == "dynamic":
+        return int(max_position_embeddings * max(float(rope_parameters["factor"]), 1.0))
+    return max_position_embeddings
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The module
+# ----------------------------------------------------------------------------------------------------------------
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin [B, S, head_dim] for position ids [B, S]; computed in float32 and returned in x's dtype.
+
+    Reads config.rope_parameters (standardized), config.head_dim (or hidden_size // num_attention_heads) and
+    config.max_position_embeddings. For every rope type but "dynamic", cos/sin come from a float32 table over all
+    positions (built once per device; identical values, fewer kernels per step). "dynamic" recomputes inv_freq
+    when the sequence grows past the cached length and restores it for short sequences, exactly like
+    transformers' `dynamic_rope_update` (which is stateful the same way).
+    """
+
+    def __init__(self, config):
+        super().__init__()
+        self.rope_parameters = standardize_rope_parameters(
+            getattr(config, "rope_parameters", None),
+            max_position_embeddings=config.max_position_embeddings,
+            owner=type(config).__name__,
+        )
+        self.rope_type = self.rope_parameters["rope_type"]
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.max_position_embeddings = config.max_position_embeddings
+        inv_freq, self.attention_scaling = compute_inv_freq(
+            self.rope_parameters, self.head_dim, self.max_position_embeddings
+        )
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
+        self.original_max_seq_len = self.max_position_embeddings
+        self.max_seq_len_cached = self.max_position_embeddings
+        limit = position_limit(self.rope_parameters, self.max_position_embeddings)
+        self._table_positions = limit if self.rope_type != "dynamic" and limit <= MAX_TABLE_POSITIONS else 0
+        self._table = None  # (key, cos, sin): a plain attribute, rebuilt when the device or inv_freq changes
+
+    @torch.no_grad()
+    def _init_buffers(self) -> None:
+        """Recomputes the non-persistent buffers (from_pretrained leaves them uninitialised)."""
+        inv_freq, self.attention_scaling = compute_inv_freq(
+            self.rope_parameters, self.head_dim, self.max_position_embeddings
+        )
+        if self.inv_freq.device.type != "meta":
+            self.inv_freq.copy_(inv_freq)
+            self.original_inv_freq.copy_(inv_freq)
+        self.max_seq_len_cached = self.original_max_seq_len
+        self._table = None
+
+    @torch.no_grad()
+    def _dynamic_update(self, position_ids: torch.Tensor, device: torch.device) -> None:
+        seq_len = torch.max(position_ids) + 1
+        max_seq_len_cached = self.max_seq_len_cached
+        if seq_len > max_seq_len_cached:  # grown past what inv_freq was computed for
+            inv_freq, self.attention_scaling = compute_inv_freq(
+                self.rope_parameters, self.head_dim, self.max_position_embeddings, device=device, seq_len=seq_len
+            )
+            self.register_buffer("inv_freq", inv_freq, persistent=False)
+            self.max_seq_len_cached = seq_len
+        if seq_len < self.original_max_seq_len and max_seq_len_cached > self.original_max_seq_len:  # back to short
+            original_inv_freq = self.original_inv_freq.to(device)
+            self.register_buffer("inv_freq", original_inv_freq, persistent=False)
+            self.original_inv_freq = original_inv_freq
+            self.max_seq_len_cached = self.original_max_seq_len
+
+    def _cos_sin(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[..., None].float() * self.inv_freq.to(device=device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
+
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (device, self.inv_freq.dtype, self.inv_freq.data_ptr())
+        if self._table is None or self._table[0] != key:
+            positions = torch.arange(self._table_positions, device=device)
+            self._table = (key, *self._cos_sin(positions, device))
+        return self._table[1], self._table[2]
+
+    @torch.no_grad()
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.rope_type == "dynamic":
+            self._dynamic_update(position_ids, x.device)
+        if self._table_positions and not torch.compiler.is_compiling():
+            cos_table, sin_table = self._tables(x.device)
+            cos, sin = cos_table[position_ids], sin_table[position_ids]
+        else:
+            # compiled graphs fuse this computation; a Python-held table would only add guards
+            cos, sin = self._cos_sin(position_ids, x.device)
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"rope_type={self.rope_type!r}, head_dim={self.head_dim}, theta={self.rope_parameters['rope_theta']}"

@@ -1,0 +1,140 @@
+"""Configuration of the Llama-style causal LM family (model_type "hf_tiny_causal")."""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+
+from .rope import position_limit, standardize_rope_parameters
+from .validation import check_choice, check_divisible, check_positive, check_probability
+
+
+class TinyCausalConfig(PretrainedConfig):
+    """A pre-norm decoder-only transformer: token embeddings, N blocks of (RMSNorm, rotary self-attention with
+    GQA/MQA, RMSNorm, SwiGLU feed-forward), final RMSNorm, LM head. Field names are the transformers standard ones
+    (those of LlamaConfig), so Llama / Mistral / Qwen2 checkpoints map onto it field by field:
+
+    - num_key_value_heads < num_attention_heads: grouped-query attention (1: multi-query).
+    - head_dim: defaults to hidden_size // num_attention_heads; may be set explicitly (then hidden_size need not
+      divide).
+    - rope_parameters: {"rope_type": "default" | "linear" | "dynamic" | "yarn" | "llama3", "rope_theta": ..., and
+      the type's own fields}, the semantics of transformers' `rope_parameters`. The legacy `rope_scaling` +
+      `rope_theta` keywords are accepted too.
+    - attention_bias: bias of q/k/v (and of o_proj unless attention_output_bias says otherwise; Qwen2 has biases
+      on q/k/v only: attention_bias=True, attention_output_bias=False). mlp_bias: biases of the feed-forward.
+    - sliding_window: None (full causal attention) or the number of most recent keys each query sees (Mistral).
+    """
+
+    model_type = "hf_tiny_causal"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.gate_proj": "colwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
+
+    def __init__(
+        self,
+        vocab_size: int = 32000,
+        hidden_size: int = 4096,
+        intermediate_size: int = 11008,
+        num_hidden_layers: int = 32,
+        num_attention_heads: int = 32,
+        num_key_value_heads: int | None = None,
+        head_dim: int | None = None,
+        hidden_act: str = "silu",
+        max_position_embeddings: int = 2048,
+        initializer_range: float = 0.02,
+        rms_norm_eps: float = 1e-6,
+        rope_parameters: dict | None = None,
+        attention_bias: bool = False,
+        attention_output_bias: bool | None = None,
+        attention_dropout: float = 0.0,
+        mlp_bias: bool = False,
+        sliding_window: int | None = None,
+        tie_word_embeddings: bool = False,
+        pad_token_id: int | None = None,
+        bos_token_id: int | None = 1,
+        eos_token_id: int | list[int] | None = 2,
+        use_cache: bool = True,
+        **kwargs,
+    ):
+        owner = type(self).__name__
+        if num_key_value_heads is None:
+            num_key_value_heads = num_attention_heads
+        check_positive(
+            owner,
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_hidden_layers,
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+            max_position_embeddings=max_position_embeddings,
+        )
+        if head_dim is None:
+            check_divisible(owner, "hidden_size", hidden_size, "num_attention_heads", num_attention_heads)
+            head_dim = hidden_size // num_attention_heads
+        check_positive(owner, head_dim=head_dim)
+        if head_dim % 2:
+            raise ValueError(f"{owner}: head_dim must be even for rotary embeddings, got {head_dim}")
+        check_divisible(owner, "num_attention_heads", num_attention_heads, "num_key_value_heads", num_key_value_heads)
+        check_choice(owner, "hidden_act", hidden_act, sorted(ACT2FN))
+        check_probability(owner, attention_dropout=attention_dropout)
+        for name, value in (("rms_norm_eps", rms_norm_eps), ("initializer_range", initializer_range)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{owner}: {name} must be a positive number, got {value!r}")
+        if sliding_window is not None:
+            check_positive(owner, sliding_window=sliding_window)
+        for name, value in (("pad_token_id", pad_token_id), ("bos_token_id", bos_token_id)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size):
+                raise ValueError(f"{owner}: {name} must be None or a token id in [0, {vocab_size}), got {value!r}")
+
+        # Legacy spellings (Llama 2 era config.json files): rope_scaling + rope_theta beside it.
+        legacy_scaling = kwargs.pop("rope_scaling", None)
+        legacy_theta = kwargs.pop("rope_theta", None)
+        if rope_parameters is None and legacy_scaling is not None:
+            rope_parameters = legacy_scaling
+        self.rope_parameters = standardize_rope_parameters(
+            rope_parameters, max_position_embeddings=max_position_embeddings, rope_theta=legacy_theta, owner=owner
+        )
+
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim
+        self.hidden_act = hidden_act
+        self.max_position_embeddings = max_position_embeddings
+        self.initializer_range = initializer_range
+        self.rms_norm_eps = rms_norm_eps
+        self.attention_bias = attention_bias
+        self.attention_output_bias = attention_output_bias
+        self.attention_dropout = attention_dropout
+        self.mlp_bias = mlp_bias
+        self.sliding_window = sliding_window
+        self.tie_word_embeddings = tie_word_embeddings
+        self.pad_token_id = pad_token_id
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.use_cache = use_cache
+        super().__init__(**kwargs)
+
+    @property
+    def position_limit(self) -> int:
+        """The longest sequence (cached + new tokens) the model accepts; see rope.position_limit."""
+        return position_limit(self.rope_parameters, self.max_position_embeddings)
+
+
+__all__ = ["TinyCausalConfig"]

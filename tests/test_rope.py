@@ -1,0 +1,176 @@
+"""Rotary embeddings: inverse frequencies and cos/sin against transformers' modeling_rope_utils, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from causal_helpers import single_thread  # noqa: F401
+from hf_tiny import TinyCausalConfig
+from hf_tiny.rope import (
+    RotaryEmbedding,
+    apply_rotary_pos_emb,
+    compute_inv_freq,
+    position_limit,
+    standardize_rope_parameters,
+)
+
+ROPE_CASES = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "linear": {"rope_type": "linear", "rope_theta": 500.0, "factor": 2.5},
+    "dynamic": {"rope_type": "dynamic", "rope_theta": 100.0, "factor": 3.0},
+    "yarn": {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "original_max_position_embeddings": 16},
+    "yarn_mscale": {
+        "rope_type": "yarn",
+        "rope_theta": 1000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 16,
+        "mscale": 0.7,
+        "mscale_all_dim": 1.0,
+        "beta_fast": 16,
+        "beta_slow": 2,
+        "truncate": False,
+    },
+    "llama3": {
+        "rope_type": "llama3",
+        "rope_theta": 500.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    },
+}
+SIZES = dict(hidden_size=64, num_attention_heads=4, head_dim=32, max_position_embeddings=64, vocab_size=32)
+
+
+def configs(rope: dict):
+    official = LlamaConfig(**SIZES, num_hidden_layers=1, intermediate_size=8, rope_parameters=dict(rope))
+    ours = TinyCausalConfig(**SIZES, num_hidden_layers=1, intermediate_size=8, rope_parameters=dict(rope))
+    return official, ours
+
+
+@pytest.mark.parametrize("case", sorted(ROPE_CASES))
+def test_inv_freq_and_scaling_match_transformers_exactly(case):
+    official_config, ours = configs(ROPE_CASES[case])
+    rope_type = ROPE_CASES[case]["rope_type"]
+    if rope_type == "default":
+        expected, expected_scaling = LlamaRotaryEmbedding.compute_default_rope_parameters(official_config)
+    else:
+        expected, expected_scaling = ROPE_INIT_FUNCTIONS[rope_type](official_config)
+    inv_freq, scaling = compute_inv_freq(ours.rope_parameters, ours.head_dim, ours.max_position_embeddings)
+    assert inv_freq.dtype == torch.float32 and inv_freq.shape == (16,)
+    assert torch.equal(inv_freq, expected), (inv_freq - expected).abs().max()
+    assert scaling == expected_scaling
+    if rope_type not in ("default", "dynamic"):  # negative control: the scaling really changes the frequencies
+        plain, _ = compute_inv_freq({"rope_type": "default", "rope_theta": ours.rope_parameters["rope_theta"]}, 32, 64)
+        assert not torch.allclose(plain, inv_freq)
+
+
+@pytest.mark.parametrize("case", sorted(ROPE_CASES))
+def test_cos_sin_match_official_rotary_module(case):
+    official_config, ours = configs(ROPE_CASES[case])
+    official, mine = LlamaRotaryEmbedding(official_config), RotaryEmbedding(ours)
+    x = torch.zeros(1, dtype=torch.float32)
+    # left-padded style positions, a repeated position and the last allowed position
+    positions = torch.tensor([[0, 0, 0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6, 63]])
+    (cos_ref, sin_ref), (cos, sin) = official(x, positions), mine(x, positions)
+    assert cos.shape == (2, 8, 32) and cos.dtype == torch.float32
+    torch.testing.assert_close(cos, cos_ref, rtol=0, atol=1e-7)
+    torch.testing.assert_close(sin, sin_ref, rtol=0, atol=1e-7)
+    # bf16 activations get bf16 tables computed in fp32 (as the official module does)
+    cos_bf16, _ = mine(x.bfloat16(), positions)
+    assert cos_bf16.dtype == torch.bfloat16
+    assert torch.equal(cos_bf16, cos_ref.bfloat16())
+
+
+def test_table_lookup_equals_direct_computation():
+    _, ours = configs(ROPE_CASES["llama3"])
+    rope = RotaryEmbedding(ours)
+    positions = torch.arange(64)[None]
+    cos_table, sin_table = rope(torch.zeros(1), positions)
+    assert rope._table is not None  # the table path was taken
+    cos_direct, sin_direct = rope._cos_sin(positions, torch.device("cpu"))
+    torch.testing.assert_close(cos_table, cos_direct, rtol=0, atol=1e-7)
+    torch.testing.assert_close(sin_table, sin_direct, rtol=0, atol=1e-7)
+
+
+def test_dynamic_ntk_follows_the_official_stateful_update():
+    """Growing past max_position_embeddings recomputes the frequencies; a short sequence afterwards resets them;
+    a long-but-shorter one keeps the larger cached frequencies. Same sequence of calls, same outputs."""
+    official_config, ours = configs(ROPE_CASES["dynamic"])
+    official, mine = LlamaRotaryEmbedding(official_config), RotaryEmbedding(ours)
+    x = torch.zeros(1)
+    first_long = None
+    for length in (10, 100, 150, 120, 20, 90):
+        positions = torch.arange(length)[None]
+        (cos_ref, sin_ref), (cos, sin) = official(x, positions), mine(x, positions)
+        torch.testing.assert_close(cos, cos_ref, rtol=0, atol=1e-6)
+        torch.testing.assert_close(sin, sin_ref, rtol=0, atol=1e-6)
+        if length == 100:
+            first_long = cos
+    short = RotaryEmbedding(ours)(x, torch.arange(100)[None])[0]
+    plain_config = TinyCausalConfig(**{**SIZES, "max_position_embeddings": 128}, num_hidden_layers=1, intermediate_size=8)
+    default = RotaryEmbedding(plain_config)(x, torch.arange(100)[None])[0]
+    assert torch.equal(short, first_long)
+    assert not torch.allclose(first_long, default, atol=1e-3)  # negative control: NTK scaling did kick in
+
+
+def test_init_buffers_rebuilds_garbage_inv_freq():
+    _, ours = configs(ROPE_CASES["yarn"])
+    rope = RotaryEmbedding(ours)
+    expected = rope.inv_freq.clone()
+    rope.inv_freq.fill_(float("nan"))
+    rope.original_inv_freq.zero_()
+    rope._init_buffers()
+    assert torch.equal(rope.inv_freq, expected) and torch.equal(rope.original_inv_freq, expected)
+
+
+def test_apply_rotary_is_a_rotation_relative_in_position():
+    """<rot(q, m), rot(k, n)> depends only on m - n: the property RoPE exists for."""
+    _, ours = configs(ROPE_CASES["default"])
+    rope = RotaryEmbedding(ours)
+    q, k = torch.randn(1, 1, 1, 32), torch.randn(1, 1, 1, 32)
+
+    def score(m, n):
+        cos_m, sin_m = rope(q, torch.tensor([[m]]))
+        cos_n, sin_n = rope(q, torch.tensor([[n]]))
+        q_rot, _ = apply_rotary_pos_emb(q, q, cos_m, sin_m)
+        _, k_rot = apply_rotary_pos_emb(k, k, cos_n, sin_n)
+        return float((q_rot * k_rot).sum())
+
+    assert score(7, 3) == pytest.approx(score(14, 10), abs=1e-4)
+    assert score(7, 3) != pytest.approx(score(7, 5), abs=1e-3)
+
+
+def test_legacy_spellings_are_standardized():
+    params = standardize_rope_parameters({"type": "linear", "factor": 2.0}, max_position_embeddings=64, rope_theta=500.0)
+    assert params == {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0}
+    config = TinyCausalConfig(**SIZES, num_hidden_layers=1, intermediate_size=8, rope_scaling={"type": "dynamic", "factor": 2.0}, rope_theta=50.0)
+    assert config.rope_parameters == {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 50.0}
+    yarn = standardize_rope_parameters({"rope_type": "yarn", "factor": 2.0}, max_position_embeddings=64)
+    assert yarn["original_max_position_embeddings"] == 64 and yarn["rope_theta"] == 10000.0
+    assert position_limit(config.rope_parameters, 64) == 128  # dynamic NTK exists to run past the trained length
+    assert position_limit(yarn, 64) == 64
+
+
+@pytest.mark.parametrize(
+    "rope, message",
+    [
+        ({"rope_type": "longrope"}, "unknown rope_parameters['rope_type'] 'longrope'"),
+        ({"rope_type": "linear"}, "needs the field 'factor'"),
+        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}, "needs the field 'high_freq_factor'"),
+        ({"rope_type": "dynamic", "factor": "2"}, "rope_parameters['factor'] must be a number, got '2'"),
+        ({"rope_type": "default", "rope_theta": -1.0}, "rope_theta'] must be > 0, got -1.0"),
+        ({"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor']=0.5 is not supported"),
+        ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 0}, "original_max_position_embeddings"),
+        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 2.0}, "must differ"),
+    ],
+)
+def test_bad_rope_parameters_name_field_and_value(rope, message):
+    with pytest.raises(ValueError) as error:
+        TinyCausalConfig(**SIZES, num_hidden_layers=1, intermediate_size=8, rope_parameters=rope)
+    assert message in str(error.value)
+    assert "TinyCausalConfig" in str(error.value)
