@@ -1,0 +1,105 @@
+"""Model cards that travel with saved and pushed hf_tiny models, and the repo id check of push_to_hub.
+
+A converted checkpoint holds a README.md that `python -m conversion` rendered from model_cards/hf_tiny.md (YAML
+metadata: library_name, license, base_model, pipeline_tag, tags; the parity numbers measured at conversion).
+The card is not re-rendered here: the card of the folder a model was loaded from is carried to wherever the
+model is saved or pushed, with the id in its loading snippets pointed at the new place and any extra tags
+added. A model with no such card (built from a config, say) keeps the card transformers writes.
+
+This module is shipped as remote code with the modeling files (modeling_base imports it), so it imports only
+the standard library: the same carrying works where hf_tiny is not installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+CARD_FILE = "README.md"
+CARD_TAG = "hf_tiny"  # every card rendered from model_cards/hf_tiny.md carries it
+
+_FRONT_MATTER = re.compile(r"\A---[ \t]*\n(?P<yaml>.*?\n)?---[ \t]*(?:\n|\Z)", re.DOTALL)
+_TAGS_BLOCK = re.compile(r"^tags:[ \t]*\n(?P<items>(?:[ \t]*-[^\n]*\n)*)", re.MULTILINE)
+_LOAD_SNIPPET_ID = re.compile(r'(\.from_pretrained\(\s*)"[^"\n]*"')
+
+
+def check_repo_id(repo_id) -> str:
+    """push_to_hub's repo id must be a non-empty 'name' or 'namespace/name' string."""
+    if not isinstance(repo_id, str) or not repo_id.strip():
+        raise ValueError(
+            f"push_to_hub needs a repo_id such as 'your-name/model-name' (the Hub repository to create or "
+            f"update); got repo_id={repo_id!r}"
+        )
+    if repo_id.count("/") > 1 or repo_id.startswith("/") or repo_id.endswith("/"):
+        raise ValueError(f"push_to_hub: repo_id must be 'name' or 'namespace/name', got repo_id={repo_id!r}")
+    return repo_id
+
+
+def card_tags(card: str) -> list[str]:
+    """The `tags:` list of a card's YAML front matter (block style, as Hub cards write it)."""
+    front = _FRONT_MATTER.match(card)
+    if front is None or front.group("yaml") is None:
+        return []
+    block = _TAGS_BLOCK.search(front.group("yaml"))
+    if block is None:
+        return []
+    tags = []
+    for line in block.group("items").splitlines():
+        value = line.strip()[1:].strip()
+        if value.startswith(("'", '"')) and value.endswith(value[0]) and len(value) >= 2:
+            value = value[1:-1]
+        if value:
+            tags.append(value)
+    return tags
+
+
+def is_hf_tiny_card(card: str) -> bool:
+    return CARD_TAG in card_tags(card)
+
+
+def source_card(model) -> tuple[Path, str] | None:
+    """(path, text) of the hf_tiny card in the local folder the model was loaded from, if there is one."""
+    name_or_path = getattr(getattr(model, "config", None), "_name_or_path", None) or ""
+    if not name_or_path or not os.path.isdir(name_or_path):
+        return None
+    path = Path(name_or_path) / CARD_FILE
+    if not path.is_file():
+        return None
+    text = path.read_text(encoding="utf-8")
+    return (path, text) if is_hf_tiny_card(text) else None
+
+
+def retarget_card(card: str, model_id: str | None, extra_tags=()) -> str:
+    """The card with its from_pretrained snippets loading `model_id` and `extra_tags` added to its YAML tags."""
+    if model_id is not None:
+        card = _LOAD_SNIPPET_ID.sub(lambda m: m.group(1) + json.dumps(str(model_id)), card)
+    missing = [tag for tag in dict.fromkeys(extra_tags) if tag and tag not in card_tags(card)]
+    if missing:
+        front = _FRONT_MATTER.match(card)
+        block = _TAGS_BLOCK.search(front.group("yaml") or "") if front else None
+        if block is None:
+            raise ValueError("cannot add tags to a model card whose front matter has no block-style 'tags:' list")
+        insert_at = front.start("yaml") + block.end("items")
+        lines = "".join(f"  - {json.dumps(tag)}\n" for tag in missing)
+        card = card[:insert_at] + lines + card[insert_at:]
+    return card
+
+
+def carry_model_card(model, folder, *, model_id: str | None = None) -> Path | None:
+    """Writes the model's source card (see module doc) into folder/README.md; returns its path, or None when the
+    model has no hf_tiny card. Tags of a README already in `folder` (transformers puts push tags there) are kept.
+    """
+    found = source_card(model)
+    if found is None:
+        return None
+    source_path, card = found
+    target = Path(folder) / CARD_FILE
+    if target.exists() and target.resolve() == source_path.resolve():
+        return target  # saving over the folder it came from: the card is already there
+    existing_tags = card_tags(target.read_text(encoding="utf-8")) if target.is_file() else []
+    target.write_text(
+        retarget_card(card, model_id if model_id is not None else str(folder), existing_tags), encoding="utf-8"
+    )
+    return target

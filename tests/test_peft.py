@@ -1,0 +1,189 @@
+"""PEFT LoRA on every hf_tiny family with the documented target_modules: training changes only the adapter
+weights, merge_and_unload computes what the adapter model computes, adapters save and load (through PEFT and
+through transformers' own load_adapter), and target_modules that match nothing is a clear error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+
+import hf_tiny
+
+# The documented LoRA targets (README "Fine-tuning with PEFT / LoRA"): attention projections of every attention
+# module (self- and cross-attention) and the feed-forward projections; gate_proj exists only in gated MLPs.
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LAYERS = 2
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """Tiny models gain nothing from threads, and on a busy machine thread contention makes them crawl."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+def _encoder():
+    config = hf_tiny.TinyEncoderConfig(
+        vocab_size=97, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4, intermediate_size=48,
+        max_position_embeddings=32, initializer_range=0.2, hidden_dropout=0.0, attention_dropout=0.0, num_labels=3,
+    )
+    return hf_tiny.TinyEncoderForSequenceClassification(config), "SEQ_CLS"
+
+
+def _causal():
+    config = hf_tiny.TinyCausalConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, initializer_range=0.2, pad_token_id=0,
+    )
+    return hf_tiny.TinyCausalForCausalLM(config), "CAUSAL_LM"
+
+
+def _seq2seq():
+    config = hf_tiny.TinySeq2SeqConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=LAYERS, num_attention_heads=4,
+        max_position_embeddings=32, initializer_range=0.2, hidden_dropout=0.0, attention_dropout=0.0,
+    )
+    return hf_tiny.TinySeq2SeqForConditionalGeneration(config), "SEQ_2_SEQ_LM"
+
+
+FAMILIES = {"encoder": _encoder, "causal": _causal, "seq2seq": _seq2seq}
+# LoRA-wrapped Linear layers per family: (attention modules per layer x 4 projections) + MLP projections.
+EXPECTED_WRAPPED = {
+    "encoder": LAYERS * (4 + 2),  # self-attention; up/down
+    "causal": LAYERS * (4 + 3),  # self-attention; gate/up/down
+    "seq2seq": LAYERS * (4 + 2) + LAYERS * (4 + 4 + 2),  # encoder; decoder self + cross attention; up/down
+}
+
+
+def _batch(family: str) -> dict:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 97, (4, 9), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    mask[3, 4:] = 0
+    if family == "encoder":
+        return {"input_ids": ids, "attention_mask": mask, "labels": torch.tensor([0, 2, 1, 2])}
+    if family == "causal":
+        left = mask.flip(-1)  # causal LMs pad on the left
+        return {"input_ids": ids, "attention_mask": left, "labels": ids.masked_fill(left == 0, -100)}
+    return {"input_ids": ids, "attention_mask": mask, "labels": torch.randint(3, 97, (4, 5), generator=generator)}
+
+
+def _logits(model, batch: dict) -> torch.Tensor:
+    """Logits of a batch; encoder-decoders get their decoder inputs from the labels (shifted right)."""
+    inputs = dict(batch)
+    if not model.config.is_encoder_decoder:
+        inputs.pop("labels")
+    with torch.no_grad():
+        return model(**inputs).logits
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def trained(request, tmp_path_factory):
+    """(family, trained PEFT model, base folder, adapter folder, batch, base logits, losses, base state before)."""
+    family = request.param
+    torch.manual_seed(0)
+    model, task_type = FAMILIES[family]()
+    root = tmp_path_factory.mktemp(f"peft_{family}")
+    model.save_pretrained(root / "base")
+    batch = _batch(family)
+    base_logits = _logits(model.eval(), batch)
+    base_state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type=task_type)
+    peft_model = get_peft_model(model, config)
+    adapter_init = {n: p.detach().clone() for n, p in peft_model.named_parameters() if p.requires_grad}
+    peft_model.train()
+    optimizer = torch.optim.AdamW([p for p in peft_model.parameters() if p.requires_grad], lr=2e-2)
+    losses = []
+    for _ in range(6):
+        loss = peft_model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    peft_model.eval()
+    peft_model.save_pretrained(root / "adapter")
+    return family, peft_model, root, batch, base_logits, losses, (base_state, adapter_init)
+
+
+def test_lora_wraps_exactly_the_documented_projections(trained):
+    family, peft_model, *_ = trained
+    wrapped = [name for name, module in peft_model.named_modules() if hasattr(module, "lora_A")]
+    assert len(wrapped) == EXPECTED_WRAPPED[family], wrapped
+    assert {name.rsplit(".", 1)[-1] for name in wrapped} <= set(LORA_TARGETS)
+    if family == "seq2seq":
+        assert any(".cross_attn." in name for name in wrapped)
+
+
+def test_training_changes_only_adapter_weights(trained):
+    _, peft_model, _, _, _, losses, (base_state, adapter_init) = trained
+    assert losses[-1] < losses[0], losses
+    trained_now = dict(peft_model.named_parameters())
+    assert any("lora_A" in name for name in adapter_init) and any("lora_B" in name for name in adapter_init)
+    for name, initial in adapter_init.items():  # every adapter tensor (and modules_to_save head) has moved
+        assert not torch.equal(trained_now[name], initial), f"{name} never trained"
+    base = peft_model.get_base_model()
+    # every weight of the original model is bit-for-bit what it was
+    for name, tensor in base.state_dict().items():
+        if "lora_" in name or ".modules_to_save." in name:
+            continue
+        original = name.replace(".base_layer.", ".").replace(".original_module.", ".")
+        assert torch.equal(tensor, base_state[original]), f"{name} changed during LoRA training"
+    trainable = {name for name, p in peft_model.named_parameters() if p.requires_grad}
+    assert all("lora_" in name or ".modules_to_save." in name for name in trainable), trainable
+
+
+def test_merge_and_unload_matches_adapter_model(trained):
+    family, peft_model, root, batch, base_logits, _, _ = trained
+    adapter_logits = _logits(peft_model, batch)
+    # negative control: the trained adapter changes the outputs well beyond the tolerance used below
+    assert (adapter_logits - base_logits).abs().max() > 1e-2
+    base = type(peft_model.get_base_model()).from_pretrained(root / "base")
+    merged = PeftModel.from_pretrained(base, root / "adapter").merge_and_unload().eval()
+    assert type(merged).__module__.startswith("hf_tiny.")
+    assert not any("lora_" in name for name, _ in merged.named_parameters())
+    merged_logits = _logits(merged, batch)
+    scale = max(1.0, adapter_logits.abs().max().item())
+    diff = (merged_logits - adapter_logits).abs().max().item()
+    assert diff <= 1e-5 * scale, f"{family}: merged logits differ by {diff} (scale {scale:.3g})"
+
+
+def test_adapter_saves_and_loads(trained):
+    _, peft_model, root, batch, _, _, _ = trained
+    saved = json.loads((root / "adapter" / "adapter_config.json").read_text())
+    assert set(saved["target_modules"]) == set(LORA_TARGETS)
+    assert (root / "adapter" / "adapter_model.safetensors").is_file()
+    expected = _logits(peft_model, batch)
+    base_class = type(peft_model.get_base_model())
+
+    reloaded = PeftModel.from_pretrained(base_class.from_pretrained(root / "base"), root / "adapter").eval()
+    assert (_logits(reloaded, batch) - expected).abs().max().item() <= 1e-6
+
+    # transformers' own PEFT integration: PreTrainedModel.load_adapter
+    native = base_class.from_pretrained(root / "base").eval()
+    native.load_adapter(str(root / "adapter"))
+    assert (_logits(native, batch) - expected).abs().max().item() <= 1e-6
+
+
+# PEFT's messages (peft 0.21): a plain model names the targets it could not find; a model with a task head that
+# PEFT keeps trainable (SEQ_CLS -> modules_to_save=["classifier", "score"]) gets a generic message instead.
+NO_MATCH_ERRORS = {
+    "causal": r"Target modules \{.*'query'.*\} not found in the base model",
+    "seq2seq": r"Target modules \{.*'query'.*\} not found in the base model",
+    "encoder": r"No modules were targeted for adaptation.*check your `target_modules`",
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_target_modules_matching_nothing_is_a_clear_error(family):
+    model, task_type = FAMILIES[family]()
+    # BERT's own names (query/value) do not exist in hf_tiny
+    config = LoraConfig(r=4, target_modules=["query", "value"], task_type=task_type)
+    with pytest.raises(ValueError, match=NO_MATCH_ERRORS[family]):
+        get_peft_model(model, config)

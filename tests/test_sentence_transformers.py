@@ -1,0 +1,75 @@
+"""sentence-transformers on the converted all-MiniLM-L6-v2: Transformer(converted folder) + mean Pooling +
+Normalize gives the embeddings of the original SentenceTransformer (cosine >= 0.99999), and survives ST's own
+save / load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import hf_tiny
+
+SENTENCES = [
+    "A man is eating food.",
+    "The quick brown fox jumps over the lazy dog near the bank of the river this morning.",
+    "hi",
+    "Sentence embeddings map text to vectors; similar meanings end up close together.",
+]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def converted_minilm(real_minilm_dir, tmp_path_factory):
+    from conversion import bert
+
+    dst = tmp_path_factory.mktemp("st") / "minilm"
+    bert.convert(real_minilm_dir, dst)
+    return dst
+
+
+def _ours(converted, real_minilm_dir):
+    from sentence_transformers import SentenceTransformer
+    from sentence_transformers.base.modules.transformer import Transformer
+    from sentence_transformers.sentence_transformer.modules import Normalize, Pooling
+
+    # the original's sentence_bert_config.json truncates at 256 tokens: use the same limit
+    max_seq_length = json.loads((real_minilm_dir / "sentence_bert_config.json").read_text())["max_seq_length"]
+    transformer = Transformer(str(converted), max_seq_length=max_seq_length)
+    assert isinstance(transformer.auto_model, hf_tiny.TinyEncoderModel)
+    pooling = Pooling(transformer.auto_model.config.hidden_size, pooling_mode="mean")
+    return SentenceTransformer(modules=[transformer, pooling, Normalize()], device="cpu")
+
+
+@pytest.mark.slow
+@pytest.mark.real_weights
+def test_converted_minilm_matches_original_sentence_transformer(converted_minilm, real_minilm_dir, tmp_path):
+    from sentence_transformers import SentenceTransformer
+
+    original = SentenceTransformer(str(real_minilm_dir), device="cpu")
+    ours = _ours(converted_minilm, real_minilm_dir)
+    assert ours.max_seq_length == original.max_seq_length
+
+    expected = original.encode(SENTENCES, convert_to_tensor=True, batch_size=4)  # one padded batch
+    got = ours.encode(SENTENCES, convert_to_tensor=True, batch_size=4)
+    cosine = torch.nn.functional.cosine_similarity(got, expected)
+    assert cosine.min().item() >= 0.99999, cosine
+    assert (got - expected).abs().max().item() <= 1e-5
+    # negative control: the same comparison notices a different sentence
+    shifted = ours.encode(SENTENCES[1:] + SENTENCES[:1], convert_to_tensor=True)
+    assert torch.nn.functional.cosine_similarity(shifted, expected).min().item() < 0.99
+
+    # sentence-transformers' own save/load round trip keeps the hf_tiny model and the embeddings
+    ours.save(str(tmp_path / "st_model"))
+    reloaded = SentenceTransformer(str(tmp_path / "st_model"), device="cpu")
+    assert isinstance(reloaded[0].auto_model, hf_tiny.TinyEncoderModel)
+    again = reloaded.encode(SENTENCES, convert_to_tensor=True, batch_size=4)
+    assert (again - got).abs().max().item() <= 1e-6
