@@ -12,6 +12,7 @@ Every tensor maps 1:1 (no reshaping); the embeddings are one `shared` table that
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -43,6 +44,7 @@ from .seq2seq_common import (
     save_ours,
     with_tied_copies,
     write_card,
+    write_generation_config,
 )
 
 OFFICIAL_CLASSES = {"bart": "BartForConditionalGeneration", "marian": "MarianMTModel"}
@@ -257,10 +259,10 @@ def convert(
         config = config_from_official(official_config, src=src, tied_head=tied_head)
         state = _normalise_source(state, src=src, shared=shared, tied_head=tied_head)
         mapping = key_map(model_type=model_type, tied_head=tied_head, shared_embeddings=shared)
-        ours = mapping.to_target(state, num_layers={"i": config.num_hidden_layers, "j": config.num_decoder_layers}, progress=True)
+        ours = mapping.to_target(state, num_layers={"i": config.num_hidden_layers, "j": config.num_decoder_layers}, progress=sys.stderr.isatty())
         ours = cast_floating(ours, dtype)
         save_ours(config, ours, tmp, src)
-        _write_generation_config(src, official_config, tmp)
+        write_generation_config(tmp, config, official_config)
 
         official = _official_class(model_type).from_pretrained(str(src), dtype=torch.float32)
         round_trip_weights(official, dtype)
@@ -270,7 +272,7 @@ def convert(
         write_card(
             tmp,
             dst,
-            base_model=base_model or src.resolve().name,
+            base_model=base_model or raw.get("_name_or_path") or src.resolve().name,
             description=f"A {model_type.upper() if model_type == 'bart' else 'Marian'} checkpoint "
             f"(`{OFFICIAL_CLASSES[model_type]}`) converted to `TinySeq2SeqForConditionalGeneration`.",
             rows=rows,
@@ -279,16 +281,6 @@ def convert(
         )
         fail_on_parity(rows, OFFICIAL_CLASSES[model_type])
     return {"dst": dst, "model_type": model_type, "parity": rows, "parity_inputs": inputs}
-
-
-def _write_generation_config(src: Path, official_config, tmp: Path) -> None:
-    """Generation defaults (forced_eos_token_id, beams...) come from the source; without a
-    generation_config.json they are derived from its config.json, as transformers does."""
-    if (src / "generation_config.json").is_file():
-        return  # copied with the tokenizer files
-    from transformers import GenerationConfig
-
-    GenerationConfig.from_model_config(official_config).save_pretrained(tmp)
 
 
 def convert_back(src: str | os.PathLike, dst: str | os.PathLike, *, force: bool = False) -> dict:
@@ -304,12 +296,12 @@ def convert_back(src: str | os.PathLike, dst: str | os.PathLike, *, force: bool 
     shared = config.share_encoder_decoder_embeddings
     with atomic_output_dir(dst, force=force) as tmp:
         state = with_tied_copies(load_checkpoint(src), config)
+        dtype = next(iter(state.values())).dtype
+        official_config = official_config_from_ours(config, src=src, model_type=model_type, dtype=dtype)
         mapping = key_map(model_type=model_type, tied_head=config.tie_word_embeddings, shared_embeddings=shared)
         official_state = mapping.to_source(
-            state, num_layers={"i": config.num_hidden_layers, "j": config.num_decoder_layers}, progress=True
+            state, num_layers={"i": config.num_hidden_layers, "j": config.num_decoder_layers}, progress=sys.stderr.isatty()
         )
-        dtype = next(iter(official_state.values())).dtype
-        official_config = official_config_from_ours(config, src=src, model_type=model_type, dtype=dtype)
         if model_type == "bart" and not config.tie_word_embeddings:
             # transformers unties BART's encoder/decoder tables from `shared` too when tie_word_embeddings=False
             for stack in ("encoder", "decoder"):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -31,6 +32,9 @@ from .core import (
     Rule,
     atomic_output_dir,
     cast_floating,
+    check_shapes,
+    expected_shapes,
+    load_checkpoint,
     load_config_json,
     parse_dtype,
     require_model_type,
@@ -46,6 +50,7 @@ from .seq2seq_common import (
     round_trip_weights,
     save_ours,
     write_card,
+    write_generation_config,
 )
 
 BERT_LAYER = {
@@ -91,6 +96,9 @@ def key_map(*, tied_head: bool) -> KeyMap:
 def special_token_ids(src: Path, bert_config) -> dict:
     """[CLS] starts decoding (and is bos), [SEP] ends it, [PAD] pads: read from SRC's tokenizer when it loads."""
     ids = {"pad_token_id": bert_config.pad_token_id, "bos_token_id": None, "eos_token_id": None, "decoder_start_token_id": None}
+    if not any((src / name).is_file() for name in ("tokenizer.json", "vocab.txt")):
+        # (transformers would build an empty placeholder tokenizer whose ids mean nothing)
+        return ids
     try:
         from transformers import AutoTokenizer
 
@@ -168,6 +176,23 @@ def official_warm_start(src: Path, *, seed: int):
     return model.eval()
 
 
+def check_source_weights(src: Path, raw: dict) -> None:
+    """Reads SRC as strictly as `python -m conversion bert` does. transformers' warm start alone would re-initialize
+    a missing BERT tensor and skip an unknown one without an error, and reports damaged files in its own terms."""
+    from . import bert as bert_conversion
+
+    state = load_checkpoint(src)
+    architecture = bert_conversion.detect_architecture(raw, state, src=src)
+    config = bert_conversion.encoder_config_from_bert(raw, src=src)
+    state = bert_conversion._drop_tied_copies(state, architecture, config.tie_word_embeddings)
+    mapped = bert_conversion.key_map(architecture, tied=config.tie_word_embeddings).to_target(
+        state, num_layers=config.num_hidden_layers
+    )
+    with torch.device("meta"):
+        body = bert_conversion._our_class(bert_conversion.ARCHITECTURES[architecture][0])(config)
+    check_shapes(mapped, expected_shapes(body))
+
+
 def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -192,6 +217,7 @@ def convert(
         raise ConversionError(f"{src}: config.json is not a valid BERT config: {error}") from error
 
     with atomic_output_dir(dst, force=force) as tmp:
+        check_source_weights(src, raw)
         official = official_warm_start(src, seed=seed)
         state = {k: v.detach().clone() for k, v in official.state_dict().items()}
         tied_head = head_is_tied(state, "decoder.bert.embeddings.word_embeddings.weight", "decoder.cls.predictions.decoder.weight")
@@ -201,13 +227,12 @@ def convert(
         state = drop_tied_copies(state, "decoder.cls.predictions.bias", ["decoder.cls.predictions.decoder.bias"], src=src)
         config = config_from_bert(bert, src=src, tied_head=tied_head, token_ids=special_token_ids(src, bert))
         ours = key_map(tied_head=tied_head).to_target(
-            state, num_layers={"i": config.num_hidden_layers, "j": config.num_decoder_layers}, progress=True
+            state, num_layers={"i": config.num_hidden_layers, "j": config.num_decoder_layers}, progress=sys.stderr.isatty()
         )
         ours = cast_floating(ours, dtype)
         save_ours(config, ours, tmp, src)
-        from transformers import GenerationConfig
-
-        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        (tmp / "generation_config.json").unlink(missing_ok=True)  # a BERT folder's would be for another model
+        write_generation_config(tmp, config)
 
         round_trip_weights(official, dtype)
         converted = load_ours_checked(tmp, dtype=torch.float32)
@@ -216,7 +241,7 @@ def convert(
         write_card(
             tmp,
             dst,
-            base_model=base_model or src.resolve().name,
+            base_model=base_model or raw.get("_name_or_path") or src.resolve().name,
             description=(
                 "An encoder-decoder warm-started from one BERT checkpoint, as transformers' "
                 "`EncoderDecoderModel.from_encoder_decoder_pretrained` does: encoder and decoder carry the BERT "

@@ -140,6 +140,22 @@ def save_official(official_class, official_config, state: dict, tmp: Path, src: 
         raise ConversionError(f"the written {official_class.__name__} folder does not load cleanly: {problems or info['error_msgs']}")
 
 
+def write_generation_config(tmp: Path, config, official_config=None) -> None:
+    """generation_config.json: the source's (copied with the tokenizer files) or one derived from the official
+    config, as transformers derives it; special ids it leaves unset are filled from the hf_tiny config (T5
+    configs often omit decoder_start_token_id, which is the pad token there)."""
+    from transformers import GenerationConfig
+
+    if (tmp / "generation_config.json").is_file():
+        generation = GenerationConfig.from_pretrained(str(tmp))
+    else:
+        generation = GenerationConfig.from_model_config(official_config if official_config is not None else config)
+    for field in ("decoder_start_token_id", "pad_token_id", "eos_token_id", "bos_token_id"):
+        if getattr(generation, field, None) is None and getattr(config, field, None) is not None:
+            setattr(generation, field, getattr(config, field))
+    generation.save_pretrained(tmp)
+
+
 def load_ours_checked(path: Path, **kwargs):
     """Loads a converted folder and fails unless every tensor was found and used."""
     model, info = ours_class().from_pretrained(str(path), output_loading_info=True, **kwargs)

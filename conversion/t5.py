@@ -14,6 +14,7 @@ that differs from shared.weight; the rescale follows config.json (`scale_decoder
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -45,6 +46,7 @@ from .seq2seq_common import (
     save_ours,
     with_tied_copies,
     write_card,
+    write_generation_config,
 )
 
 ATTENTION = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
@@ -225,13 +227,10 @@ def convert(
         state = drop_tied_copies(state, "shared.weight", copies, src=src)
         config = config_from_official(official_config, src=src, tied_head=tied_head)
         mapping = key_map(gated=config.mlp_gated, tied_head=tied_head)
-        ours = mapping.to_target(state, num_layers={"i": config.num_hidden_layers, "j": config.num_decoder_layers}, progress=True)
+        ours = mapping.to_target(state, num_layers={"i": config.num_hidden_layers, "j": config.num_decoder_layers}, progress=sys.stderr.isatty())
         ours = cast_floating(ours, dtype)
         save_ours(config, ours, tmp, src)
-        if not (src / "generation_config.json").is_file():
-            from transformers import GenerationConfig
-
-            GenerationConfig.from_model_config(official_config).save_pretrained(tmp)
+        write_generation_config(tmp, config, official_config)
 
         official = T5ForConditionalGeneration.from_pretrained(str(src), dtype=torch.float32)
         round_trip_weights(official, dtype)
@@ -243,7 +242,7 @@ def convert(
         write_card(
             tmp,
             dst,
-            base_model=base_model or src.resolve().name,
+            base_model=base_model or raw.get("_name_or_path") or src.resolve().name,
             description=f"A T5 checkpoint ({version}) converted to `TinySeq2SeqForConditionalGeneration`.",
             rows=rows,
             inputs=inputs,
@@ -266,12 +265,12 @@ def convert_back(src: str | os.PathLike, dst: str | os.PathLike, *, force: bool 
     config = load_our_config(src, raw)
     with atomic_output_dir(dst, force=force) as tmp:
         state = with_tied_copies(load_checkpoint(src), config)
+        dtype = next(iter(state.values())).dtype
+        official_config = official_config_from_ours(config, src=src, dtype=dtype)
         mapping = key_map(gated=config.mlp_gated, tied_head=config.tie_word_embeddings)
         official_state = mapping.to_source(
-            state, num_layers={"i": config.num_hidden_layers, "j": config.num_decoder_layers}, progress=True
+            state, num_layers={"i": config.num_hidden_layers, "j": config.num_decoder_layers}, progress=sys.stderr.isatty()
         )
-        dtype = next(iter(official_state.values())).dtype
-        official_config = official_config_from_ours(config, src=src, dtype=dtype)
         save_official(T5ForConditionalGeneration, official_config, official_state, tmp, src)
     return {"dst": dst}
 

@@ -1,0 +1,269 @@
+"""Configuration of the encoder-decoder (seq2seq) family (model_type "hf_tiny_seq2seq").
+
+One config expresses the three real checkpoint families the converters read:
+
+* BART / original Transformer: post-LN LayerNorm, learned absolute positions with BART's offset of 2 (or
+  sinusoidal positions, as Marian uses), biases everywhere, GELU/ReLU, an embedding LayerNorm, optional
+  sqrt(d) embedding scale, a `final_logits_bias` buffer.
+* T5: pre-norm RMSNorm, relative position bias with buckets (one table per stack, in its first layer), no
+  1/sqrt(d) attention scaling, ReLU or gated-GELU feed-forward, no biases, a final norm per stack, tied head
+  with the d_model ** -0.5 rescale (v1.0) or an untied head (v1.1).
+* BERT warm start (bert2seq): post-LN, learned positions without offset, a token-type embedding (type 0 is
+  added), separate encoder and decoder embeddings, an LM head with BERT's transform (dense, act, LayerNorm) and
+  bias.
+
+Standard transformers names are used where they exist; `num_hidden_layers` is the encoder depth and
+`num_decoder_layers` the decoder depth (T5 naming).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Optional
+
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+
+from .validation import check_choice, check_divisible, check_positive, check_probability, check_unsupported_field
+
+NORM_PLACEMENTS = ("pre", "post")
+NORM_TYPES = ("layernorm", "rmsnorm")
+POSITION_EMBEDDING_TYPES = ("learned", "sinusoidal", "relative")
+
+
+def _check_bool(owner: str, **fields) -> None:
+    for name, value in fields.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{owner}: {name} must be True or False, got {value!r}")
+
+
+def _check_positive_number(owner: str, **fields) -> None:
+    for name, value in fields.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ValueError(f"{owner}: {name} must be a positive number, got {value!r}")
+
+
+def _check_token_id(owner: str, name: str, value, vocab_size: int) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
+        raise ValueError(f"{owner}: {name} must be None or a token id in [0, {vocab_size}), got {value!r}")
+
+
+class TinySeq2SeqConfig(PretrainedConfig):
+    """Encoder-decoder transformer. Defaults describe a BART-base-sized model.
+
+    Variant fields (each needed by a real checkpoint family):
+        norm_placement: "post" (BART, BERT: x = norm(x + f(x))) or "pre" (T5: x = x + f(norm(x))).
+        norm_type: "layernorm" or "rmsnorm" (T5).
+        position_embedding_type: "learned" (table of max_position_embeddings + position_offset rows; BART's offset
+            is 2), "sinusoidal" (fixed sin | cos halves, Marian) or "relative" (T5 bucketed bias,
+            relative_attention_num_buckets / relative_attention_max_distance).
+        type_vocab_size: > 0 adds a token-type embedding table whose row 0 is added to every token (BERT).
+        embedding_norm: a norm after the embeddings (BART layernorm_embedding, BERT embeddings.LayerNorm).
+        final_norm: a norm after the last layer of each stack (T5 final_layer_norm).
+        scale_embedding: multiply token embeddings by sqrt(hidden_size) (BART option, Marian).
+        attention_scale: None = head_dim ** -0.5; T5 uses 1.0.
+        attention_bias / mlp_bias / mlp_gated: biases of the projections, gated feed-forward (T5 v1.1).
+        use_padding_idx: the pad row of the word embeddings gets no gradient (BART, BERT; not T5, whose decoder
+            start token is the pad token).
+        share_encoder_decoder_embeddings: one `shared` table for encoder and decoder inputs (BART, T5); False keeps
+            a separate decoder table (bert2seq).
+        tie_word_embeddings: the LM head reuses the decoder input embedding.
+        scale_decoder_outputs: multiply decoder outputs by hidden_size ** -0.5 before the LM head (T5 v1.0).
+        lm_head_transform: BERT's dense + act + LayerNorm before the LM head; lm_head_bias: a learned bias.
+        final_logits_bias: BART's (non-trained) logits bias buffer.
+        encoder_hidden_size / decoder_hidden_size: optional, must equal hidden_size (cross-attention reads
+            encoder states directly, so the two widths must match).
+    """
+
+    model_type = "hf_tiny_seq2seq"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size: int = 50265,
+        hidden_size: int = 768,
+        num_attention_heads: int = 12,
+        num_key_value_heads: Optional[int] = None,
+        head_dim: Optional[int] = None,
+        intermediate_size: int = 3072,
+        num_hidden_layers: int = 6,
+        num_decoder_layers: Optional[int] = None,
+        hidden_act: str = "gelu",
+        max_position_embeddings: int = 1024,
+        layer_norm_eps: float = 1e-5,
+        initializer_range: float = 0.02,
+        attention_dropout: float = 0.0,
+        hidden_dropout: float = 0.1,
+        activation_dropout: float = 0.0,
+        norm_placement: str = "post",
+        norm_type: str = "layernorm",
+        position_embedding_type: str = "learned",
+        position_offset: int = 2,
+        relative_attention_num_buckets: int = 32,
+        relative_attention_max_distance: int = 128,
+        type_vocab_size: int = 0,
+        mlp_gated: bool = False,
+        mlp_bias: bool = True,
+        attention_bias: bool = True,
+        scale_embedding: bool = False,
+        attention_scale: Optional[float] = None,
+        embedding_norm: bool = True,
+        final_norm: bool = False,
+        use_padding_idx: bool = True,
+        share_encoder_decoder_embeddings: bool = True,
+        tie_word_embeddings: bool = True,
+        scale_decoder_outputs: bool = False,
+        lm_head_transform: bool = False,
+        lm_head_bias: bool = False,
+        final_logits_bias: bool = True,
+        pad_token_id: Optional[int] = 1,
+        bos_token_id: Optional[int] = 0,
+        eos_token_id: Optional[int] = 2,
+        decoder_start_token_id: Optional[int] = 2,
+        use_cache: bool = True,
+        encoder_hidden_size: Optional[int] = None,
+        decoder_hidden_size: Optional[int] = None,
+        **kwargs,
+    ):
+        owner = type(self).__name__
+        if num_decoder_layers is None:
+            num_decoder_layers = num_hidden_layers
+        if num_key_value_heads is None:
+            num_key_value_heads = num_attention_heads
+        check_positive(
+            owner,
+            vocab_size=vocab_size,
+            hidden_size=hidden_size,
+            num_attention_heads=num_attention_heads,
+            num_key_value_heads=num_key_value_heads,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_hidden_layers,
+            num_decoder_layers=num_decoder_layers,
+            max_position_embeddings=max_position_embeddings,
+        )
+        for name, width in (("encoder_hidden_size", encoder_hidden_size), ("decoder_hidden_size", decoder_hidden_size)):
+            if width is not None and width != hidden_size:
+                raise ValueError(
+                    f"{owner}: encoder and decoder hidden sizes must match (cross-attention reads the encoder states "
+                    f"directly); got {name}={width!r} with hidden_size={hidden_size} (encoder_hidden_size="
+                    f"{encoder_hidden_size!r}, decoder_hidden_size={decoder_hidden_size!r})"
+                )
+        if head_dim is None:
+            check_divisible(owner, "hidden_size", hidden_size, "num_attention_heads", num_attention_heads)
+        else:
+            check_positive(owner, head_dim=head_dim)
+        check_divisible(owner, "num_attention_heads", num_attention_heads, "num_key_value_heads", num_key_value_heads)
+        check_choice(owner, "hidden_act", hidden_act, sorted(ACT2FN))
+        check_choice(owner, "norm_placement", norm_placement, NORM_PLACEMENTS)
+        check_choice(owner, "norm_type", norm_type, NORM_TYPES)
+        check_choice(owner, "position_embedding_type", position_embedding_type, POSITION_EMBEDDING_TYPES)
+        for field in ("rope_parameters", "rope_scaling"):
+            check_unsupported_field(
+                owner, kwargs, field, (None,),
+                f"this family has no rotary embeddings; choose position_embedding_type from {list(POSITION_EMBEDDING_TYPES)}",
+            )
+        check_probability(
+            owner,
+            attention_dropout=attention_dropout,
+            hidden_dropout=hidden_dropout,
+            activation_dropout=activation_dropout,
+        )
+        _check_positive_number(owner, layer_norm_eps=layer_norm_eps, initializer_range=initializer_range)
+        if attention_scale is not None:
+            _check_positive_number(owner, attention_scale=attention_scale)
+        if isinstance(position_offset, bool) or not isinstance(position_offset, int) or position_offset < 0:
+            raise ValueError(f"{owner}: position_offset must be an integer >= 0, got {position_offset!r}")
+        if isinstance(type_vocab_size, bool) or not isinstance(type_vocab_size, int) or type_vocab_size < 0:
+            raise ValueError(f"{owner}: type_vocab_size must be an integer >= 0 (0 = none), got {type_vocab_size!r}")
+        check_positive(
+            owner,
+            relative_attention_num_buckets=relative_attention_num_buckets,
+            relative_attention_max_distance=relative_attention_max_distance,
+        )
+        if position_embedding_type == "sinusoidal" and hidden_size % 2:
+            raise ValueError(f"{owner}: sinusoidal positions need an even hidden_size, got {hidden_size}")
+        _check_bool(
+            owner,
+            mlp_gated=mlp_gated,
+            mlp_bias=mlp_bias,
+            attention_bias=attention_bias,
+            scale_embedding=scale_embedding,
+            embedding_norm=embedding_norm,
+            final_norm=final_norm,
+            use_padding_idx=use_padding_idx,
+            share_encoder_decoder_embeddings=share_encoder_decoder_embeddings,
+            tie_word_embeddings=tie_word_embeddings,
+            scale_decoder_outputs=scale_decoder_outputs,
+            lm_head_transform=lm_head_transform,
+            lm_head_bias=lm_head_bias,
+            final_logits_bias=final_logits_bias,
+            use_cache=use_cache,
+        )
+        for name, value in (
+            ("pad_token_id", pad_token_id),
+            ("bos_token_id", bos_token_id),
+            ("eos_token_id", eos_token_id),
+            ("decoder_start_token_id", decoder_start_token_id),
+        ):
+            _check_token_id(owner, name, value, vocab_size)
+        if use_padding_idx and pad_token_id is None:
+            raise ValueError(f"{owner}: use_padding_idx=True needs a pad_token_id, got pad_token_id=None")
+
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
+        self.intermediate_size = intermediate_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_decoder_layers = num_decoder_layers
+        self.hidden_act = hidden_act
+        self.max_position_embeddings = max_position_embeddings
+        self.layer_norm_eps = layer_norm_eps
+        self.initializer_range = initializer_range
+        self.attention_dropout = attention_dropout
+        self.hidden_dropout = hidden_dropout
+        self.activation_dropout = activation_dropout
+        self.norm_placement = norm_placement
+        self.norm_type = norm_type
+        self.position_embedding_type = position_embedding_type
+        self.position_offset = position_offset
+        self.relative_attention_num_buckets = relative_attention_num_buckets
+        self.relative_attention_max_distance = relative_attention_max_distance
+        self.type_vocab_size = type_vocab_size
+        self.mlp_gated = mlp_gated
+        self.mlp_bias = mlp_bias
+        self.attention_bias = attention_bias
+        self.scale_embedding = scale_embedding
+        self.attention_scale = attention_scale
+        self.embedding_norm = embedding_norm
+        self.final_norm = final_norm
+        self.use_padding_idx = use_padding_idx
+        self.share_encoder_decoder_embeddings = share_encoder_decoder_embeddings
+        self.tie_word_embeddings = tie_word_embeddings
+        self.scale_decoder_outputs = scale_decoder_outputs
+        self.lm_head_transform = lm_head_transform
+        self.lm_head_bias = lm_head_bias
+        self.final_logits_bias = final_logits_bias
+        self.pad_token_id = pad_token_id
+        self.bos_token_id = bos_token_id
+        self.eos_token_id = eos_token_id
+        self.decoder_start_token_id = decoder_start_token_id
+        self.use_cache = use_cache
+        kwargs.pop("is_encoder_decoder", None)
+        super().__init__(is_encoder_decoder=True, **kwargs)
+
+    def get_text_config(self, decoder=None, encoder=None):
+        """transformers sizes generation caches (DynamicCache(config=...)) from the decoder view of the config;
+        that view must report the decoder's depth, which may differ from the encoder's."""
+        text_config = super().get_text_config(decoder=decoder, encoder=encoder)
+        if decoder and not encoder:
+            if text_config is self:
+                text_config = copy.deepcopy(self)
+            text_config.num_hidden_layers = self.num_decoder_layers
+        return text_config
+
+
+__all__ = ["TinySeq2SeqConfig"]

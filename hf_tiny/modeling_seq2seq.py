@@ -1,0 +1,598 @@
+"""The encoder-decoder (seq2seq) family: BART-, T5- and BERT-warm-start-style models from one set of blocks.
+
+ids -> embeddings (tokens [* sqrt(d)] [+ token type 0] [+ learned / sinusoidal positions] [-> norm] -> dropout)
+    -> N TransformerBlocks (the decoder's add cross-attention over the encoder states) [-> final norm]
+    -> decoder only: [* d ** -0.5] [-> BERT transform] -> LM head [+ bias].
+T5's relative position bias is computed once per stack (its table lives on the stack, like T5's first layer)
+and folded into the self-attention mask of every layer.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.generation import GenerationMixin
+from transformers.modeling_outputs import (
+    BaseModelOutput,
+    BaseModelOutputWithPastAndCrossAttentions,
+    Seq2SeqLMOutput,
+    Seq2SeqModelOutput,
+)
+
+from .configuration_seq2seq import TinySeq2SeqConfig
+from .layers import TransformerBlock, build_norm
+from .masks import AttentionMask, cross_attention_mask, self_attention_mask, with_position_bias
+from .modeling_base import HfTinyPreTrainedModel
+from .validation import check_attention_mask, check_input_ids, check_labels, check_sequence_length
+
+
+def shift_tokens_right(labels: torch.Tensor, pad_token_id: Optional[int], decoder_start_token_id: Optional[int]):
+    """Decoder inputs for teacher forcing: [start, y0, y1, ...], with ignored labels (-100) replaced by pad."""
+    if decoder_start_token_id is None:
+        raise ValueError(
+            "decoder_start_token_id is None: set config.decoder_start_token_id (the first decoder input) to build "
+            "decoder_input_ids from labels, or pass decoder_input_ids"
+        )
+    if pad_token_id is None:
+        raise ValueError("pad_token_id is None: set config.pad_token_id to replace the ignored labels (-100)")
+    shifted = labels.new_zeros(labels.shape)
+    shifted[:, 1:] = labels[:, :-1].clone()
+    shifted[:, 0] = decoder_start_token_id
+    return shifted.masked_fill(shifted == -100, pad_token_id)
+
+
+def relative_position_bucket(relative_position: torch.Tensor, *, bidirectional: bool, num_buckets: int, max_distance: int):
+    """T5's bucketing of (key position - query position): exact buckets for short distances, log-spaced after."""
+    buckets = 0
+    if bidirectional:
+        num_buckets //= 2
+        buckets += (relative_position > 0).to(torch.long) * num_buckets
+        relative_position = torch.abs(relative_position)
+    else:
+        relative_position = -torch.min(relative_position, torch.zeros_like(relative_position))
+    max_exact = num_buckets // 2
+    is_small = relative_position < max_exact
+    if_large = max_exact + (
+        torch.log(relative_position.float() / max_exact) / math.log(max_distance / max_exact) * (num_buckets - max_exact)
+    ).to(torch.long)
+    if_large = torch.min(if_large, torch.full_like(if_large, num_buckets - 1))
+    return buckets + torch.where(is_small, relative_position, if_large)
+
+
+def sinusoidal_table(num_positions: int, dim: int) -> torch.Tensor:
+    """Fixed positions (Vaswani et al. frequencies) laid out as [sin | cos] halves, like Marian; float64 math."""
+    positions = torch.arange(num_positions, dtype=torch.float64)[:, None]
+    inv_freq = torch.pow(10000.0, -torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = positions * inv_freq[None, :]
+    return torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1).to(torch.float32)
+
+
+class SinusoidalPositions(nn.Module):
+    """Not trained and not saved: the table is rebuilt at init (and after from_pretrained's meta load)."""
+
+    def __init__(self, num_positions: int, dim: int):
+        super().__init__()
+        self.num_positions, self.dim = num_positions, dim
+        self.register_buffer("weight", sinusoidal_table(num_positions, dim), persistent=False)
+
+    def _init_buffers(self) -> None:
+        self.weight = sinusoidal_table(self.num_positions, self.dim).to(self.weight.device)
+
+    def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(position_ids, self.weight)
+
+
+class LMHeadTransform(nn.Module):
+    """BERT's prediction-head transform: dense -> activation -> LayerNorm."""
+
+    def __init__(self, config: TinySeq2SeqConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.act_fn = ACT2FN[config.hidden_act]
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.act_fn(self.dense(hidden_states)))
+
+
+class TinySeq2SeqStack(nn.Module):
+    """The encoder (is_decoder=False) or the decoder (causal self-attention + cross-attention) stack."""
+
+    def __init__(self, config: TinySeq2SeqConfig, *, is_decoder: bool):
+        super().__init__()
+        self.config = config
+        self.is_decoder = is_decoder
+        hidden = config.hidden_size
+        padding_idx = config.pad_token_id if config.use_padding_idx else None
+        self.embed_tokens = nn.Embedding(config.vocab_size, hidden, padding_idx=padding_idx)
+        self.embed_scale = math.sqrt(hidden) if config.scale_embedding else 1.0
+        if config.type_vocab_size > 0:
+            self.token_type_embeddings = nn.Embedding(config.type_vocab_size, hidden)
+        if config.position_embedding_type == "learned":
+            self.embed_positions = nn.Embedding(config.max_position_embeddings + config.position_offset, hidden)
+        elif config.position_embedding_type == "sinusoidal":
+            self.embed_positions = SinusoidalPositions(config.max_position_embeddings, hidden)
+        else:
+            self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_attention_heads)
+        if config.embedding_norm:
+            self.embedding_norm = build_norm(config.norm_type, hidden, config.layer_norm_eps)
+        num_layers = config.num_decoder_layers if is_decoder else config.num_hidden_layers
+        self.layers = nn.ModuleList(
+            [
+                TransformerBlock(
+                    config,
+                    layer_idx,
+                    pre_norm=config.norm_placement == "pre",
+                    norm_type=config.norm_type,
+                    norm_eps=config.layer_norm_eps,
+                    hidden_act=config.hidden_act,
+                    intermediate_size=config.intermediate_size,
+                    mlp_gated=config.mlp_gated,
+                    mlp_bias=config.mlp_bias,
+                    hidden_dropout=config.hidden_dropout,
+                    activation_dropout=config.activation_dropout,
+                    cross_attention=is_decoder,
+                )
+                for layer_idx in range(num_layers)
+            ]
+        )
+        if config.final_norm:
+            self.norm = build_norm(config.norm_type, hidden, config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def embed(self, input_ids, inputs_embeds, past_length: int) -> torch.Tensor:
+        if inputs_embeds is None:
+            # like BART, the sqrt(d) scale belongs to the token lookup; caller-given embeddings are used as they are
+            inputs_embeds = self.embed_tokens(input_ids) * self.embed_scale
+        hidden_states = inputs_embeds
+        if hasattr(self, "token_type_embeddings"):
+            hidden_states = hidden_states + self.token_type_embeddings.weight[0]
+        if hasattr(self, "embed_positions"):
+            seq_len = hidden_states.shape[1]
+            check_sequence_length(
+                past_length + seq_len,
+                limit=self.config.max_position_embeddings,
+                field=f"{'decoder' if self.is_decoder else 'encoder'} sequence length (cached + new)",
+            )
+            position_ids = torch.arange(past_length, past_length + seq_len, device=hidden_states.device)
+            if isinstance(self.embed_positions, nn.Embedding):
+                position_ids = position_ids + self.config.position_offset
+            hidden_states = hidden_states + self.embed_positions(position_ids)[None]
+        if hasattr(self, "embedding_norm"):
+            hidden_states = self.embedding_norm(hidden_states)
+        return self.dropout(hidden_states)
+
+    def position_bias(self, query_length: int, key_length: int, past_length: int, device) -> torch.Tensor:
+        """T5 relative bias [1, heads, query_length, key_length] for queries at positions past_length + i."""
+        context = torch.arange(query_length, dtype=torch.long, device=device)[:, None] + past_length
+        memory = torch.arange(key_length, dtype=torch.long, device=device)[None, :]
+        buckets = relative_position_bucket(
+            memory - context,
+            bidirectional=not self.is_decoder,
+            num_buckets=self.config.relative_attention_num_buckets,
+            max_distance=self.config.relative_attention_max_distance,
+        )
+        return self.relative_attention_bias(buckets).permute(2, 0, 1)[None]
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        encoder_hidden_states: Optional[torch.Tensor] = None,
+        encoder_attention_mask: Optional[torch.Tensor] = None,
+        past_key_values: Optional[EncoderDecoderCache] = None,
+        output_attentions: bool = False,
+        output_hidden_states: bool = False,
+        return_dict: bool = True,
+    ):
+        name = "decoder_input_ids" if self.is_decoder else "input_ids"
+        if (input_ids is None) == (inputs_embeds is None):
+            embeds_name = "decoder_inputs_embeds" if self.is_decoder else "inputs_embeds"
+            raise ValueError(f"pass exactly one of {name} and {embeds_name}")
+        if input_ids is not None:
+            check_input_ids(input_ids, vocab_size=self.config.vocab_size, field=name)
+            batch, seq_len = input_ids.shape
+        else:
+            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
+                raise ValueError(
+                    f"inputs_embeds must be [batch, sequence, {self.config.hidden_size}], got {tuple(inputs_embeds.shape)}"
+                )
+            batch, seq_len = inputs_embeds.shape[:2]
+        if self.is_decoder and encoder_hidden_states is None:
+            raise ValueError("the decoder needs encoder_hidden_states (the encoder's last_hidden_state)")
+        if not self.is_decoder and past_key_values is not None:
+            raise ValueError("the encoder takes no past_key_values")
+
+        past_length = past_key_values.self_attention_cache.get_seq_length() if past_key_values is not None else 0
+        key_length = past_length + seq_len
+        mask_name = "decoder_attention_mask" if self.is_decoder else "attention_mask"
+        check_attention_mask(attention_mask, expected_shape=(batch, key_length), field=mask_name)
+        hidden_states = self.embed(input_ids, inputs_embeds, past_length)
+        device = hidden_states.device
+
+        self_mask = self_attention_mask(
+            attention_mask,
+            batch_size=batch,
+            query_length=seq_len,
+            key_length=key_length,
+            causal=self.is_decoder,
+            device=device,
+        )
+        if hasattr(self, "relative_attention_bias"):
+            bias = self.position_bias(seq_len, key_length, past_length, device)
+            self_mask = with_position_bias(self_mask, bias, hidden_states.dtype)
+        cross_mask: Optional[AttentionMask] = None
+        if self.is_decoder:
+            check_attention_mask(
+                encoder_attention_mask,
+                expected_shape=tuple(encoder_hidden_states.shape[:2]),
+                field="attention_mask (encoder padding mask)",
+            )
+            cross_mask = cross_attention_mask(encoder_attention_mask, query_length=seq_len)
+
+        all_hidden = () if output_hidden_states else None
+        all_self = () if output_attentions else None
+        all_cross = () if output_attentions and self.is_decoder else None
+        for layer in self.layers:
+            if output_hidden_states:
+                all_hidden += (hidden_states,)
+            # encoder states are positional so that gradient checkpointing propagates their gradients
+            hidden_states, self_weights, cross_weights = layer(
+                hidden_states,
+                self_mask,
+                None,
+                encoder_hidden_states,
+                cross_mask,
+                past_key_values=past_key_values,
+                output_attentions=output_attentions,
+            )
+            if output_attentions:
+                all_self += (self_weights,)
+                if self.is_decoder:
+                    all_cross += (cross_weights,)
+        if hasattr(self, "norm"):
+            hidden_states = self.dropout(self.norm(hidden_states))
+        if output_hidden_states:
+            all_hidden += (hidden_states,)
+
+        if self.is_decoder:
+            output = BaseModelOutputWithPastAndCrossAttentions(
+                last_hidden_state=hidden_states,
+                past_key_values=past_key_values,
+                hidden_states=all_hidden,
+                attentions=all_self,
+                cross_attentions=all_cross,
+            )
+        else:
+            output = BaseModelOutput(last_hidden_state=hidden_states, hidden_states=all_hidden, attentions=all_self)
+        return output if return_dict else output.to_tuple()
+
+
+class TinySeq2SeqPreTrainedModel(HfTinyPreTrainedModel):
+    config_class = TinySeq2SeqConfig
+    config: TinySeq2SeqConfig
+    _no_split_modules = ["TransformerBlock"]
+    # All embeddings that may be tied; get_expanded_tied_weights_keys picks the ones this config ties.
+    _tied_weights_keys = {
+        "encoder.embed_tokens.weight": "shared.weight",
+        "decoder.embed_tokens.weight": "shared.weight",
+    }
+
+    def _tie_map(self, prefix: str) -> dict[str, str]:
+        shared = f"{prefix}shared.weight"
+        mapping = {f"{prefix}encoder.embed_tokens.weight": shared}
+        decoder_embedding = f"{prefix}decoder.embed_tokens.weight"
+        if self.config.share_encoder_decoder_embeddings:
+            mapping[decoder_embedding] = shared
+            decoder_embedding = shared
+        if hasattr(self, "lm_head") and self.config.tie_word_embeddings:
+            mapping["lm_head.weight"] = decoder_embedding
+        return mapping
+
+    def get_expanded_tied_weights_keys(self, all_submodels: bool = False) -> dict:
+        # transformers ties nothing unless tie_word_embeddings is set; the encoder (and, when shared, the decoder)
+        # input embeddings are always the `shared` table, whatever the head does.
+        if all_submodels:
+            return super().get_expanded_tied_weights_keys(all_submodels=True)
+        return self._tie_map("model." if hasattr(self, "lm_head") else "")
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, TinySeq2SeqForConditionalGeneration) and hasattr(module, "final_logits_bias"):
+            module.final_logits_bias.zero_()
+
+
+def _check_encoder_outputs(encoder_states: torch.Tensor, config: TinySeq2SeqConfig, attention_mask, batch: Optional[int]):
+    if not isinstance(encoder_states, torch.Tensor):
+        raise TypeError(
+            f"encoder_outputs[0] must be a tensor [batch, encoder_length, {config.hidden_size}], "
+            f"got {type(encoder_states).__name__}"
+        )
+    if encoder_states.dim() != 3 or encoder_states.shape[-1] != config.hidden_size:
+        raise ValueError(
+            f"encoder_outputs[0] must have shape [batch, encoder_length, hidden_size={config.hidden_size}], "
+            f"got {tuple(encoder_states.shape)}"
+        )
+    if batch is not None and encoder_states.shape[0] != batch:
+        raise ValueError(
+            f"encoder_outputs[0] has batch size {encoder_states.shape[0]} but the decoder input has batch size {batch}"
+        )
+    if attention_mask is not None and attention_mask.dim() == 2 and tuple(attention_mask.shape) != tuple(encoder_states.shape[:2]):
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)} but encoder_outputs[0] covers "
+            f"{tuple(encoder_states.shape[:2])} (batch, encoder_length)"
+        )
+
+
+class TinySeq2SeqModel(TinySeq2SeqPreTrainedModel):
+    def __init__(self, config: TinySeq2SeqConfig):
+        super().__init__(config)
+        padding_idx = config.pad_token_id if config.use_padding_idx else None
+        self.shared = nn.Embedding(config.vocab_size, config.hidden_size, padding_idx=padding_idx)
+        self.encoder = TinySeq2SeqStack(config, is_decoder=False)
+        self.decoder = TinySeq2SeqStack(config, is_decoder=True)
+        self.post_init()
+
+    def get_input_embeddings(self):
+        return self.shared
+
+    def set_input_embeddings(self, value):
+        self.shared = value
+        self.encoder.embed_tokens = value
+        if self.config.share_encoder_decoder_embeddings:
+            self.decoder.embed_tokens = value
+
+    def _decoder_cache(self, past_key_values, use_cache: bool):
+        if past_key_values is not None and not isinstance(past_key_values, EncoderDecoderCache):
+            raise TypeError(
+                "past_key_values of a seq2seq model must be an EncoderDecoderCache (self-attention + cross-attention "
+                f"caches), got {type(past_key_values).__name__}"
+            )
+        if past_key_values is not None and past_key_values.is_compileable:
+            raise ValueError(
+                "static (compileable) caches are not supported by hf_tiny seq2seq models: their zero-padded K/V need "
+                "masks sized to the cache; use the default dynamic cache (cache_implementation=None)"
+            )
+        if past_key_values is None and use_cache:
+            # DynamicCache(config=...) reads the decoder view of the config, so it has num_decoder_layers layers.
+            past_key_values = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
+        return past_key_values
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        decoder_input_ids: Optional[torch.LongTensor] = None,
+        decoder_attention_mask: Optional[torch.Tensor] = None,
+        encoder_outputs=None,
+        past_key_values: Optional[Cache] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        decoder_inputs_embeds: Optional[torch.Tensor] = None,
+        use_cache: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+    ):
+        output_attentions = bool(output_attentions) if output_attentions is not None else self.config.output_attentions
+        output_hidden_states = (
+            bool(output_hidden_states) if output_hidden_states is not None else self.config.output_hidden_states
+        )
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
+        if decoder_input_ids is None and decoder_inputs_embeds is None:
+            raise ValueError(
+                "the decoder needs an input: pass decoder_input_ids (starting with decoder_start_token_id="
+                f"{self.config.decoder_start_token_id}) or labels (shifted right into decoder_input_ids)"
+            )
+
+        if encoder_outputs is None:
+            encoder_outputs = self.encoder(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                inputs_embeds=inputs_embeds,
+                output_attentions=output_attentions,
+                output_hidden_states=output_hidden_states,
+                return_dict=True,
+            )
+        elif not isinstance(encoder_outputs, BaseModelOutput):
+            if isinstance(encoder_outputs, torch.Tensor) or not isinstance(encoder_outputs, (tuple, list)) or not encoder_outputs:
+                raise TypeError(
+                    "encoder_outputs must be a BaseModelOutput or a tuple whose first item is the encoder's "
+                    f"last_hidden_state, got {type(encoder_outputs).__name__}"
+                )
+            encoder_outputs = BaseModelOutput(
+                last_hidden_state=encoder_outputs[0],
+                hidden_states=encoder_outputs[1] if len(encoder_outputs) > 1 else None,
+                attentions=encoder_outputs[2] if len(encoder_outputs) > 2 else None,
+            )
+        decoder_batch = (decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds).shape[0]
+        _check_encoder_outputs(encoder_outputs.last_hidden_state, self.config, attention_mask, decoder_batch)
+
+        decoder_outputs = self.decoder(
+            input_ids=decoder_input_ids,
+            attention_mask=decoder_attention_mask,
+            inputs_embeds=decoder_inputs_embeds,
+            encoder_hidden_states=encoder_outputs.last_hidden_state,
+            encoder_attention_mask=attention_mask,
+            past_key_values=self._decoder_cache(past_key_values, use_cache),
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+        )
+        output = Seq2SeqModelOutput(
+            last_hidden_state=decoder_outputs.last_hidden_state,
+            past_key_values=decoder_outputs.past_key_values if use_cache else None,
+            decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions,
+            cross_attentions=decoder_outputs.cross_attentions,
+            encoder_last_hidden_state=encoder_outputs.last_hidden_state,
+            encoder_hidden_states=encoder_outputs.hidden_states,
+            encoder_attentions=encoder_outputs.attentions,
+        )
+        return output if return_dict else output.to_tuple()
+
+
+class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {
+        "model.encoder.embed_tokens.weight": "model.shared.weight",
+        "model.decoder.embed_tokens.weight": "model.shared.weight",
+        "lm_head.weight": "model.shared.weight",
+    }
+    _keys_to_ignore_on_load_missing = ["final_logits_bias"]
+    # forward takes num_items_in_batch (Trainer's gradient-accumulation-correct loss normalisation)
+    accepts_loss_kwargs = True
+
+    def __init__(self, config: TinySeq2SeqConfig):
+        super().__init__(config)
+        self.model = TinySeq2SeqModel(config)
+        if config.lm_head_transform:
+            self.lm_head_transform = LMHeadTransform(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
+        if config.final_logits_bias:
+            self.register_buffer("final_logits_bias", torch.zeros(1, config.vocab_size))
+        self.post_init()
+
+    def get_encoder(self, modality=None):
+        return self.model.encoder
+
+    def get_decoder(self):
+        return self.model.decoder
+
+    def get_input_embeddings(self):
+        return self.model.shared
+
+    def set_input_embeddings(self, value):
+        self.model.set_input_embeddings(value)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, new_embeddings):
+        self.lm_head = new_embeddings
+
+    def resize_token_embeddings(self, new_num_tokens=None, pad_to_multiple_of=None, mean_resizing=True):
+        """Resizes `shared`, the decoder table when it is separate, the LM head (and its biases) together."""
+        embeddings = super().resize_token_embeddings(new_num_tokens, pad_to_multiple_of, mean_resizing)
+        size = embeddings.weight.shape[0]
+        decoder = self.model.decoder
+        if not self.config.share_encoder_decoder_embeddings and decoder.embed_tokens.weight.shape[0] != size:
+            decoder.embed_tokens = self._get_resized_embeddings(decoder.embed_tokens, size, mean_resizing=mean_resizing)
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = decoder.embed_tokens.weight
+        self.lm_head.out_features = size
+        if self.lm_head.bias is not None and self.lm_head.bias.shape[0] != size:
+            self.lm_head.bias = nn.Parameter(self._resized_vector(self.lm_head.bias.data, size))
+        if hasattr(self, "final_logits_bias"):
+            self.register_buffer("final_logits_bias", self._resized_vector(self.final_logits_bias[0], size)[None])
+        return embeddings
+
+    @staticmethod
+    def _resized_vector(old: torch.Tensor, size: int) -> torch.Tensor:
+        """Keeps the first entries, zeros for new tokens."""
+        new = old.new_zeros(size)
+        keep = min(size, old.shape[0])
+        new[:keep] = old[:keep]
+        return new
+
+    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor):
+        return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
+
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        decoder_input_ids: Optional[torch.LongTensor] = None,
+        decoder_attention_mask: Optional[torch.Tensor] = None,
+        encoder_outputs=None,
+        past_key_values: Optional[Cache] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        decoder_inputs_embeds: Optional[torch.Tensor] = None,
+        labels: Optional[torch.LongTensor] = None,
+        use_cache: Optional[bool] = None,
+        output_attentions: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+        logits_to_keep: int = 0,
+        num_items_in_batch: Optional[int] = None,
+    ):
+        """labels: [batch, target_length] token ids, -100 = ignored. Without decoder inputs they are shifted right
+        (decoder_start_token_id first) into decoder_input_ids. num_items_in_batch (given by Trainer under gradient
+        accumulation): the loss is summed and divided by it instead of averaged over this batch."""
+        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        if labels is not None:
+            if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
+                raise ValueError(f"labels must be a 2-D tensor [batch, target_length], got {getattr(labels, 'shape', labels)!r}")
+            check_labels(labels, num_classes=self.config.vocab_size)
+            encoder_input = input_ids if input_ids is not None else inputs_embeds
+            if isinstance(encoder_input, torch.Tensor) and encoder_input.dim() >= 2 and encoder_input.shape[0] != labels.shape[0]:
+                raise ValueError(
+                    f"labels has batch size {labels.shape[0]} but the encoder input has batch size {encoder_input.shape[0]}"
+                )
+            use_cache = False
+            if decoder_input_ids is None and decoder_inputs_embeds is None:
+                decoder_input_ids = shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
+        outputs = self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            decoder_input_ids=decoder_input_ids,
+            decoder_attention_mask=decoder_attention_mask,
+            encoder_outputs=encoder_outputs,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            decoder_inputs_embeds=decoder_inputs_embeds,
+            use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+        )
+        hidden_states = outputs.last_hidden_state
+        if logits_to_keep:
+            hidden_states = hidden_states[:, -logits_to_keep:]
+        if self.config.scale_decoder_outputs:
+            hidden_states = hidden_states * (self.config.hidden_size**-0.5)
+        if hasattr(self, "lm_head_transform"):
+            hidden_states = self.lm_head_transform(hidden_states)
+        logits = self.lm_head(hidden_states)
+        if hasattr(self, "final_logits_bias"):
+            logits = logits + self.final_logits_bias.to(logits.device)
+
+        loss = None
+        if labels is not None:
+            if labels.shape != logits.shape[:2]:
+                raise ValueError(f"labels have shape {tuple(labels.shape)} but the logits cover {tuple(logits.shape[:2])}")
+            flat_logits = logits.float().reshape(-1, logits.shape[-1])
+            flat_labels = labels.to(logits.device).reshape(-1)
+            if num_items_in_batch is None:
+                loss = F.cross_entropy(flat_logits, flat_labels, ignore_index=-100)
+            else:
+                loss = F.cross_entropy(flat_logits, flat_labels, ignore_index=-100, reduction="sum")
+                loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device, dtype=loss.dtype)
+
+        output = Seq2SeqLMOutput(
+            loss=loss,
+            logits=logits,
+            past_key_values=outputs.past_key_values,
+            decoder_hidden_states=outputs.decoder_hidden_states,
+            decoder_attentions=outputs.decoder_attentions,
+            cross_attentions=outputs.cross_attentions,
+            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
+            encoder_hidden_states=outputs.encoder_hidden_states,
+            encoder_attentions=outputs.encoder_attentions,
+        )
+        return output if return_dict else output.to_tuple()
+
+
+__all__ = [
+    "TinySeq2SeqForConditionalGeneration",
+    "TinySeq2SeqModel",
+    "TinySeq2SeqPreTrainedModel",
+    "shift_tokens_right",
+]
