@@ -27,13 +27,17 @@ from .core import (
     check_shapes,
     copy_tokenizer_files,
     expected_shapes,
+    fail_on_parity,
     load_checkpoint,
     load_config_json,
+    load_hf_tiny_config,
     max_abs_diff,
+    parity_plans,
+    parity_row,
     parse_dtype,
     require_model_type,
-    save_state_dict_safetensors,
     write_model_card,
+    write_official_folder,
 )
 
 # official class -> (hf_tiny class, Auto class, pipeline tag, has pooler)
@@ -100,8 +104,6 @@ HEAD_MODULES = {
 IGNORED_BUFFERS = (r"(bert\.)?embeddings\.position_ids", r"(bert\.)?embeddings\.token_type_ids")
 
 # Parity is measured at conversion time; an fp32 row above its tolerance fails the conversion.
-# Tolerance = RELATIVE_TOLERANCE[dtype] * max(1, max |official output|).
-RELATIVE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 SAMPLE_TEXTS = (
     "The quick brown fox jumps over the lazy dog.",
     "A converted checkpoint holds the same numbers under different names.",
@@ -342,13 +344,9 @@ def measure_parity(src: Path, converted: Path, architecture: str, dtype: torch.d
     ours.eval()
     inputs, description = sample_inputs(src, ours.config)
     mask = inputs["attention_mask"]
-    plans = [("cpu", dtype, backend) for backend in ("eager", "sdpa")]
-    if torch.cuda.is_available():
-        plans += [("cuda", torch.float32, b) for b in ("eager", "sdpa")]
-        plans += [("cuda", torch.bfloat16, b) for b in ("eager", "sdpa", "flash_attention_2")]
     rows = []
     reference_device = None
-    for device, run_dtype, backend in plans:
+    for device, run_dtype, backend in parity_plans(dtype):
         if device != reference_device:
             official.to(device)
             reference = compared_outputs(_run(official, inputs, device), architecture, mask)
@@ -358,15 +356,7 @@ def measure_parity(src: Path, converted: Path, architecture: str, dtype: torch.d
         ours.set_attn_implementation(backend)
         produced = compared_outputs(_run(ours, inputs, device), architecture, mask)
         diff = max(max_abs_diff(a.float(), b.float()) for a, b in zip(produced, reference))
-        rows.append(
-            {
-                "backend": backend,
-                "dtype": str(run_dtype).removeprefix("torch."),
-                "device": device,
-                "max_abs_diff": diff,
-                "tolerance": RELATIVE_TOLERANCE[run_dtype] * scale,
-            }
-        )
+        rows.append(parity_row(backend, run_dtype, device, diff, scale))
     return rows, description
 
 
@@ -476,10 +466,7 @@ def _convert_into(src, dst, force, dtype, base_model, bert_config, config, stage
             "the tolerance is the relative tolerance of the dtype times max(1, max |official output|).\n",
         )
         stages.next()
-        failed = [r for r in parity if r["dtype"] == "float32" and not r["max_abs_diff"] <= r["tolerance"]]
-        if failed:
-            detail = ", ".join(f"{r['backend']} on {r['device']}: {r['max_abs_diff']:.3g} > {r['tolerance']:.3g}" for r in failed)
-            raise ConversionError(f"converted model does not match the official {architecture}: {detail}")
+        fail_on_parity(parity, architecture)
     return {
         "dst": dst,
         "architecture": architecture,
@@ -492,18 +479,10 @@ def _convert_into(src, dst, force, dtype, base_model, bert_config, config, stage
 def convert_back(src: str | os.PathLike, dst: str | os.PathLike, *, force: bool = False) -> dict:
     """hf_tiny encoder folder -> official BERT folder that transformers' Bert* classes load with no missing or
     unexpected keys. Returns {"dst", "architecture"}."""
-    src, dst = Path(src), Path(dst)
-    raw_config = load_config_json(src)
-    require_model_type(raw_config, "hf_tiny_encoder", src=src)
     from hf_tiny import TinyEncoderConfig
 
-    try:
-        config = TinyEncoderConfig.from_dict({k: v for k, v in raw_config.items() if k != "auto_map"})
-    except (TypeError, ValueError) as error:
-        raise ConversionError(f"{src}: invalid hf_tiny encoder config: {error}") from error
-    ours_name = (config.architectures or ["TinyEncoderModel"])[0]
-    if ours_name not in OFFICIAL_BY_OURS:
-        raise ConversionError(f"{src}: architecture {ours_name!r} has no official BERT class; supported: {', '.join(OFFICIAL_BY_OURS)}")
+    src, dst = Path(src), Path(dst)
+    config, ours_name = load_hf_tiny_config(src, TinyEncoderConfig, supported=OFFICIAL_BY_OURS, default="TinyEncoderModel")
     architecture = OFFICIAL_BY_OURS[ours_name]
     tied = config.tie_word_embeddings
 
@@ -520,17 +499,7 @@ def convert_back(src: str | os.PathLike, dst: str | os.PathLike, *, force: bool 
             official["cls.predictions.bias"] = official["cls.predictions.decoder.bias"].clone()
         dtype = next(iter(official.values())).dtype
         bert_config = bert_config_from_encoder(config, architecture, dtype)
-
-        with torch.device("meta"):
-            reference = _official_class(architecture)(bert_config)
-        expected = expected_shapes(reference)
-        for tied_copy in reference.get_expanded_tied_weights_keys(all_submodels=True):
-            expected.pop(tied_copy, None)
-        check_shapes(official, expected)
-
-        bert_config.save_pretrained(tmp)
-        save_state_dict_safetensors(official, tmp / "model.safetensors")
-        copy_tokenizer_files(src, tmp)
+        write_official_folder(tmp, _official_class(architecture), bert_config, official, src)
     return {"dst": dst, "architecture": architecture}
 
 

@@ -23,6 +23,8 @@ load_gguf(path, *, expected_architecture, dtype=None)
                                         -> (config dict, state dict with transformers names, dequantized).
 require_model_type(config, expected, *, src)
                                         config["model_type"] must be one of `expected`.
+load_hf_tiny_config(src, config_class, *, supported, default)
+                                        an hf_tiny folder -> (config, architecture), both checked.
 KeyMap(rules, *, ignore=(), ignore_target=())
     .to_target(sd, *, num_layers, progress=False)  source naming -> hf_tiny naming (strict)
     .to_source(sd, *, num_layers, progress=False)  the exact inverse (bit-exact round trip)
@@ -34,12 +36,16 @@ expected_shapes(module)                 {name: shape} of a module's state dict (
 cast_floating(state_dict, dtype)        casts floating tensors only (ids/int buffers untouched).
 parse_dtype(name)                       "float32" | "bfloat16" | "float16" (| torch.dtype) -> torch.dtype.
 max_abs_diff(a, b)                      float max |a - b| (computed in float64).
+parity_plans(dtype) / parity_row(...) / fail_on_parity(rows, what)
+                                        the (device, dtype, backend) runs, a model-card row, the fp32 verdict.
 save_state_dict_safetensors(sd, path, *, metadata=None)
                                         saves tensors that share memory (tied weights) as separate copies.
 atomic_output_dir(dst, *, force=False, src=None)
                                         context manager yielding a temp folder beside dst, swapped in on success;
                                         src (optional) refuses a dst that is or contains the source.
 copy_tokenizer_files(src_dir, dst_dir)  copies the tokenizer files (and generation_config.json) that exist.
+write_official_folder(tmp, official_class, official_config, state, src)
+                                        a reverse conversion's output: config, checked tensors, tokenizer.
 render_model_card(template_name="hf_tiny", **fields) / write_model_card(dst_dir, template_name=..., **fields)
                                         model_cards/<name>.md filled in; writes dst_dir/README.md.
 TOKENIZER_FILES, MODEL_CARDS_DIR        the file names copied, and where the templates live.
@@ -48,15 +54,12 @@ TOKENIZER_FILES, MODEL_CARDS_DIR        the file names copied, and where the tem
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import itertools
 import json
 import math
 import os
 import pickle
 import re
-import secrets
 import shutil
 import string
 import sys
@@ -254,6 +257,22 @@ def require_model_type(config: Mapping, expected: str | Iterable[str], *, src: s
             f"{src} is not a {' / '.join(allowed)} checkpoint: its config.json has model_type={model_type!r}"
         )
     return model_type
+
+
+def load_hf_tiny_config(src: str | os.PathLike, config_class, *, supported: Iterable[str], default: str):
+    """An hf_tiny folder's config (config_class, model_type checked) and its architecture, which must be one of
+    `supported` (`default` when config.json names none). The reverse converters start here."""
+    raw = load_config_json(src)
+    require_model_type(raw, config_class.model_type, src=src)
+    try:
+        config = config_class.from_dict({k: v for k, v in raw.items() if k != "auto_map"})
+    except (TypeError, ValueError) as error:
+        raise ConversionError(f"{src}: invalid {config_class.model_type} config: {error}") from error
+    architecture = (config.architectures or [default])[0]
+    supported = list(supported)
+    if architecture not in supported:
+        raise ConversionError(f"{src}: architecture {architecture!r} is not supported; supported: {', '.join(supported)}")
+    return config, architecture
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -671,6 +690,39 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(diff.max())
 
 
+# Parity measured at conversion time: tolerance = RELATIVE_TOLERANCE[dtype] * max(1, max |official output|).
+RELATIVE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+def parity_plans(dtype: torch.dtype) -> list[tuple[str, torch.dtype, str]]:
+    """(device, dtype, backend) runs to measure: CPU eager/sdpa in `dtype`; with CUDA also fp32 eager/sdpa and
+    bf16 eager/sdpa/flash."""
+    plans = [("cpu", dtype, backend) for backend in ("eager", "sdpa")]
+    if torch.cuda.is_available():
+        plans += [("cuda", torch.float32, b) for b in ("eager", "sdpa")]
+        plans += [("cuda", torch.bfloat16, b) for b in ("eager", "sdpa", "flash_attention_2")]
+    return plans
+
+
+def parity_row(backend: str, dtype: torch.dtype, device: str, diff: float, scale: float) -> dict:
+    """One model-card parity row; scale is max(1, max |official output|)."""
+    return {
+        "backend": backend,
+        "dtype": str(dtype).removeprefix("torch."),
+        "device": device,
+        "max_abs_diff": diff,
+        "tolerance": RELATIVE_TOLERANCE[dtype] * scale,
+    }
+
+
+def fail_on_parity(rows: Iterable[dict], what: str) -> None:
+    """Raises naming every float32 row above its tolerance (NaN counts as above)."""
+    failed = [r for r in rows if r["dtype"] == "float32" and not r["max_abs_diff"] <= r["tolerance"]]
+    if failed:
+        detail = ", ".join(f"{r['backend']} on {r['device']}: {r['max_abs_diff']:.3g} > {r['tolerance']:.3g}" for r in failed)
+        raise ConversionError(f"converted model does not match the official {what}: {detail}")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Writing
 # ----------------------------------------------------------------------------------------------------------------
@@ -699,53 +751,11 @@ def save_state_dict_safetensors(
     save_file(prepared, str(path), metadata={"format": "pt", **(metadata or {})})
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
-def _clean_stale(dst: Path) -> None:
-    """Removes temp folders beside dst left by a killed run (the pid in their name is dead).
-
-    `.NAME.old-PID-*` is a previous destination moved aside during a --force swap: if dst is missing
-    (killed between the two renames of the fallback swap), it is put back; otherwise removed.
-    """
-    pattern = re.compile(rf"\.{re.escape(dst.name)}\.(tmp|old)-(\d+)-[0-9a-f]+")
-    for entry in dst.parent.iterdir():
-        match = pattern.fullmatch(entry.name)
-        if not match or _alive(int(match.group(2))):
-            continue  # not ours, or a conversion still running
-        if match.group(1) == "old" and not dst.exists():
-            os.rename(entry, dst)
-        else:
-            shutil.rmtree(entry, ignore_errors=True)
-
-
-_RENAME_EXCHANGE = 2
-
-
 def _exchange(a: Path, b: Path) -> bool:
     """Atomically swaps two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd = -100
-    result = renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE)
-    if result == 0:
-        return True
-    code = ctypes.get_errno()
-    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
-        return False
-    raise OSError(code, os.strerror(code), str(a))
+    from hf_tiny.io_utils import exchange_paths
+
+    return exchange_paths(a, b)
 
 
 @contextlib.contextmanager
@@ -759,47 +769,35 @@ def atomic_output_dir(
     mid-write leaves only a `.DST.tmp-PID-XXXX` folder beside dst, which the next run removes.
     src (optional): the checkpoint being converted; a dst that is src or contains it is refused, since
     replacing it would delete the source.
+    The mechanism is hf_tiny.io_utils.atomic_directory (shared with save_pretrained); imported here lazily so
+    that this module stays importable without the model package.
     """
+    from hf_tiny.io_utils import atomic_directory, clean_stale_temporaries
+
     dst = Path(dst).absolute()
     if src is not None:
         source = Path(src).resolve()
         if dst.resolve() == source or dst.resolve() in source.parents:
             raise ConversionError(f"destination {dst} is (or contains) the source {src}; choose another destination")
     try:
-        if dst.parent.is_dir():
-            _clean_stale(dst)  # first: it may put back a destination a killed --force swap had moved aside
+        clean_stale_temporaries(dst)  # first: it may put back a destination a killed --force swap had moved aside
     except OSError as error:
         raise ConversionError(f"cannot clean stale temporary folders beside {dst}: {error}") from error
     if dst.exists() and not force:
         raise ConversionError(f"destination {dst} already exists; pass --force to replace it")
     if dst.exists() and not dst.is_dir():
         raise ConversionError(f"destination {dst} exists and is not a folder; remove it or choose another path")
+    stage = "create"  # -> "write" (the caller's block) -> "swap"
     try:
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
-        tmp.mkdir()
+        with atomic_directory(dst, replace=force, exchange=_exchange) as tmp:
+            stage = "write"
+            yield tmp
+            stage = "swap"
     except OSError as error:
-        raise ConversionError(f"cannot create an output folder beside {dst}: {error}") from error
-    try:
-        yield tmp
-        if dst.exists():
-            if not force:  # appeared while we worked
-                raise ConversionError(f"destination {dst} appeared while converting; pass --force to replace it")
-            if _exchange(tmp, dst):
-                shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old destination
-            else:
-                old = dst.parent / f".{dst.name}.old-{os.getpid()}-{secrets.token_hex(4)}"
-                os.rename(dst, old)
-                try:
-                    os.rename(tmp, dst)
-                except BaseException:
-                    os.rename(old, dst)
-                    raise
-                shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if stage == "create":
+            raise ConversionError(f"cannot create an output folder beside {dst}: {error}") from error
+        if stage == "swap" and isinstance(error, FileExistsError):
+            raise ConversionError(f"destination {dst} appeared while converting; pass --force to replace it") from error
         raise
 
 
@@ -832,6 +830,22 @@ def copy_tokenizer_files(src_dir: str | os.PathLike, dst_dir: str | os.PathLike)
             shutil.copyfile(src_dir / name, dst_dir / name)
             copied.append(name)
     return copied
+
+
+def write_official_folder(tmp: Path, official_class, official_config, state: dict, src: str | os.PathLike) -> None:
+    """Writes a reverse conversion's official folder into tmp: config.json, model.safetensors (the tensors
+    official_class expects, shapes checked on a meta-device instance; tied copies stored once, as save_pretrained
+    does) and the tokenizer files of src."""
+    with torch.device("meta"):
+        reference = official_class(official_config)
+    expected = expected_shapes(reference)
+    for tied_copy in reference.get_expanded_tied_weights_keys(all_submodels=True):
+        expected.pop(tied_copy, None)
+        state.pop(tied_copy, None)
+    check_shapes(state, expected)
+    official_config.save_pretrained(str(tmp))
+    save_state_dict_safetensors(state, Path(tmp) / SAFETENSORS_FILE)
+    copy_tokenizer_files(src, tmp)
 
 
 # ----------------------------------------------------------------------------------------------------------------

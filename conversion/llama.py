@@ -38,14 +38,18 @@ from .core import (
     check_shapes,
     copy_tokenizer_files,
     expected_shapes,
+    fail_on_parity,
     load_checkpoint,
     load_config_json,
     load_gguf,
+    load_hf_tiny_config,
     max_abs_diff,
+    parity_plans,
+    parity_row,
     parse_dtype,
     require_model_type,
-    save_state_dict_safetensors,
     write_model_card,
+    write_official_folder,
 )
 
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -90,8 +94,7 @@ META_IGNORED = (r"rope\.freqs",)
 META_CONTEXT_LENGTH = {"llama3.1": 131072, "llama3": 8192, "codellama": 16384, "llama2": 4096}
 
 # Parity: fp32 tolerance is absolute on tiny random models in the tests; here it is relative to the logits'
-# scale, RELATIVE_TOLERANCE[dtype] * max(1, max |official logits|).
-RELATIVE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+# scale, core.RELATIVE_TOLERANCE[dtype] * max(1, max |official logits|).
 SAMPLE_PROMPTS = (
     "The capital of France is",
     "def fibonacci(n):",
@@ -543,12 +546,8 @@ def measure_parity(official, ours, batch: dict, dtype: torch.dtype) -> list[dict
     official.eval()
     ours.eval()
     batch = with_positions(batch)
-    plans = [("cpu", dtype, backend) for backend in ("eager", "sdpa")]
-    if torch.cuda.is_available():
-        plans += [("cuda", torch.float32, b) for b in ("eager", "sdpa")]
-        plans += [("cuda", torch.bfloat16, b) for b in ("eager", "sdpa", "flash_attention_2")]
     rows, skipped, reference_device, reference = [], [], None, None
-    for device, run_dtype, backend in plans:
+    for device, run_dtype, backend in parity_plans(dtype):
         if device != reference_device:
             official.to(device=device, dtype=torch.float32)
             official.set_attn_implementation("eager")
@@ -564,15 +563,7 @@ def measure_parity(official, ours, batch: dict, dtype: torch.dtype) -> list[dict
                 raise
             skipped.append(f"{backend} {str(run_dtype).removeprefix('torch.')} on {device}: {error}")
             continue
-        rows.append(
-            {
-                "backend": backend,
-                "dtype": str(run_dtype).removeprefix("torch."),
-                "device": device,
-                "max_abs_diff": max_abs_diff(produced, reference),
-                "tolerance": RELATIVE_TOLERANCE[run_dtype] * scale,
-            }
-        )
+        rows.append(parity_row(backend, run_dtype, device, max_abs_diff(produced, reference), scale))
     official.to("cpu")
     ours.to(device="cpu", dtype=dtype)
     ours.set_attn_implementation("sdpa")
@@ -719,12 +710,7 @@ def convert(
             f"{official_note}. Tolerance = relative tolerance of the dtype × max(1, max |official logits|). "
             f"Tokenizer: {tokenizer_note}.\n",
         )
-        failed = [r for r in parity if r["dtype"] == "float32" and not r["max_abs_diff"] <= r["tolerance"]]
-        if failed:
-            detail = ", ".join(
-                f"{r['backend']} on {r['device']}: {r['max_abs_diff']:.3g} > {r['tolerance']:.3g}" for r in failed
-            )
-            raise ConversionError(f"converted model does not match the official model: {detail}")
+        fail_on_parity(parity, "model")
     return {
         "dst": dst,
         "source_kind": kind,
@@ -753,15 +739,7 @@ def _measure_hidden_parity(official, ours, batch: dict, dtype: torch.dtype) -> l
     rows = []
     for backend in ("eager", "sdpa"):
         ours.set_attn_implementation(backend)
-        rows.append(
-            {
-                "backend": backend,
-                "dtype": str(dtype).removeprefix("torch."),
-                "device": "cpu",
-                "max_abs_diff": max_abs_diff(outputs(ours), reference),
-                "tolerance": RELATIVE_TOLERANCE[dtype] * scale,
-            }
-        )
+        rows.append(parity_row(backend, dtype, "cpu", max_abs_diff(outputs(ours), reference), scale))
     return rows
 
 
@@ -771,15 +749,7 @@ def convert_back(src: str | os.PathLike, dst: str | os.PathLike, *, force: bool 
     from hf_tiny import TinyCausalConfig
 
     src, dst = Path(src), Path(dst)
-    raw = load_config_json(src)
-    require_model_type(raw, "hf_tiny_causal", src=src)
-    try:
-        config = TinyCausalConfig.from_dict({k: v for k, v in raw.items() if k != "auto_map"})
-    except (TypeError, ValueError) as error:
-        raise ConversionError(f"{src}: invalid hf_tiny causal config: {error}") from error
-    class_name = (config.architectures or ["TinyCausalForCausalLM"])[0]
-    if class_name not in OUR_CLASSES:
-        raise ConversionError(f"{src}: architecture {class_name!r} is not supported; supported: {', '.join(OUR_CLASSES)}")
+    config, class_name = load_hf_tiny_config(src, TinyCausalConfig, supported=OUR_CLASSES, default="TinyCausalForCausalLM")
     official_class = _official_class_name(config, class_name)
 
     with atomic_output_dir(dst, force=force) as tmp:
@@ -796,17 +766,7 @@ def convert_back(src: str | os.PathLike, dst: str | os.PathLike, *, force: bool 
 
         import transformers
 
-        with torch.device("meta"):
-            reference = getattr(transformers, official_class)(official_config)
-        expected = expected_shapes(reference)
-        for tied_copy in reference.get_expanded_tied_weights_keys(all_submodels=True):
-            expected.pop(tied_copy, None)
-            official.pop(tied_copy, None)
-        check_shapes(official, expected)
-
-        official_config.save_pretrained(str(tmp))
-        save_state_dict_safetensors(official, tmp / "model.safetensors")
-        copy_tokenizer_files(src, tmp)
+        write_official_folder(tmp, getattr(transformers, official_class), official_config, official, src)
     return {"dst": dst, "architecture": official_class}
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from .validation import check_choice, check_divisible, check_positive, check_probability
+from .validation import check_choice, check_divisible, check_positive, check_probability, check_unsupported_field
 
 
 class TinyEncoderConfig(PretrainedConfig):
@@ -16,6 +16,18 @@ class TinyEncoderConfig(PretrainedConfig):
     """
 
     model_type = "hf_tiny_encoder"
+    # Parallel plans, module paths relative to TinyEncoderModel (see tests/test_distributed.py, which runs them).
+    # Tensor parallelism (DistributedConfig(tp_size=N)): attention heads and feed-forward columns split across ranks.
+    base_model_tp_plan = {
+        "layers.*.self_attn.q_proj": "colwise",
+        "layers.*.self_attn.k_proj": "colwise",
+        "layers.*.self_attn.v_proj": "colwise",
+        "layers.*.self_attn.o_proj": "rowwise",
+        "layers.*.mlp.up_proj": "colwise",
+        "layers.*.mlp.down_proj": "rowwise",
+    }
+    # FSDP2 units (DistributedConfig(fsdp_size=N)); transformers' default plan names a final `norm` we do not have.
+    base_model_fsdp_plan = {"embed_tokens": "free_full_weight", "layers.*": "free_full_weight"}
 
     def __init__(
         self,
@@ -50,6 +62,10 @@ class TinyEncoderConfig(PretrainedConfig):
         )
         check_divisible(owner, "hidden_size", hidden_size, "num_attention_heads", num_attention_heads)
         check_choice(owner, "hidden_act", hidden_act, sorted(ACT2FN))
+        for field, allowed in (("position_embedding_type", ("absolute",)), ("rope_parameters", (None,)), ("rope_scaling", (None,))):
+            check_unsupported_field(
+                owner, kwargs, field, allowed, "this encoder has learned absolute positions only (position_embedding_type='absolute')"
+            )
         check_probability(owner, hidden_dropout=hidden_dropout, attention_dropout=attention_dropout)
         if classifier_dropout is not None:
             check_probability(owner, classifier_dropout=classifier_dropout)

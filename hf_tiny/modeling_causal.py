@@ -52,6 +52,23 @@ class TinyCausalPreTrainedModel(HfTinyPreTrainedModel):
     _can_compile_fullgraph = True
     _supports_static_cache = True  # transformers 4.x name of the same promise
 
+    def _decode(
+        self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, output_attentions,
+        output_hidden_states,
+    ) -> BaseModelOutputWithPast:
+        """A head's run of its base model (self.model), always as a ModelOutput."""
+        return self.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states,
+            return_dict=True,
+        )
+
 
 class TinyCausalModel(TinyCausalPreTrainedModel):
     """Embeddings -> N pre-norm blocks -> final RMSNorm. Returns hidden states (and the cache)."""
@@ -295,12 +312,6 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.model.embed_tokens = value
-
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
 
@@ -342,16 +353,9 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         N positions (0 = all; generate passes 1), or for the given position indices."""
         loss_kwargs = _check_extra_kwargs(type(self).__name__, kwargs, LOSS_KWARGS)
         return_dict = self.config.return_dict if return_dict is None else return_dict
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-            return_dict=True,
+        outputs = self._decode(
+            input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, output_attentions,
+            output_hidden_states,
         )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -391,12 +395,6 @@ class TinyCausalForSequenceClassification(TinyCausalPreTrainedModel):
         self.score = nn.Linear(config.hidden_size, self.num_labels, bias=False)
         self.post_init()
 
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.model.embed_tokens = value
-
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
@@ -413,16 +411,9 @@ class TinyCausalForSequenceClassification(TinyCausalPreTrainedModel):
     ) -> Union[SequenceClassifierOutputWithPast, tuple]:
         _check_extra_kwargs(type(self).__name__, kwargs, ())
         return_dict = self.config.return_dict if return_dict is None else return_dict
-        outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            use_cache=use_cache,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-            return_dict=True,
+        outputs = self._decode(
+            input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, output_attentions,
+            output_hidden_states,
         )
         logits = self.score(outputs.last_hidden_state)
         batch_size = logits.shape[0]

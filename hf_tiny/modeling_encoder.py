@@ -24,12 +24,21 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
     TokenClassifierOutput,
 )
+from transformers.utils import ModelOutput
 
 from .configuration_encoder import TinyEncoderConfig
 from .layers import TransformerBlock
 from .masks import self_attention_mask
 from .modeling_base import HfTinyPreTrainedModel
-from .validation import check_attention_mask, check_input_ids, check_sequence_length
+from .validation import (
+    check_answer_positions,
+    check_attention_mask,
+    check_input_ids,
+    check_labels,
+    check_sequence_labels,
+    check_sequence_length,
+    sequence_problem_type,
+)
 
 
 def _check_index_tensor(tensor: torch.Tensor, *, field: str, limit: int, limit_name: str, shape: tuple) -> None:
@@ -56,8 +65,20 @@ class TinyEncoderPreTrainedModel(HfTinyPreTrainedModel):
     # The heads compute a mean loss themselves: Trainer must not pass num_items_in_batch (see HF_V5_NOTES.md).
     accepts_loss_kwargs = False
 
-    def _return_dict(self, return_dict: Optional[bool]) -> bool:
-        return self.config.return_dict if return_dict is None else return_dict
+    def _format_output(self, output: ModelOutput, return_dict: Optional[bool]) -> Union[ModelOutput, tuple]:
+        """The output as a ModelOutput, or as a tuple when return_dict (default: config.return_dict) is False."""
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        return output if return_dict else output.to_tuple()
+
+    def _encode(
+        self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions, output_hidden_states
+    ) -> BaseModelOutputWithPooling:
+        """A head's run of its base model (self.model), always as a ModelOutput."""
+        return self.model(
+            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
+            inputs_embeds=inputs_embeds, output_attentions=output_attentions,
+            output_hidden_states=output_hidden_states, return_dict=True,
+        )
 
 
 class TinyEncoderPooler(nn.Module):
@@ -193,7 +214,7 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
             hidden_states=all_hidden_states,
             attentions=all_attentions,
         )
-        return output if self._return_dict(return_dict) else output.to_tuple()
+        return self._format_output(output, return_dict)
 
 
 class TinyEncoderMaskedLMHead(nn.Module):
@@ -237,18 +258,22 @@ class TinyEncoderForMaskedLM(TinyEncoderPreTrainedModel):
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
     ) -> Union[MaskedLMOutput, tuple]:
-        outputs = self.model(
-            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-            inputs_embeds=inputs_embeds, output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states, return_dict=True,
+        outputs = self._encode(
+            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions, output_hidden_states
         )
         logits = self.lm_head(outputs.last_hidden_state)
         loss = None
         if labels is not None:
             # Positions labelled -100 (not masked) are ignored.
+            check_labels(labels, num_classes=self.config.vocab_size, expected_shape=tuple(logits.shape[:2]))
             loss = CrossEntropyLoss()(logits.view(-1, self.config.vocab_size), labels.view(-1).to(logits.device))
         output = MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
-        return output if self._return_dict(return_dict) else output.to_tuple()
+        return self._format_output(output, return_dict)
+
+
+def _classifier_dropout(config: TinyEncoderConfig) -> nn.Dropout:
+    """The classification heads' dropout: classifier_dropout, or hidden_dropout when unset (as in BERT)."""
+    return nn.Dropout(config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout)
 
 
 class TinyEncoderForSequenceClassification(TinyEncoderPreTrainedModel):
@@ -260,20 +285,16 @@ class TinyEncoderForSequenceClassification(TinyEncoderPreTrainedModel):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.model = TinyEncoderModel(config, add_pooling_layer=True)
-        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = _classifier_dropout(config)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         config = self.config
-        if config.problem_type is None:
-            if self.num_labels == 1:
-                config.problem_type = "regression"
-            elif labels.dtype in (torch.long, torch.int):
-                config.problem_type = "single_label_classification"
-            else:
-                config.problem_type = "multi_label_classification"
+        check_sequence_labels(
+            labels, problem_type=config.problem_type, batch_size=logits.shape[0], num_labels=self.num_labels
+        )
+        config.problem_type = sequence_problem_type(config.problem_type, self.num_labels, labels)
         labels = labels.to(logits.device)
         if config.problem_type == "regression":
             labels = labels.to(logits.dtype)
@@ -301,17 +322,15 @@ class TinyEncoderForSequenceClassification(TinyEncoderPreTrainedModel):
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
     ) -> Union[SequenceClassifierOutput, tuple]:
-        outputs = self.model(
-            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-            inputs_embeds=inputs_embeds, output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states, return_dict=True,
+        outputs = self._encode(
+            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions, output_hidden_states
         )
         logits = self.classifier(self.dropout(outputs.pooler_output))
         loss = self._loss(logits, labels) if labels is not None else None
         output = SequenceClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
-        return output if self._return_dict(return_dict) else output.to_tuple()
+        return self._format_output(output, return_dict)
 
 
 class TinyEncoderForTokenClassification(TinyEncoderPreTrainedModel):
@@ -319,8 +338,7 @@ class TinyEncoderForTokenClassification(TinyEncoderPreTrainedModel):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.model = TinyEncoderModel(config, add_pooling_layer=False)
-        dropout = config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = _classifier_dropout(config)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
@@ -336,20 +354,19 @@ class TinyEncoderForTokenClassification(TinyEncoderPreTrainedModel):
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
     ) -> Union[TokenClassifierOutput, tuple]:
-        outputs = self.model(
-            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-            inputs_embeds=inputs_embeds, output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states, return_dict=True,
+        outputs = self._encode(
+            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions, output_hidden_states
         )
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
         loss = None
         if labels is not None:
             # Tokens labelled -100 (padding, continuation word pieces) are ignored.
+            check_labels(labels, num_classes=self.num_labels, expected_shape=tuple(logits.shape[:2]))
             loss = CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.view(-1).to(logits.device))
         output = TokenClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
-        return output if self._return_dict(return_dict) else output.to_tuple()
+        return self._format_output(output, return_dict)
 
 
 class TinyEncoderForQuestionAnswering(TinyEncoderPreTrainedModel):
@@ -379,15 +396,15 @@ class TinyEncoderForQuestionAnswering(TinyEncoderPreTrainedModel):
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
     ) -> Union[QuestionAnsweringModelOutput, tuple]:
-        outputs = self.model(
-            input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids, position_ids=position_ids,
-            inputs_embeds=inputs_embeds, output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states, return_dict=True,
+        outputs = self._encode(
+            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions, output_hidden_states
         )
         logits = self.qa_outputs(outputs.last_hidden_state)
         start_logits, end_logits = (part.squeeze(-1).contiguous() for part in logits.split(1, dim=-1))
         loss = None
         if start_positions is not None and end_positions is not None:
+            check_answer_positions(start_positions, batch_size=logits.shape[0], field="start_positions")
+            check_answer_positions(end_positions, batch_size=logits.shape[0], field="end_positions")
             # As in BERT: positions outside the input (e.g. an answer cut off by truncation) are clamped to
             # seq_len and ignored by the loss.
             ignored_index = start_logits.size(1)
@@ -399,7 +416,7 @@ class TinyEncoderForQuestionAnswering(TinyEncoderPreTrainedModel):
             loss=loss, start_logits=start_logits, end_logits=end_logits,
             hidden_states=outputs.hidden_states, attentions=outputs.attentions,
         )
-        return output if self._return_dict(return_dict) else output.to_tuple()
+        return self._format_output(output, return_dict)
 
 
 __all__ = [

@@ -41,6 +41,8 @@ def check_input_ids(input_ids: torch.Tensor, *, vocab_size: int, field: str = "i
         raise ValueError(f"{field} must be 2-D [batch, sequence], got shape {tuple(input_ids.shape)}")
     if input_ids.shape[0] == 0:
         raise ValueError(f"{field} is an empty batch (shape {tuple(input_ids.shape)})")
+    if input_ids.shape[1] == 0:
+        raise ValueError(f"{field} holds empty sequences (shape {tuple(input_ids.shape)}); pass at least one token")
     if input_ids.numel() == 0:
         return
     if torch.compiler.is_compiling():
@@ -72,3 +74,88 @@ def check_attention_mask(
         )
     if attention_mask.is_complex():
         raise TypeError(f"{field} must be bool, integer or float 0/1, got dtype {attention_mask.dtype}")
+    if attention_mask.dtype == torch.bool or attention_mask.numel() == 0 or torch.compiler.is_compiling():
+        return
+    not_binary = (attention_mask != 0) & (attention_mask != 1)
+    if bool(not_binary.any()):
+        raise ValueError(
+            f"{field} must hold 1 (real token) or 0 (padding); it holds {attention_mask[not_binary][0].item()!r}"
+        )
+
+
+def check_labels(
+    labels,
+    *,
+    num_classes: int,
+    expected_shape: Optional[tuple] = None,
+    field: str = "labels",
+    ignore_index: int = -100,
+) -> None:
+    """Class-index labels (token ids, tags, classes): an integer tensor, of expected_shape when given, whose values
+    are in [0, num_classes) or ignore_index (a position the loss skips)."""
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"{field} must be a torch.Tensor of class ids, got {type(labels).__name__}")
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(f"{field} must hold integer class ids, got dtype {labels.dtype}")
+    if expected_shape is not None and tuple(labels.shape) != tuple(expected_shape):
+        raise ValueError(f"{field} has shape {tuple(labels.shape)} but the input needs {tuple(expected_shape)}")
+    if labels.numel() == 0 or torch.compiler.is_compiling():
+        return
+    invalid = (labels != ignore_index) & ((labels < 0) | (labels >= num_classes))
+    if bool(invalid.any()):
+        raise ValueError(
+            f"{field} contains {labels[invalid][0].item()}, outside [0, {num_classes}) "
+            f"(use {ignore_index} for positions the loss should ignore)"
+        )
+
+
+def sequence_problem_type(problem_type: Optional[str], num_labels: int, labels: torch.Tensor) -> str:
+    """transformers' choice of sequence-classification loss when config.problem_type is unset."""
+    if problem_type is not None:
+        return problem_type
+    if num_labels == 1:
+        return "regression"
+    if labels.dtype in (torch.long, torch.int):
+        return "single_label_classification"
+    return "multi_label_classification"
+
+
+def check_sequence_labels(labels, *, problem_type: Optional[str], batch_size: int, num_labels: int) -> None:
+    """Labels of a sequence-classification head for its problem type (see sequence_problem_type):
+    single-label: class ids [batch] (or [batch, 1]); regression: [batch] or [batch, num_labels] numbers;
+    multi-label: [batch, num_labels] 0/1 targets."""
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+    kind = sequence_problem_type(problem_type, num_labels, labels)
+    shape = tuple(labels.shape)
+    if kind == "single_label_classification":
+        if shape not in ((batch_size,), (batch_size, 1)):
+            raise ValueError(f"labels has shape {shape} but single-label classification needs ({batch_size},)")
+        check_labels(labels, num_classes=num_labels)
+        return
+    if labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(f"labels must hold numbers for {kind}, got dtype {labels.dtype}")
+    allowed = [(batch_size, num_labels)]
+    if kind == "regression" and num_labels == 1:
+        allowed = [(batch_size,), (batch_size, 1)]
+    if shape not in allowed:
+        raise ValueError(f"labels has shape {shape} but {kind} needs {' or '.join(map(str, allowed))}")
+
+
+def check_answer_positions(positions, *, batch_size: int, field: str) -> None:
+    """Extractive-QA start/end token indices: integers, one per example (values past the input are allowed: the
+    loss ignores them, as BERT does)."""
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"{field} must be a torch.Tensor of token indices, got {type(positions).__name__}")
+    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+        raise TypeError(f"{field} must hold integer token indices, got dtype {positions.dtype}")
+    if positions.numel() != batch_size:
+        raise ValueError(f"{field} has shape {tuple(positions.shape)} but the batch needs one index per example ({batch_size},)")
+
+
+def check_unsupported_field(owner: str, kwargs: dict, field: str, allowed: tuple, hint: str) -> None:
+    """A field this family does not implement, arriving through a config's **kwargs (where transformers would
+    store it silently): it must be absent or one of `allowed`, so a variant the model cannot run (relative
+    positions in an absolute-position encoder, RoPE scaling in a model without RoPE) is an error, not ignored."""
+    if field in kwargs and kwargs[field] not in allowed:
+        raise ValueError(f"{owner}: {field}={kwargs[field]!r} is not supported; {hint}")
