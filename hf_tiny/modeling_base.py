@@ -91,13 +91,13 @@ class HfTinyPreTrainedModel(PreTrainedModel):
         options = arguments.arguments
         if not _can_save_atomically(save_directory, options):
             result = super().save_pretrained(save_directory, *args, **kwargs)
-            if options["is_main_process"] and os.path.isdir(save_directory):
+            if options.get("is_main_process", True) and os.path.isdir(save_directory):
                 carry_model_card(self, save_directory)
             return result
         destination = Path(os.path.realpath(save_directory))
         with atomic_directory(destination, replace=True) as tmp:
             result = super().save_pretrained(tmp, *args, **kwargs)
-            _carry_over_previous_folder(self, destination, tmp, os.fspath(save_directory), options["variant"])
+            _carry_over_previous_folder(self, destination, tmp, os.fspath(save_directory), options.get("variant"))
         return result
 
     def push_to_hub(self, repo_id=None, *args, **kwargs):
@@ -115,7 +115,7 @@ def _can_save_atomically(save_directory, options: dict) -> bool:
     (only the main process writes), push_to_hub=True (the repo id defaults to the folder's name), distributed
     checkpoints (every rank writes), a path that is a file (transformers reports it), and a folder holding the
     working directory (it cannot be renamed away from under the process)."""
-    if not options["is_main_process"] or options["push_to_hub"] or options["distributed_checkpoint"]:
+    if not options.get("is_main_process", True) or options.get("push_to_hub") or options.get("distributed_checkpoint"):
         return False
     if os.path.isfile(save_directory):
         return False

@@ -172,7 +172,7 @@ def test_push_to_hub_then_from_pretrained_without_hf_tiny(fake_hub, converted_en
 
     # --- download with from_pretrained in an interpreter that cannot import hf_tiny
     run_python(PULL, cwd=tmp_path, env=env, isolated=True, args=(REPO, REPO_VIA_SAVE, str(tmp_path / "pulled.pt")))
-    pulled = torch.load(tmp_path / "pulled.pt")
+    pulled = torch.load(tmp_path / "pulled.pt", weights_only=True)
     assert all(name.startswith("transformers_modules.") for name in pulled["classes"]), pulled["classes"]
     assert pulled["classes"][1].endswith("TinyEncoderModel")
 

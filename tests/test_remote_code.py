@@ -109,7 +109,7 @@ for family, entry in spec["load"].items():
     model = auto_class.from_pretrained(entry["folder"], trust_remote_code=True).eval()
     module = type(model).__module__
     assert module.startswith("transformers_modules."), f"{family}: class comes from {module}, not the shipped code"
-    inputs = torch.load(entry["inputs"])
+    inputs = torch.load(entry["inputs"], weights_only=True)
     with torch.no_grad():
         out = {"logits": model(**inputs).logits}
         if entry["generate"]:
@@ -166,7 +166,7 @@ def isolated_results(saved_models, tmp_path_factory):
         ISOLATED_LOAD, cwd=work, env=env, isolated=True, block_network=True,
         args=(str(work / "spec.json"), str(work / "out.pt")),
     )
-    return torch.load(work / "out.pt"), spec
+    return torch.load(work / "out.pt", weights_only=True), spec
 
 
 @pytest.mark.slow
