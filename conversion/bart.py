@@ -12,7 +12,6 @@ Every tensor maps 1:1 (no reshaping); the embeddings are one `shared` table that
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -23,28 +22,23 @@ from .core import (
     KeyMap,
     Rule,
     atomic_output_dir,
-    cast_floating,
     load_checkpoint,
     load_config_json,
     parse_dtype,
     require_model_type,
 )
 from .seq2seq_common import (
+    check_parity_and_write_card,
     drop_tied_copies,
-    fail_on_parity,
     head_is_tied,
     layer_rules,
     load_our_config,
-    load_ours_checked,
-    measure_parity,
     our_config,
+    read_ours_for_reverse,
     require_equal,
-    round_trip_weights,
     save_official,
-    save_ours,
-    with_tied_copies,
-    write_card,
-    write_generation_config,
+    to_official_names,
+    write_ours,
 )
 
 OFFICIAL_CLASSES = {"bart": "BartForConditionalGeneration", "marian": "MarianMTModel"}
@@ -259,27 +253,20 @@ def convert(
         config = config_from_official(official_config, src=src, tied_head=tied_head)
         state = _normalise_source(state, src=src, shared=shared, tied_head=tied_head)
         mapping = key_map(model_type=model_type, tied_head=tied_head, shared_embeddings=shared)
-        ours = mapping.to_target(state, num_layers={"i": config.num_hidden_layers, "j": config.num_decoder_layers}, progress=sys.stderr.isatty())
-        ours = cast_floating(ours, dtype)
-        save_ours(config, ours, tmp, src)
-        write_generation_config(tmp, config, official_config)
-
-        official = _official_class(model_type).from_pretrained(str(src), dtype=torch.float32)
-        round_trip_weights(official, dtype)
-        converted = load_ours_checked(tmp, dtype=torch.float32)
-        rows, inputs = measure_parity(official, converted, config, flash_ok=True)
-        del official, converted
-        write_card(
+        write_ours(tmp, src, config, mapping, state, dtype=dtype, official_config=official_config)
+        rows, inputs = check_parity_and_write_card(
             tmp,
             dst,
+            official=_official_class(model_type).from_pretrained(str(src), dtype=torch.float32),
+            config=config,
+            dtype=dtype,
+            flash_ok=True,
+            what=OFFICIAL_CLASSES[model_type],
             base_model=base_model or raw.get("_name_or_path") or src.resolve().name,
             description=f"A {model_type.upper() if model_type == 'bart' else 'Marian'} checkpoint "
             f"(`{OFFICIAL_CLASSES[model_type]}`) converted to `TinySeq2SeqForConditionalGeneration`.",
-            rows=rows,
-            inputs=inputs,
             tags=[model_type, "seq2seq"],
         )
-        fail_on_parity(rows, OFFICIAL_CLASSES[model_type])
     return {"dst": dst, "model_type": model_type, "parity": rows, "parity_inputs": inputs}
 
 
@@ -287,21 +274,16 @@ def convert_back(src: str | os.PathLike, dst: str | os.PathLike, *, force: bool 
     """hf_tiny seq2seq folder -> official BART folder (Marian when the config uses sinusoidal positions), loadable
     by the official class with no missing or unexpected keys. Returns {"dst", "model_type"}."""
     src, dst = Path(src), Path(dst)
-    raw = load_config_json(src)
-    require_model_type(raw, "hf_tiny_seq2seq", src=src)
-    config = load_our_config(src, raw)
+    config = load_our_config(src)
     model_type = "marian" if config.position_embedding_type == "sinusoidal" else "bart"
     if config.position_embedding_type == "relative":
         raise ConversionError(f"{src}: position_embedding_type='relative' is T5's layout; use `python -m conversion t5 --reverse`")
     shared = config.share_encoder_decoder_embeddings
     with atomic_output_dir(dst, force=force) as tmp:
-        state = with_tied_copies(load_checkpoint(src), config)
-        dtype = next(iter(state.values())).dtype
+        state, dtype = read_ours_for_reverse(src, config)
         official_config = official_config_from_ours(config, src=src, model_type=model_type, dtype=dtype)
         mapping = key_map(model_type=model_type, tied_head=config.tie_word_embeddings, shared_embeddings=shared)
-        official_state = mapping.to_source(
-            state, num_layers={"i": config.num_hidden_layers, "j": config.num_decoder_layers}, progress=sys.stderr.isatty()
-        )
+        official_state = to_official_names(mapping, state, config)
         if model_type == "bart" and not config.tie_word_embeddings:
             # transformers unties BART's encoder/decoder tables from `shared` too when tie_word_embeddings=False
             for stack in ("encoder", "decoder"):

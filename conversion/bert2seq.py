@@ -20,18 +20,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 from pathlib import Path
 from typing import Optional
 
 import torch
 
+from . import bert as bert_conversion
 from .core import (
     ConversionError,
     KeyMap,
     Rule,
     atomic_output_dir,
-    cast_floating,
     check_shapes,
     expected_shapes,
     load_checkpoint,
@@ -40,29 +39,16 @@ from .core import (
     require_model_type,
 )
 from .seq2seq_common import (
+    check_parity_and_write_card,
     drop_tied_copies,
-    fail_on_parity,
     head_is_tied,
     layer_rules,
-    load_ours_checked,
-    measure_parity,
     our_config,
-    round_trip_weights,
-    save_ours,
-    write_card,
-    write_generation_config,
+    write_ours,
 )
 
-BERT_LAYER = {
-    "attention.self.query": "self_attn.q_proj",
-    "attention.self.key": "self_attn.k_proj",
-    "attention.self.value": "self_attn.v_proj",
-    "attention.output.dense": "self_attn.o_proj",
-    "attention.output.LayerNorm": "input_layernorm",
-    "intermediate.dense": "mlp.up_proj",
-    "output.dense": "mlp.down_proj",
-    "output.LayerNorm": "post_attention_layernorm",
-}
+# A BERT layer maps onto an hf_tiny seq2seq layer exactly as onto an hf_tiny encoder layer.
+BERT_LAYER = bert_conversion.LAYER_MODULES
 BERT_CROSS = {
     "crossattention.self.query": "cross_attn.q_proj",
     "crossattention.self.key": "cross_attn.k_proj",
@@ -179,8 +165,6 @@ def official_warm_start(src: Path, *, seed: int):
 def check_source_weights(src: Path, raw: dict) -> None:
     """Reads SRC as strictly as `python -m conversion bert` does. transformers' warm start alone would re-initialize
     a missing BERT tensor and skip an unknown one without an error, and reports damaged files in its own terms."""
-    from . import bert as bert_conversion
-
     state = load_checkpoint(src)
     architecture = bert_conversion.detect_architecture(raw, state, src=src)
     config = bert_conversion.encoder_config_from_bert(raw, src=src)
@@ -226,21 +210,16 @@ def convert(
         # BertLMPredictionHead ties decoder.bias to predictions.bias
         state = drop_tied_copies(state, "decoder.cls.predictions.bias", ["decoder.cls.predictions.decoder.bias"], src=src)
         config = config_from_bert(bert, src=src, tied_head=tied_head, token_ids=special_token_ids(src, bert))
-        ours = key_map(tied_head=tied_head).to_target(
-            state, num_layers={"i": config.num_hidden_layers, "j": config.num_decoder_layers}, progress=sys.stderr.isatty()
-        )
-        ours = cast_floating(ours, dtype)
-        save_ours(config, ours, tmp, src)
-        (tmp / "generation_config.json").unlink(missing_ok=True)  # a BERT folder's would be for another model
-        write_generation_config(tmp, config)
-
-        round_trip_weights(official, dtype)
-        converted = load_ours_checked(tmp, dtype=torch.float32)
-        rows, inputs = measure_parity(official, converted, config, flash_ok=True)
-        del official, converted
-        write_card(
+        # a BERT folder's generation_config.json would be for another model
+        write_ours(tmp, src, config, key_map(tied_head=tied_head), state, dtype=dtype, keep_source_generation=False)
+        rows, inputs = check_parity_and_write_card(
             tmp,
             dst,
+            official=official,
+            config=config,
+            dtype=dtype,
+            flash_ok=True,
+            what="EncoderDecoderModel warm start",
             base_model=base_model or raw.get("_name_or_path") or src.resolve().name,
             description=(
                 "An encoder-decoder warm-started from one BERT checkpoint, as transformers' "
@@ -248,13 +227,10 @@ def convert(
                 f"weights, cross-attention (and the LM-head transform, when the checkpoint has none) is newly "
                 f"initialized (seed {seed}). Fine-tune it before use."
             ),
-            rows=rows,
-            inputs=inputs,
             tags=["bert", "bert2bert", "seq2seq"],
             extra="\nParity reference: `EncoderDecoderModel.from_encoder_decoder_pretrained(SRC, SRC)` built with the "
             "same seed, whose newly initialized tensors are the ones stored here.\n",
         )
-        fail_on_parity(rows, "EncoderDecoderModel warm start")
     return {"dst": dst, "parity": rows, "parity_inputs": inputs}
 
 

@@ -832,16 +832,29 @@ def copy_tokenizer_files(src_dir: str | os.PathLike, dst_dir: str | os.PathLike)
     return copied
 
 
-def write_official_folder(tmp: Path, official_class, official_config, state: dict, src: str | os.PathLike) -> None:
+def write_official_folder(
+    tmp: Path,
+    official_class,
+    official_config,
+    state: dict,
+    src: str | os.PathLike,
+    *,
+    keep_stored_tied_copies: bool = False,
+) -> None:
     """Writes a reverse conversion's official folder into tmp: config.json, model.safetensors (the tensors
     official_class expects, shapes checked on a meta-device instance; tied copies stored once, as save_pretrained
-    does) and the tokenizer files of src."""
+    does) and the tokenizer files of src. keep_stored_tied_copies: a tied copy that `state` holds is written
+    too (transformers 5 unties e.g. a T5 head whose stored copy differs). Tensors the class recomputes
+    (`_keys_to_ignore_on_save`, e.g. Marian's sinusoidal tables) are not expected, as save_pretrained skips them."""
     with torch.device("meta"):
         reference = official_class(official_config)
     expected = expected_shapes(reference)
     for tied_copy in reference.get_expanded_tied_weights_keys(all_submodels=True):
-        expected.pop(tied_copy, None)
-        state.pop(tied_copy, None)
+        if not (keep_stored_tied_copies and tied_copy in state):
+            expected.pop(tied_copy, None)
+            state.pop(tied_copy, None)
+    for recomputed in reference._keys_to_ignore_on_save or ():
+        expected.pop(recomputed, None)
     check_shapes(state, expected)
     official_config.save_pretrained(str(tmp))
     save_state_dict_safetensors(state, Path(tmp) / SAFETENSORS_FILE)

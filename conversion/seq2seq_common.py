@@ -1,5 +1,6 @@
 """Glue shared by the seq2seq converters (bart.py, t5.py, bert2seq.py): tied-copy handling, writing an hf_tiny or
-an official folder, and the parity measurement written into the model card.
+an official folder, and the parity measurement written into the model card. What every family shares (config
+loading, tolerances, parity rows and verdict, the official folder) lives in conversion.core.
 
 Each converter keeps its own declarative KeyMap; encoder layers use the placeholder {i} and decoder layers {j},
 so `num_layers={"i": encoder_depth, "j": decoder_depth}` handles stacks of different depths.
@@ -7,6 +8,7 @@ so `num_layers={"i": encoder_depth, "j": decoder_depth}` handles stacks of diffe
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -14,12 +16,19 @@ import torch
 
 from .core import (
     ConversionError,
+    KeyMap,
+    cast_floating,
     check_shapes,
     copy_tokenizer_files,
     expected_shapes,
+    fail_on_parity,
+    load_checkpoint,
+    load_hf_tiny_config,
     max_abs_diff,
-    save_state_dict_safetensors,
+    parity_plans,
+    parity_row,
     write_model_card,
+    write_official_folder,
 )
 
 OUR_CLASS = "TinySeq2SeqForConditionalGeneration"
@@ -28,9 +37,6 @@ AUTO_MAP = {
     "AutoModel": "modeling_seq2seq.TinySeq2SeqModel",
     "AutoModelForSeq2SeqLM": "modeling_seq2seq.TinySeq2SeqForConditionalGeneration",
 }
-# Parity is measured at conversion time; a float32 row above its tolerance fails the conversion.
-# Tolerance = RELATIVE_TOLERANCE[dtype] * max(1, max |official logits|).
-RELATIVE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
 def ours_class():
@@ -49,14 +55,27 @@ def our_config(src, **fields):
         raise ConversionError(f"{src}: this checkpoint has no hf_tiny seq2seq equivalent: {error}") from error
 
 
-def load_our_config(src: Path, raw: dict):
+def load_our_config(src: Path):
+    """The config of an hf_tiny seq2seq folder (model_type and architecture checked), for a reverse conversion."""
     from hf_tiny import TinySeq2SeqConfig
 
-    fields = {k: v for k, v in raw.items() if k not in ("auto_map", "architectures", "model_type", "transformers_version")}
-    try:
-        return TinySeq2SeqConfig(**fields)
-    except (TypeError, ValueError) as error:
-        raise ConversionError(f"{src}: invalid hf_tiny seq2seq config: {error}") from error
+    config, _ = load_hf_tiny_config(src, TinySeq2SeqConfig, supported=(OUR_CLASS,), default=OUR_CLASS)
+    return config
+
+
+def stack_depths(config) -> dict[str, int]:
+    """num_layers for a seq2seq KeyMap: {i} runs over encoder layers, {j} over decoder layers."""
+    return {"i": config.num_hidden_layers, "j": config.num_decoder_layers}
+
+
+def read_ours_for_reverse(src: Path, config) -> tuple[dict, torch.dtype]:
+    """An hf_tiny folder's tensors with the tied copies put back, and the dtype they are stored in."""
+    state = with_tied_copies(load_checkpoint(src), config)
+    return state, next(iter(state.values())).dtype
+
+
+def to_official_names(mapping: KeyMap, state: dict, config) -> dict:
+    return mapping.to_source(state, num_layers=stack_depths(config), progress=sys.stderr.isatty())
 
 
 def require_equal(config, src, **expected) -> None:
@@ -119,25 +138,31 @@ def save_ours(config, state: dict, tmp: Path, src: Path) -> None:
     copy_tokenizer_files(src if src.is_dir() else src.parent, tmp)
 
 
+def write_ours(
+    tmp: Path, src: Path, config, mapping: KeyMap, state: dict, *, dtype, official_config=None, keep_source_generation=True
+) -> None:
+    """Maps official tensors to hf_tiny names, casts them to dtype and writes the hf_tiny folder with its
+    generation_config.json (the source's unless keep_source_generation=False, else derived; see
+    write_generation_config)."""
+    ours = mapping.to_target(state, num_layers=stack_depths(config), progress=sys.stderr.isatty())
+    save_ours(config, cast_floating(ours, dtype), tmp, src)
+    if not keep_source_generation:
+        (tmp / "generation_config.json").unlink(missing_ok=True)
+    write_generation_config(tmp, config, official_config)
+
+
 def save_official(official_class, official_config, state: dict, tmp: Path, src: Path) -> None:
-    """Writes an official folder: its config, the tensors the official class expects (tied copies once),
-    the tokenizer files; then checks the official class loads it with no missing or unexpected keys."""
-    with torch.device("meta"):
-        reference = official_class(official_config)
-    expected = expected_shapes(reference)
-    for tied_copy in reference.get_expanded_tied_weights_keys(all_submodels=True):
-        if tied_copy not in state:
-            expected.pop(tied_copy, None)
-    for recomputed in reference._keys_to_ignore_on_save or ():  # e.g. Marian's sinusoidal tables
-        expected.pop(recomputed, None)
-    check_shapes(state, expected)
-    official_config.save_pretrained(tmp)
-    save_state_dict_safetensors(state, tmp / "model.safetensors")
-    copy_tokenizer_files(src, tmp)
+    """Writes an official folder (conversion.core.write_official_folder; a tied copy the state holds is kept, as
+    it may be an untied head), then checks the official class loads it with no missing or unexpected keys."""
+    write_official_folder(tmp, official_class, official_config, state, src, keep_stored_tied_copies=True)
     _, info = official_class.from_pretrained(str(tmp), output_loading_info=True)
+    _require_clean_load(info, f"the written {official_class.__name__} folder")
+
+
+def _require_clean_load(info: dict, what: str) -> None:
     problems = {k: sorted(v) for k, v in info.items() if k != "error_msgs" and v}
     if problems or info.get("error_msgs"):
-        raise ConversionError(f"the written {official_class.__name__} folder does not load cleanly: {problems or info['error_msgs']}")
+        raise ConversionError(f"{what} does not load cleanly: {problems or info['error_msgs']}")
 
 
 def write_generation_config(tmp: Path, config, official_config=None) -> None:
@@ -159,9 +184,7 @@ def write_generation_config(tmp: Path, config, official_config=None) -> None:
 def load_ours_checked(path: Path, **kwargs):
     """Loads a converted folder and fails unless every tensor was found and used."""
     model, info = ours_class().from_pretrained(str(path), output_loading_info=True, **kwargs)
-    problems = {k: sorted(v) for k, v in info.items() if k != "error_msgs" and v}
-    if problems or info.get("error_msgs"):
-        raise ConversionError(f"the converted folder does not load cleanly: {problems or info['error_msgs']}")
+    _require_clean_load(info, "the converted folder")
     return model
 
 
@@ -213,10 +236,7 @@ def measure_parity(official, ours, config, *, flash_ok: bool) -> tuple[list[dict
     official.eval()
     ours.eval()
     batch = parity_batch(config)
-    plans = [("cpu", torch.float32, backend) for backend in ("eager", "sdpa")]
-    if torch.cuda.is_available():
-        plans += [("cuda", torch.float32, b) for b in ("eager", "sdpa")]
-        plans += [("cuda", torch.bfloat16, b) for b in ("eager", "sdpa") + (("flash_attention_2",) if flash_ok else ())]
+    plans = [plan for plan in parity_plans(torch.float32) if flash_ok or plan[2] != "flash_attention_2"]
     rows, references = [], {}
     for device, dtype, backend in plans:
         official_backend = "sdpa" if backend == "flash_attention_2" else backend
@@ -229,15 +249,7 @@ def measure_parity(official, ours, config, *, flash_ok: bool) -> tuple[list[dict
         ours.to(device=device, dtype=dtype)
         ours.set_attn_implementation(backend)
         produced = _logits(ours, batch, device).float()
-        rows.append(
-            {
-                "backend": backend,
-                "dtype": str(dtype).removeprefix("torch."),
-                "device": device,
-                "max_abs_diff": max_abs_diff(produced, reference),
-                "tolerance": RELATIVE_TOLERANCE[dtype] * scale,
-            }
-        )
+        rows.append(parity_row(backend, dtype, device, max_abs_diff(produced, reference), scale))
     official.to("cpu")
     ours.to(device="cpu", dtype=torch.float32)
     lengths = batch["attention_mask"].sum(-1).tolist()
@@ -249,11 +261,16 @@ def measure_parity(official, ours, config, *, flash_ok: bool) -> tuple[list[dict
     return rows, description
 
 
-def fail_on_parity(rows: list[dict], what: str) -> None:
-    failed = [r for r in rows if r["dtype"] == "float32" and not r["max_abs_diff"] <= r["tolerance"]]
-    if failed:
-        detail = ", ".join(f"{r['backend']} on {r['device']}: {r['max_abs_diff']:.3g} > {r['tolerance']:.3g}" for r in failed)
-        raise ConversionError(f"converted model does not match the official {what}: {detail}")
+def check_parity_and_write_card(
+    tmp: Path, dst: Path, *, official, config, dtype, flash_ok: bool, what: str, **card
+) -> tuple[list[dict], str]:
+    """Measures the written folder against `official` (fp32; its weights rounded to dtype first), writes the model
+    card (card: write_card's fields) and fails on a float32 row above tolerance. Returns (rows, inputs)."""
+    round_trip_weights(official, dtype)
+    rows, inputs = measure_parity(official, load_ours_checked(tmp, dtype=torch.float32), config, flash_ok=flash_ok)
+    write_card(tmp, dst, rows=rows, inputs=inputs, **card)
+    fail_on_parity(rows, what)
+    return rows, inputs
 
 
 def write_card(tmp: Path, dst: Path, *, base_model: str, description: str, rows: list[dict], inputs: str, tags, extra: str = ""):

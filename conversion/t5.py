@@ -14,7 +14,6 @@ that differs from shared.weight; the rescale follows config.json (`scale_decoder
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Optional
 
@@ -25,28 +24,23 @@ from .core import (
     KeyMap,
     Rule,
     atomic_output_dir,
-    cast_floating,
     load_checkpoint,
     load_config_json,
     parse_dtype,
     require_model_type,
 )
 from .seq2seq_common import (
+    check_parity_and_write_card,
     drop_tied_copies,
-    fail_on_parity,
     head_is_tied,
     layer_rules,
     load_our_config,
-    load_ours_checked,
-    measure_parity,
     our_config,
+    read_ours_for_reverse,
     require_equal,
-    round_trip_weights,
     save_official,
-    save_ours,
-    with_tied_copies,
-    write_card,
-    write_generation_config,
+    to_official_names,
+    write_ours,
 )
 
 ATTENTION = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
@@ -227,30 +221,23 @@ def convert(
         state = drop_tied_copies(state, "shared.weight", copies, src=src)
         config = config_from_official(official_config, src=src, tied_head=tied_head)
         mapping = key_map(gated=config.mlp_gated, tied_head=tied_head)
-        ours = mapping.to_target(state, num_layers={"i": config.num_hidden_layers, "j": config.num_decoder_layers}, progress=sys.stderr.isatty())
-        ours = cast_floating(ours, dtype)
-        save_ours(config, ours, tmp, src)
-        write_generation_config(tmp, config, official_config)
-
-        official = T5ForConditionalGeneration.from_pretrained(str(src), dtype=torch.float32)
-        round_trip_weights(official, dtype)
-        converted = load_ours_checked(tmp, dtype=torch.float32)
-        # flash kernels take no additive bias: T5's relative position bias needs eager or sdpa
-        rows, inputs = measure_parity(official, converted, config, flash_ok=False)
-        del official, converted
+        write_ours(tmp, src, config, mapping, state, dtype=dtype, official_config=official_config)
         version = "v1.1 layout (gated-GELU, untied head)" if config.mlp_gated else "v1.0 layout"
-        write_card(
+        rows, inputs = check_parity_and_write_card(
             tmp,
             dst,
+            official=T5ForConditionalGeneration.from_pretrained(str(src), dtype=torch.float32),
+            config=config,
+            dtype=dtype,
+            # flash kernels take no additive bias: T5's relative position bias needs eager or sdpa
+            flash_ok=False,
+            what="T5ForConditionalGeneration",
             base_model=base_model or raw.get("_name_or_path") or src.resolve().name,
             description=f"A T5 checkpoint ({version}) converted to `TinySeq2SeqForConditionalGeneration`.",
-            rows=rows,
-            inputs=inputs,
             tags=["t5", "seq2seq"],
             extra="\n`flash_attention_2` cannot run this model: T5's relative position bias is an additive attention "
             "bias, which flash kernels do not take (the model raises a clear error).\n",
         )
-        fail_on_parity(rows, "T5ForConditionalGeneration")
     return {"dst": dst, "parity": rows, "parity_inputs": inputs}
 
 
@@ -260,17 +247,11 @@ def convert_back(src: str | os.PathLike, dst: str | os.PathLike, *, force: bool 
     from transformers import T5ForConditionalGeneration
 
     src, dst = Path(src), Path(dst)
-    raw = load_config_json(src)
-    require_model_type(raw, "hf_tiny_seq2seq", src=src)
-    config = load_our_config(src, raw)
+    config = load_our_config(src)
     with atomic_output_dir(dst, force=force) as tmp:
-        state = with_tied_copies(load_checkpoint(src), config)
-        dtype = next(iter(state.values())).dtype
+        state, dtype = read_ours_for_reverse(src, config)
         official_config = official_config_from_ours(config, src=src, dtype=dtype)
-        mapping = key_map(gated=config.mlp_gated, tied_head=config.tie_word_embeddings)
-        official_state = mapping.to_source(
-            state, num_layers={"i": config.num_hidden_layers, "j": config.num_decoder_layers}, progress=sys.stderr.isatty()
-        )
+        official_state = to_official_names(key_map(gated=config.mlp_gated, tied_head=config.tie_word_embeddings), state, config)
         save_official(T5ForConditionalGeneration, official_config, official_state, tmp, src)
     return {"dst": dst}
 

@@ -233,6 +233,9 @@ class TinyEncoderMaskedLMHead(nn.Module):
 
 class TinyEncoderForMaskedLM(TinyEncoderPreTrainedModel):
     _tied_weights_keys = {"lm_head.decoder.weight": "model.embed_tokens.weight"}
+    # Tensor parallelism splits the (tied) word embeddings by vocabulary row; the decoder must then be split the same
+    # way and gather its logits (tests/test_distributed.py)
+    _tp_plan = {"lm_head.decoder": "colwise_gather_output"}
 
     def __init__(self, config: TinyEncoderConfig):
         super().__init__(config)
