@@ -1,0 +1,175 @@
+"""Timing and peak-memory measurement.
+
+Timing: warm-up calls, then `repeats` timed calls per contender, interleaved (A B, B A, A B, ...) so that load
+drifts on a shared machine hit every contender alike; the device is synchronized around each call. The median is
+the reported number, min and max are kept to show the spread.
+
+Peak memory (extra bytes a call needs above the loaded model and its inputs):
+- CUDA: torch.cuda.max_memory_allocated() after reset_peak_memory_stats(), minus memory_allocated() before.
+- CPU: tracemalloc does not see torch's allocations, and torch keeps no CPU peak counter, so each case runs in a
+  fresh subprocess (benchmarks/memory_probe.py) that reads the kernel's resident-set high-water mark: reset
+  VmHWM (write "5" to /proc/self/clear_refs), read VmRSS, run the call, read VmHWM; the peak is the difference.
+  The subprocess is started with MALLOC_MMAP_THRESHOLD_=65536 so glibc serves every large tensor with its own
+  mmap and returns it on free: the RSS then follows live tensor memory instead of the allocator's free lists.
+  A calibration case (allocate and touch a known number of bytes) is reported alongside to show the method's
+  error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+MIB = 1024 * 1024
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass
+class Timing:
+    """Seconds per call of one contender."""
+
+    samples: list[float] = field(default_factory=list)
+    last_output: object = field(default=None, repr=False)  # what the last timed call returned (not serialized)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def spread(self) -> tuple[float, float]:
+        return min(self.samples), max(self.samples)
+
+    def as_dict(self) -> dict:
+        return {"median_s": self.median, "min_s": min(self.samples), "max_s": max(self.samples), "samples_s": self.samples}
+
+
+def time_interleaved(
+    contenders: dict[str, Callable[[], object]],
+    *,
+    device: torch.device,
+    warmup: int,
+    repeats: int,
+    warmup_contenders: Optional[dict[str, Callable[[], object]]] = None,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, Timing]:
+    """Median-of-`repeats` timing of each callable, after `warmup` untimed calls each.
+
+    `warmup_contenders` (same keys) replaces the callables during warm-up, e.g. a short generate() that compiles
+    and allocates what the long one needs without costing its full time.
+    `clock`: wall time by default; time.process_time (CPU seconds of this process) is steadier on a machine
+    shared with other jobs, and means the same thing as wall time only with one torch thread on the CPU.
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0; got repeats={repeats}, warmup={warmup}")
+    warm = warmup_contenders or contenders
+    for _ in range(warmup):
+        for name in contenders:
+            warm[name]()
+    synchronize(device)
+    timings = {name: Timing() for name in contenders}
+    names = list(contenders)
+    for rep in range(repeats):
+        for name in names if rep % 2 == 0 else reversed(names):
+            synchronize(device)
+            start = clock()
+            output = contenders[name]()
+            synchronize(device)
+            timings[name].samples.append(clock() - start)
+            timings[name].last_output = output
+    return timings
+
+
+def cuda_peak_bytes(fn: Callable[[], object], device: torch.device, calls: int = 2) -> int:
+    """Extra CUDA memory `calls` calls of fn need at their peak, above what is allocated before."""
+    synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    for _ in range(calls):
+        fn()
+    synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+# ---- CPU: resident-set high-water mark of a fresh process ---------------------------------------------------------
+
+def _proc_status_kib(field_name: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field_name + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field_name} line; the CPU memory probe needs Linux")
+
+
+def reset_rss_peak() -> None:
+    """Resets VmHWM to the current RSS (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+
+
+def rss_peak_bytes(fn: Callable[[], object], calls: int = 2) -> int:
+    """Extra resident memory `calls` calls of fn reach at their peak, above the RSS before (same process)."""
+    reset_rss_peak()
+    base = _proc_status_kib("VmRSS")
+    for _ in range(calls):
+        fn()
+    return (_proc_status_kib("VmHWM") - base) * 1024
+
+
+def count_aten_ops(fn: Callable[[], object]) -> int:
+    """aten operator calls of one call of fn, nested calls included (torch.profiler, CPU side). Unlike time, this
+    does not depend on machine load: it is the dispatcher and Python work the call asks for."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(event.count for event in prof.key_averages() if event.key.startswith("aten::"))
+
+
+def count_python_calls(fn: Callable[[], object]) -> int:
+    """Python-level function calls (built-ins included) of one call of fn, counted by cProfile; like aten calls,
+    a load-independent measure of the interpreter work a call costs."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    try:
+        fn()
+    finally:
+        profiler.disable()
+    return pstats.Stats(profiler).total_calls
+
+
+PROBE_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+
+
+def run_memory_probe(spec: dict, timeout_s: float = 900.0) -> dict:
+    """Runs benchmarks.memory_probe in a fresh interpreter with `spec` (JSON) and returns its JSON answer."""
+    env = dict(os.environ, **PROBE_ENV)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH", "")]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.memory_probe", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+        check=False,  # a failed probe is reported in the table, not raised
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return {"error": f"memory probe exited with {proc.returncode}: {' | '.join(tail)}"}
+    return json.loads(lines[-1])

@@ -1,0 +1,441 @@
+"""`python -m benchmarks.run [--device cpu|cuda] [--quick] [--models minilm,smollm2] [--cases ...]`
+
+Measures hf_tiny against official transformers in one process (same weights, dtype and attention backend),
+then writes benchmarks/results/<device>-<date>[-quick].{md,png,json} and prints the markdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import measure, report, roofline
+from .models import HF_TINY, MODELS, OFFICIAL, align_work, convert_hf_tiny, count_parameters, describe_config
+from .models import dump_json, load_model, official_folder, same_weights_check
+from .workloads import CASES, DECODE, DECODE_COMPILED, PREFILL, TRAIN, Shape, build, build_generate, build_prefill
+from .workloads import compile_for_decoding, prefill_kwargs
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+@dataclass
+class Plan:
+    prefill: dict  # family -> Shape
+    train: dict  # family -> Shape
+    decode: list  # Shapes (causal)
+    sweep_lengths: list
+    repeats: int
+    warmup: int
+    gemm_n: int
+    bandwidth_mb: int
+    models: list = field(default_factory=list)
+
+
+def make_plan(device: torch.device, quick: bool) -> Plan:
+    cuda = device.type == "cuda"
+    if quick:
+        return Plan(
+            prefill={"encoder": Shape(8, 64), "causal": Shape(1, 128)},
+            train={"encoder": Shape(8, 64), "causal": Shape(1, 64)},
+            decode=[Shape(1, 16, 16), Shape(8, 16, 16)],
+            sweep_lengths=[128, 256, 512] if not cuda else [512, 2048, 8192],
+            repeats=5,
+            warmup=1,
+            gemm_n=2048 if not cuda else 4096,
+            bandwidth_mb=512 if not cuda else 1024,
+            models=["minilm", "smollm2", "overhead"],
+        )
+    return Plan(
+        prefill={"encoder": Shape(32, 128), "causal": Shape(4, 512)},
+        # On 2 CPU cores a SmolLM2 step takes 21 s at 4x512 and 4 s at 4x128: 4x128 keeps the full run near 15 min.
+        train={"encoder": Shape(32, 128), "causal": Shape(4, 512) if cuda else Shape(4, 128)},
+        decode=[Shape(1, 32, 128), Shape(8, 32, 128)],
+        sweep_lengths=[256, 512, 1024, 2048] if not cuda else [512, 1024, 2048, 4096, 8192, 16384],
+        repeats=5,
+        warmup=1,
+        gemm_n=2048 if not cuda else 8192,
+        bandwidth_mb=512 if not cuda else 4096,
+        models=["minilm", "smollm2", "overhead", "llama1b"] if cuda else ["minilm", "smollm2", "overhead"],
+    )
+
+
+# ---- machine description ---------------------------------------------------------------------------------------
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def git_revision() -> str:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        def git(*command: str) -> str:
+            return subprocess.run(["git", *command], cwd=root, capture_output=True, text=True, check=False).stdout.strip()
+
+        rev = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no")
+        return (rev or "unknown") + ("+local changes" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+def machine_meta(device: torch.device, dtype: torch.dtype, args, plan: Plan) -> dict:
+    import transformers
+
+    if device.type == "cuda":
+        name = f"{torch.cuda.get_device_name(device)} (+ {cpu_model()})"
+        tag = "cuda-" + "".join(c if c.isalnum() else "-" for c in torch.cuda.get_device_name(device).lower()).strip("-")
+    else:
+        name, tag = cpu_model(), "cpu"
+    return {
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "device_name": name,
+        "device_tag": tag,
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "dtype": str(dtype).replace("torch.", ""),
+        "attn": args.attn,
+        "mode": "quick" if args.quick else "full",
+        "repeats": plan.repeats,
+        "warmup": plan.warmup,
+        "clock": "process CPU time" if args.clock == "cpu" else "wall time",
+        "git": git_revision(),
+        "command": "python -m benchmarks.run " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
+        "note": args.note,
+    }
+
+
+# ---- one model pair ---------------------------------------------------------------------------------------------
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def load_pair(spec, device, dtype, attn, refresh):
+    folders, models, errors = {}, {}, {}
+    folders[OFFICIAL] = official_folder(spec, refresh=refresh, device=device)
+    models[OFFICIAL] = load_model(spec, OFFICIAL, folders[OFFICIAL], dtype=dtype, device=device, attn=attn)
+    try:
+        # The converter's parity check may switch the reference model's backend: a fp32 CPU copy serves it.
+        reference = None
+        if spec.family == "causal" and dtype == torch.float32 and device.type == "cpu":
+            reference = models[OFFICIAL]
+        folders[HF_TINY] = convert_hf_tiny(spec, folders[OFFICIAL], reference_model=reference)
+        models[OFFICIAL].set_attn_implementation(attn)
+        models[OFFICIAL].eval()
+        models[HF_TINY] = load_model(spec, HF_TINY, folders[HF_TINY], dtype=dtype, device=device, attn=attn)
+    except Exception as error:  # the official side still runs, and the report says why hf_tiny is missing
+        errors[HF_TINY] = f"{type(error).__name__}: {error}"
+    return folders, models, errors
+
+
+def free_memory() -> None:
+    """Collects what the caller has just deleted (closures holding optimizers, KV caches)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def measure_memory(spec, case, shape, models, folders, device, dtype, attn, extra, drop_pooler) -> dict:
+    row = {"model": spec.name, "case": case, "shape": shape.label()}
+    for impl in models:
+        if device.type == "cuda":
+            fn = build(case, models[impl], spec.family, shape, device, extra)
+            try:
+                row[impl] = measure.cuda_peak_bytes(fn, device, calls=2 if case == TRAIN else 1)
+            except torch.OutOfMemoryError:
+                row[impl] = "out of memory"
+            del fn
+            free_memory()
+        else:
+            probe = {
+                "model": spec.name, "impl": impl, "folder": str(folders[impl]), "dtype": str(dtype).replace("torch.", ""),
+                "attn": attn, "case": case, "batch": shape.batch, "seq": shape.seq, "new_tokens": shape.new_tokens,
+                "prefill_extra": extra, "threads": torch.get_num_threads(),
+                "drop_pooler": drop_pooler and impl == OFFICIAL,
+                # A training step reaches its steady peak only once AdamW's state exists (second call).
+                "calls": 2 if case == TRAIN else 1,
+            }
+            answer = measure.run_memory_probe(probe)
+            row[impl] = answer.get("peak_bytes", answer.get("error"))
+    return row
+
+
+def bench_model(name, plan, args, device, dtype, results) -> None:
+    spec = MODELS[name]
+    log(f"{name}: preparing checkpoints")
+    folders, models, errors = load_pair(spec, device, dtype, args.attn, args.refresh)
+    config = models[OFFICIAL].config
+    notes = align_work(spec, models)
+    info = {
+        "description": spec.description,
+        "config": describe_config(config),
+        "params": count_parameters(models[OFFICIAL]),
+        "notes": notes,
+        "errors": errors,
+        "same_weights_max_abs_diff": None,
+    }
+    results["models"][name] = info
+    try:
+        info["same_weights_max_abs_diff"] = same_weights_check(spec, models, config.vocab_size, device)
+    except Exception as error:
+        errors["same_weights_check"] = f"{type(error).__name__}: {error}"
+    for impl, error in errors.items():
+        log(f"{name}: {impl}: {error}")
+    arch = roofline.Arch.from_config(config, spec.family)
+    counted = roofline.counted_block_matmul_params(models[OFFICIAL])
+    if counted != arch.block_matmul_params:
+        notes.append(f"FLOP model mismatch: analytic block matmul params {arch.block_matmul_params:,} != "
+                     f"{counted:,} counted in the official model")
+    extra = prefill_kwargs(models) if spec.family == "causal" else None
+    drop_pooler = any("pooler disabled" in n for n in notes)
+    bytes_per_value = torch.finfo(dtype).bits // 8
+
+    cases = [c for c in args.cases if spec.family == "causal" or c not in (DECODE, DECODE_COMPILED)]
+    # Training changes the weights, so it runs last.
+    for case in sorted(cases, key=lambda c: c == TRAIN):
+        shapes = plan.decode if case in (DECODE, DECODE_COMPILED) else [plan.prefill[spec.family] if case == PREFILL else plan.train[spec.family]]
+        for shape in shapes:
+            log(f"{name}: {case} {shape.label()}")
+            if case == DECODE_COMPILED:
+                timings = time_compiled_decode(spec, shape, models, folders, device, dtype, args, plan, info)
+                fns = warm = None
+            else:
+                fns = {impl: build(case, m, spec.family, shape, device, extra) for impl, m in models.items()}
+                warm = None
+                if case == DECODE:  # a short generate warms every code path without costing a full run
+                    warm = {impl: build_generate(m, shape, device, new_tokens=4) for impl, m in models.items()}
+                timings = measure.time_interleaved(fns, device=device, warmup=plan.warmup, repeats=plan.repeats,
+                                                   warmup_contenders=warm, clock=CLOCKS[args.clock])
+            if not timings:
+                continue
+            row = {
+                "model": name, "case": case, "shape": shape.label(), "roofline": spec.roofline,
+                "timings": {impl: t.as_dict() for impl, t in timings.items()},
+            }
+            if args.ops and case in (PREFILL, DECODE):  # a training step's profile shows autograd, not us
+                row["calls"] = count_ops(case, models, fns, spec.family, shape, device)
+            if case == PREFILL:
+                positions = 1 if extra and extra.get("logits_to_keep") == 1 else shape.seq
+                row["flops"] = roofline.forward_flops(arch, shape.batch, shape.seq, logits_positions=positions if arch.causal else 0)
+            elif case == TRAIN:
+                row["flops"] = roofline.train_flops(arch, shape.batch, shape.seq)
+            else:
+                row["tokens"] = shape.batch * shape.new_tokens  # generate and generate_compiled
+                row["bytes"] = roofline.generate_bytes(arch, batch=shape.batch, prompt=shape.seq, new_tokens=shape.new_tokens, bytes_per_value=bytes_per_value)
+                row["flops"] = roofline.generate_flops(arch, batch=shape.batch, prompt=shape.seq, new_tokens=shape.new_tokens)
+                if len(timings) == 2:
+                    outs = {impl: timing.last_output[:, shape.seq:] for impl, timing in timings.items()}
+                    row["token_agreement"] = float((outs[OFFICIAL] == outs[HF_TINY]).float().mean())
+            results["cases"].append(row)
+            del fns, warm, timings
+            free_memory()
+            if args.memory and case != DECODE_COMPILED and (case != DECODE or shape.batch == max(s.batch for s in plan.decode)):
+                log(f"{name}: peak memory of {case} {shape.label()}")
+                results["memory"].append(measure_memory(spec, case, shape, models, folders, device, dtype, args.attn, extra, drop_pooler))
+    sweep_model = None
+    if args.sweep and spec.family == "causal" and spec.roofline and HF_TINY in models and results.get("sweep") is None:
+        sweep_model = models[HF_TINY]
+        longest = max(plan.sweep_lengths)
+        if longest > sweep_model.config.max_position_embeddings:
+            # Timing only: the default RoPE does not depend on this field, it only lifts the length check.
+            sweep_model = load_model(spec, HF_TINY, folders[HF_TINY], dtype=dtype, device=device, attn=args.attn,
+                                     max_position_embeddings=longest)
+            info["notes"].append(f"backend sweep loads hf_tiny with max_position_embeddings={longest}")
+    del models
+    free_memory()
+    if sweep_model is not None:
+        results["sweep"] = backend_sweep(name, sweep_model, plan, device, dtype, extra, args.clock)
+        del sweep_model
+        free_memory()
+
+
+def time_compiled_decode(spec, shape, models, folders, device, dtype, args, plan, info) -> dict:
+    """generate() with a static cache and a torch.compile'd forward, on fresh copies of both models (compiling
+    replaces their forward). The first call compiles (prefill and decode graphs) and is the warm-up; a side whose
+    compilation fails is reported and left out."""
+    fns = {}
+    for impl in models:
+        model = load_model(spec, impl, folders[impl], dtype=dtype, device=device, attn=args.attn)
+        compile_for_decoding(model, device)
+        fn = build_generate(model, shape, device, static_cache=True)
+        try:
+            for _ in range(max(plan.warmup, 1)):
+                fn()
+        except Exception as error:
+            info["errors"][f"{impl} {DECODE_COMPILED} {shape.label()}"] = f"{type(error).__name__}: {str(error)[:300]}"
+            log(f"{spec.name}: {impl}: compiled generate failed: {type(error).__name__}: {error}")
+            continue
+        fns[impl] = fn
+    if not fns:
+        return {}
+    return measure.time_interleaved(fns, device=device, warmup=0, repeats=plan.repeats, clock=CLOCKS[args.clock])
+
+
+def count_ops(case, models, fns, family, shape, device) -> dict:
+    """{"aten": {impl: n}, "python": {impl: n}}: aten operator calls and Python function calls per call (prefill,
+    training step) or per decode step (generate: the difference of a 9-token and a 1-token generate, divided by
+    8, so the prompt's prefill drops out)."""
+    counts = {"aten": {}, "python": {}}
+    for kind, counter in (("aten", measure.count_aten_ops), ("python", measure.count_python_calls)):
+        for impl, model in models.items():
+            if case != DECODE:
+                counts[kind][impl] = counter(fns[impl])
+            else:
+                long = counter(build_generate(model, shape, device, new_tokens=9))
+                short = counter(build_generate(model, shape, device, new_tokens=1))
+                counts[kind][impl] = (long - short) / 8
+    return counts
+
+
+def sweep_backends(device: torch.device, dtype: torch.dtype) -> list[str]:
+    names = ["eager", "sdpa"]
+    if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        names.append("flash_attention_2")
+    return names
+
+
+def backend_sweep(name, model, plan, device, dtype, extra, clock) -> dict:
+    """hf_tiny's backends against each other: prefill of one sequence of growing length."""
+    backends = sweep_backends(device, dtype)
+    sweep = {"model": name, "batch": 1, "lengths": plan.sweep_lengths, "backends": {b: [] for b in backends}, "errors": {}}
+    original = model.config._attn_implementation
+    for length in plan.sweep_lengths:
+        log(f"{name}: backend sweep at {length} tokens")
+        fn = build_prefill(model, "causal", Shape(1, length), device, extra)
+
+        def with_backend(backend, prefill=fn):
+            def call():
+                model.set_attn_implementation(backend)
+                return prefill()
+            return call
+
+        alive = {}
+        for backend in backends:  # one untimed call each: drop a backend that cannot run this length
+            try:
+                with_backend(backend)()
+                alive[backend] = with_backend(backend)
+            except torch.OutOfMemoryError:
+                sweep["errors"][f"{backend}@{length}"] = "out of memory"
+                free_memory()
+            except (ValueError, RuntimeError) as error:  # e.g. a kernel that does not support this shape
+                sweep["errors"][f"{backend}@{length}"] = f"{type(error).__name__}: {str(error)[:80]}"
+                log(f"{name}: {backend} at {length} tokens failed: {error}")
+        timings = measure.time_interleaved(alive, device=device, warmup=0, repeats=plan.repeats, clock=CLOCKS[clock]) if alive else {}
+        for backend in backends:
+            sweep["backends"][backend].append(timings[backend].median if backend in timings else None)
+        del fn, alive
+        free_memory()
+    model.set_attn_implementation(original)
+    return sweep
+
+
+# ---- main -------------------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--quick", action="store_true", help="small shapes for a fast check (not the issue's shapes)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="default: float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument("--attn", default="sdpa", choices=["sdpa", "eager", "flash_attention_2"], help="backend of both sides")
+    parser.add_argument("--models", help=f"comma-separated subset of {','.join(MODELS)}")
+    parser.add_argument("--cases", help=f"comma-separated subset of {','.join(CASES)} (default: all on CUDA; all but "
+                        f"{DECODE_COMPILED} on CPU, where compiling takes minutes)")
+    parser.add_argument("--repeats", type=int, help="timed runs per case (default 5)")
+    parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                        help="cpu = process CPU time, steadier on a shared machine; use with --device cpu --threads 1")
+    parser.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory cases")
+    parser.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the backend sweep")
+    parser.add_argument("--no-ops", dest="ops", action="store_false", help="skip counting aten operator calls")
+    parser.add_argument("--refresh", action="store_true", help="rebuild the cached official checkpoints")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
+    parser.add_argument("--note", default="", help="free text recorded in the report (e.g. 'machine under load')")
+    parser.add_argument("--tag", default="", help="suffix of the result file names, to keep split runs apart")
+    args = parser.parse_args(argv)
+    if args.cases is None:
+        args.cases = ",".join(c for c in CASES if args.device == "cuda" or c != DECODE_COMPILED)
+    args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    unknown = sorted(set(args.cases) - set(CASES))
+    if unknown:
+        parser.error(f"--cases: unknown {unknown}; choose from {list(CASES)}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    if args.clock == "cpu" and (args.device != "cpu" or args.threads != 1):
+        parser.error("--clock cpu measures process CPU time, which equals elapsed time only with --device cpu --threads 1")
+    if args.attn == "flash_attention_2" and args.device != "cuda":
+        parser.error("--attn flash_attention_2 needs --device cuda")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    plan = make_plan(device, args.quick)
+    if args.repeats:
+        plan.repeats = args.repeats
+    names = [n.strip() for n in args.models.split(",")] if args.models else plan.models
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown:
+        raise SystemExit(f"error: --models: unknown {unknown}; choose from {sorted(MODELS)}")
+
+    results = {"meta": machine_meta(device, dtype, args, plan), "models": {}, "cases": [], "memory": [], "sweep": None}
+    results["memory_method"] = (
+        "torch.cuda.max_memory_allocated during one call (two for a training step), minus memory allocated before"
+        if device.type == "cuda"
+        else "peak RSS during one call (two for a training step) in a fresh process per case, VmHWM reset via "
+        "/proc/self/clear_refs, minus RSS before"
+    )
+    def ceilings() -> dict:
+        log("measuring ceilings (GEMM peak, memory bandwidth)")
+        return {
+            "gemm": roofline.gemm_peak(device, dtype, plan.gemm_n, clock=CLOCKS[args.clock]),
+            "bandwidth": roofline.memory_bandwidth(device, plan.bandwidth_mb, clock=CLOCKS[args.clock]),
+        }
+
+    at_start = ceilings()
+    if args.memory and device.type == "cpu":
+        results["calibration"] = measure.run_memory_probe({"case": "calibrate", "bytes": 256 * measure.MIB})
+    for name in names:
+        bench_model(name, plan, args, device, dtype, results)
+    results["ceilings"] = roofline.best_ceilings(at_start, ceilings())
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"{results['meta']['device_tag']}-{datetime.date.today().isoformat()}" + ("-quick" if args.quick else "")
+    if args.tag:
+        stem += "-" + "".join(c if c.isalnum() or c in "-_" else "-" for c in args.tag)
+    markdown = report.render_markdown(results)
+    (args.out / f"{stem}.md").write_text(markdown)
+    dump_json(args.out / f"{stem}.json", results)
+    report.render_plot(results, args.out / f"{stem}.png")
+    print(markdown)
+    log(f"wrote {args.out / stem}.md, .json and .png")
+    return results
+
+
+if __name__ == "__main__":
+    main()
