@@ -17,6 +17,11 @@ from .rope import apply_rotary
 NORM_TYPES = ("layernorm", "rmsnorm")
 
 
+def _dropout(dropout: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
+    # Skipping the module call in eval / at p=0 saves a Python call and an aten op per sublayer and token.
+    return dropout(x) if dropout.training and dropout.p > 0 else x
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm (Llama, T5): statistics in fp32, then weight * x in the input dtype."""
 
@@ -73,7 +78,7 @@ class FeedForward(nn.Module):
             hidden = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
         else:
             hidden = self.act_fn(self.up_proj(x))
-        return self.down_proj(self.dropout(hidden))
+        return self.down_proj(_dropout(self.dropout, hidden))
 
 
 class Attention(nn.Module):
@@ -198,6 +203,7 @@ class TransformerBlock(GradientCheckpointingLayer):
         super().__init__()
         hidden = config.hidden_size
         self.pre_norm = pre_norm
+        self.has_cross_attention = cross_attention
         self.self_attn = Attention(config, layer_idx)
         self.input_layernorm = build_norm(norm_type, hidden, norm_eps, norm_bias)
         if cross_attention:
@@ -209,13 +215,12 @@ class TransformerBlock(GradientCheckpointingLayer):
         self.post_attention_layernorm = build_norm(norm_type, hidden, norm_eps, norm_bias)
         self.dropout = nn.Dropout(hidden_dropout)
 
-    def _residual(self, x: torch.Tensor, norm: nn.Module, sublayer) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        out = sublayer(norm(x) if self.pre_norm else x)
-        weights = None
-        if isinstance(out, tuple):
-            out, weights = out
-        x = x + self.dropout(out)
-        return (x if self.pre_norm else norm(x)), weights
+    def _sublayer_input(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        return norm(x) if self.pre_norm else x
+
+    def _sublayer_output(self, residual: torch.Tensor, out: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        x = residual + _dropout(self.dropout, out)
+        return x if self.pre_norm else norm(x)
 
     def forward(
         self,
@@ -227,29 +232,24 @@ class TransformerBlock(GradientCheckpointingLayer):
         past_key_values: Optional[Cache] = None,
         output_attentions: bool = False,
     ):
-        hidden_states, self_weights = self._residual(
-            hidden_states,
-            self.input_layernorm,
-            lambda x: self.self_attn(
-                x,
-                attention_mask,
-                position_embeddings=position_embeddings,
+        attn_out, self_weights = self.self_attn(
+            self._sublayer_input(hidden_states, self.input_layernorm),
+            attention_mask,
+            position_embeddings=position_embeddings,
+            past_key_values=past_key_values,
+            output_attentions=output_attentions,
+        )
+        hidden_states = self._sublayer_output(hidden_states, attn_out, self.input_layernorm)
+        cross_weights = None
+        if self.has_cross_attention:
+            cross_out, cross_weights = self.cross_attn(
+                self._sublayer_input(hidden_states, self.cross_attn_layernorm),
+                encoder_attention_mask,
+                key_value_states=encoder_hidden_states,
                 past_key_values=past_key_values,
                 output_attentions=output_attentions,
-            ),
-        )
-        cross_weights = None
-        if hasattr(self, "cross_attn"):
-            hidden_states, cross_weights = self._residual(
-                hidden_states,
-                self.cross_attn_layernorm,
-                lambda x: self.cross_attn(
-                    x,
-                    encoder_attention_mask,
-                    key_value_states=encoder_hidden_states,
-                    past_key_values=past_key_values,
-                    output_attentions=output_attentions,
-                ),
             )
-        hidden_states, _ = self._residual(hidden_states, self.post_attention_layernorm, self.mlp)
+            hidden_states = self._sublayer_output(hidden_states, cross_out, self.cross_attn_layernorm)
+        mlp_out = self.mlp(self._sublayer_input(hidden_states, self.post_attention_layernorm))
+        hidden_states = self._sublayer_output(hidden_states, mlp_out, self.post_attention_layernorm)
         return hidden_states, self_weights, cross_weights

@@ -238,7 +238,8 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
             position_ids = position_ids.unsqueeze(0)
 
         mask = self._build_mask(attention_mask, past_key_values, past_length, batch_size, query_length, device)
-        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+        cos, sin = self.rotary_emb(inputs_embeds, position_ids)
+        position_embeddings = (cos.unsqueeze(1), sin.unsqueeze(1))  # broadcast over heads once, not per layer
 
         hidden_states = inputs_embeds
         all_hidden_states = () if output_hidden_states else None

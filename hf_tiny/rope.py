@@ -47,14 +47,17 @@ MAX_TABLE_POSITIONS = 16384
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """Llama's convention: the two halves of the head dimension form the (real, imaginary) pairs."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, S, D]; cos, sin [B, S, D] (broadcast over heads). Returns x rotated, in x's dtype."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return ((x * cos) + (rotate_half(x) * sin)).to(x.dtype)
+    """x [B, H, S, D]; cos, sin [B, S, D], or [B, 1, S, D] already broadcast over heads (the model unsqueezes
+    once per forward instead of once per layer). Returns x rotated, in x's dtype."""
+    if cos.dim() == 3:
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rotated = (x * cos) + (rotate_half(x) * sin)
+    return rotated if rotated.dtype == x.dtype else rotated.to(x.dtype)
 
 
 def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
