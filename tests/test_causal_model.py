@@ -16,8 +16,10 @@ from transformers import (
 )
 
 import hf_tiny  # noqa: F401
-from causal_helpers import BASE, left_padded_batch, max_diff, randomize, single_thread, tiny_official  # noqa: F401
+from causal_helpers import BASE, left_padded_batch, max_diff, randomize, tiny_official
 from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM, TinyCausalForSequenceClassification, TinyCausalModel
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 TOLERANCE = 1e-5
 SMALL = {k: v for k, v in BASE.items() if k not in ("initializer_range",)}

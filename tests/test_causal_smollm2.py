@@ -8,10 +8,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_tiny  # noqa: F401
-from causal_helpers import max_diff, single_thread  # noqa: F401
+from causal_helpers import max_diff
 from conversion import llama
 
-pytestmark = [pytest.mark.real_weights, pytest.mark.slow]
+pytestmark = [pytest.mark.real_weights, pytest.mark.slow, pytest.mark.usefixtures("single_torch_thread")]
 
 TOLERANCE = 1e-4  # fp32, real weights (DESIGN.md)
 NEW_TOKENS = 32

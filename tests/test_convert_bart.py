@@ -17,14 +17,7 @@ from conversion import ConversionError, bart
 BACKENDS = ("eager", "sdpa")
 TOLERANCE = 1e-5  # fp32, tiny random models
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy machine the thread hand-offs dominate."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def _randomize_norms(model) -> None:

@@ -12,10 +12,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import hf_tiny  # noqa: F401  (registers the Auto classes)
-from causal_helpers import left_padded_batch, max_diff, real_logits, single_thread, tiny_official  # noqa: F401
+from causal_helpers import left_padded_batch, max_diff, real_logits, tiny_official
 from conversion import llama
 from conversion.__main__ import main as cli
 from conversion.core import ConversionError
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 TOLERANCE = 1e-5
 # name -> (official family, config overrides)

@@ -23,14 +23,7 @@ VARIANTS = {
     "v1.1-gated-untied": dict(feed_forward_proj="gated-gelu", tie_word_embeddings=False, num_layers=2, num_decoder_layers=3),
 }
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy machine the thread hand-offs dominate."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def make_official_t5(path, *, seed=0, **overrides):

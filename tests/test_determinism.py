@@ -27,14 +27,7 @@ SIZES = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attentio
 FAMILIES = ["encoder", "causal", "bart-like", "t5-like"]
 STEPS = 4
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread is faster than two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def build(family: str):

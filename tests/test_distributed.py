@@ -51,13 +51,7 @@ DISTRIBUTED_RTOL = 1e-5
 # scale (init std 0.2 gives logits up to ~6; measured max |difference| 5.4e-6)
 TP_RTOL = 1e-5
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def tiny_causal_config(**overrides) -> TinyCausalConfig:

@@ -8,8 +8,10 @@ import torch
 from transformers import DynamicCache, PreTrainedTokenizerFast, StaticCache, TextStreamer
 
 import hf_tiny  # noqa: F401
-from causal_helpers import left_padded_batch, max_diff, single_thread, tiny_official  # noqa: F401
+from causal_helpers import left_padded_batch, max_diff, tiny_official
 from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 TOLERANCE = 1e-5
 NEW_TOKENS = 12

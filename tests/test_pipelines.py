@@ -18,14 +18,7 @@ import hf_tiny
 
 TEXTS = ["the cat sat on the [MASK] .", "paris is the [MASK] of france, said the tiny model."]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models gain nothing from threads, and on a busy machine thread contention makes them crawl."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 @pytest.fixture(scope="module")

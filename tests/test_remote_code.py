@@ -25,14 +25,7 @@ NETWORK_MODULES = {
     "requests", "httpx", "huggingface_hub",
 }
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    """Tiny models gain nothing from threads, and on a busy machine thread contention makes them crawl."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def _tiny_models() -> dict[str, tuple[torch.nn.Module, str, dict]]:

@@ -8,7 +8,6 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from causal_helpers import single_thread  # noqa: F401
 from hf_tiny import TinyCausalConfig
 from hf_tiny.rope import (
     RotaryEmbedding,
@@ -17,6 +16,8 @@ from hf_tiny.rope import (
     position_limit,
     standardize_rope_parameters,
 )
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 ROPE_CASES = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},

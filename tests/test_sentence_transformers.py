@@ -18,13 +18,7 @@ SENTENCES = [
     "Sentence embeddings map text to vectors; similar meanings end up close together.",
 ]
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 @pytest.fixture(scope="module")

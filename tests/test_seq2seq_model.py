@@ -32,14 +32,7 @@ VARIANTS = {
                      num_key_value_heads=2),
 }
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy machine the thread hand-offs dominate."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def make_model(variant: str, seed: int = 0, **overrides) -> TinySeq2SeqForConditionalGeneration:

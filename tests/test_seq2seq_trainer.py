@@ -17,14 +17,7 @@ PAD, BOS, EOS = 1, 0, 2
 VOCAB = 16
 FIRST_WORD = 3
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny models gain nothing from intra-op threads, and on a busy machine the thread hand-offs dominate."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def copy_task(count: int, seed: int) -> list[dict]:

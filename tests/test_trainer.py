@@ -21,14 +21,7 @@ FAMILIES = ("encoder", "causal", "seq2seq")
 # so equal to float32 rounding (measured: <= 2e-7 relative).
 ACCUMULATION_RTOL = 1e-5
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: one intra-op thread is several times faster than two."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def assert_curves_close(actual, expected, rtol, what):
