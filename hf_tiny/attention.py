@@ -3,7 +3,7 @@
 Every backend has the same signature and never sees a config or a module, so they can be tested against each
 other in isolation:
 
-    fn(q, k, v, mask=None, *, scale, dropout_p=0.0, is_causal=False, output_attentions=False)
+    fn(q, k, v, mask=None, *, scale, dropout_p=0.0, is_causal=False, output_attentions=False, segment_ids=None)
         -> (out [B, H, Sq, D], weights [B, H, Sq, Sk] or None)
 
 q is [B, H, Sq, D]; k and v are [B, Hkv, Sk, D] with H a multiple of Hkv (GQA / MQA).
@@ -13,6 +13,8 @@ the backend applies it, aligned bottom-right (query i sees keys j <= i + Sk - Sq
 KV cache); with a mask, naive and sdpa ignore it and flash reads causality from the mask itself (trying the
 `is_causal` reading first) to choose its kernels.
 A query row with no visible key returns zeros, never NaN, in every backend.
+segment_ids ([B, S], packed rows of self-attention only) names the sequence of each token; the mask already
+holds the same boundaries, so naive and sdpa ignore it, while flash runs each sequence as its own varlen slice.
 
 Names follow Hugging Face habits: "eager" is the naive formula, "sdpa" is torch's
 scaled_dot_product_attention, "flash_attention_2" runs FlashAttention kernels on CUDA.
@@ -88,6 +90,7 @@ def naive_attention(
     dropout_p: float = 0.0,
     is_causal: bool = False,
     output_attentions: bool = False,
+    segment_ids: Optional[torch.Tensor] = None,
 ) -> BackendOutput:
     """softmax(Q Kᵀ · scale + M) V written out; the reference the other backends are tested against."""
     n_rep = _check_shapes(q, k, v)
@@ -125,6 +128,7 @@ def torch_attention(
     dropout_p: float = 0.0,
     is_causal: bool = False,
     output_attentions: bool = False,
+    segment_ids: Optional[torch.Tensor] = None,
 ) -> BackendOutput:
     """torch.nn.functional.scaled_dot_product_attention (picks flash / memory-efficient / math kernels itself)."""
     if output_attentions:
@@ -263,13 +267,19 @@ def _flash_sdpa(q, k, v, *, scale, dropout_p, is_causal) -> torch.Tensor:
         ) from None
 
 
-def _flash_package(q, k, v, query_valid, key_valid, *, scale, dropout_p, is_causal) -> torch.Tensor:
+def _flash_attn_functions():
+    """(flash_attn_func, flash_attn_varlen_func) of the flash-attn package."""
     # Inside try: so that transformers' remote-code import check (which skips try blocks) does not demand the
     # optional flash-attn package from every machine that downloads a pushed model.
     try:
         from flash_attn import flash_attn_func, flash_attn_varlen_func
     except ImportError as error:
         raise ImportError(f"the flash-attn package is installed but cannot be imported: {error}") from error
+    return flash_attn_func, flash_attn_varlen_func
+
+
+def _flash_package(q, k, v, query_valid, key_valid, *, scale, dropout_p, is_causal) -> torch.Tensor:
+    flash_attn_func, flash_attn_varlen_func = _flash_attn_functions()
 
     # flash-attn works in [B, S, H, D] and aligns causal masks bottom-right, as we do.
     q_, k_, v_ = (t.transpose(1, 2) for t in (q, k, v))
@@ -310,6 +320,7 @@ def flash_attention(
     dropout_p: float = 0.0,
     is_causal: bool = False,
     output_attentions: bool = False,
+    segment_ids: Optional[torch.Tensor] = None,
 ) -> BackendOutput:
     """FlashAttention on CUDA: the flash-attn package (varlen for padded batches) when installed, otherwise
     PyTorch's FLASH_ATTENTION SDPA kernel, one sequence at a time for padded batches."""
@@ -321,6 +332,8 @@ def flash_attention(
     _check_shapes(q, k, v)
     check_flash_can_run(q.device, q.dtype)
     sk = k.shape[2]
+    if segment_ids is not None:
+        return _flash_packed(q, k, v, segment_ids, scale=scale, dropout_p=dropout_p, is_causal=is_causal), None
     query_valid = key_valid = None
     if mask is not None:
         query_valid, key_valid, is_causal = _padding_pattern(mask, q, sk, is_causal)
@@ -340,6 +353,41 @@ def flash_attention(
             scale=scale, dropout_p=dropout_p, is_causal=is_causal,
         )
     return out, None
+
+
+def _flash_packed(q, k, v, segment_ids, *, scale, dropout_p, is_causal) -> torch.Tensor:
+    """Self-attention over packed rows: every sequence (a run of equal segment ids in a row) attends only to
+    itself. The flash-attn package takes them all in one varlen call; PyTorch's kernel runs them one by one."""
+    batch, heads, seq, dim = q.shape
+    if k.shape[2] != seq or tuple(segment_ids.shape) != (batch, seq):
+        raise ValueError(
+            f"segment_ids of shape {tuple(segment_ids.shape)} describe packed self-attention over [batch, seq] = "
+            f"{[batch, seq]} with as many keys as queries; got {k.shape[2]} keys"
+        )
+    # One id per sequence across the whole batch: row b's segments come after those of rows < b.
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    lengths = torch.diff(
+        F.pad(starts.flatten().nonzero().squeeze(-1), (0, 1), value=batch * seq)
+    ).to(torch.int32)
+    if flash_attn_package_available():
+        flash_attn_varlen_func = _flash_attn_functions()[1]
+        cu = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+        q_, k_, v_ = (t.transpose(1, 2).flatten(0, 1) for t in (q, k, v))
+        out = flash_attn_varlen_func(
+            q_, k_, v_, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=int(lengths.max()),
+            max_seqlen_k=int(lengths.max()), dropout_p=dropout_p, softmax_scale=scale, causal=is_causal,
+        )
+        return out.view(batch, seq, heads, dim).transpose(1, 2)
+    q_, k_, v_ = (t.transpose(1, 2).flatten(0, 1) for t in (q, k, v))  # [B*S, H, D]
+    outputs = []
+    for part_q, part_k, part_v in zip(*(t.split(lengths.tolist()) for t in (q_, k_, v_))):
+        part = _flash_sdpa(
+            *(t.transpose(0, 1)[None] for t in (part_q, part_k, part_v)),
+            scale=scale, dropout_p=dropout_p, is_causal=is_causal,
+        )
+        outputs.append(part[0].transpose(0, 1))
+    return torch.cat(outputs).view(batch, seq, heads, dim).transpose(1, 2)
 
 
 ATTENTION_BACKENDS: dict[str, Callable[..., BackendOutput]] = {

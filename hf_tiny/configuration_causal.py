@@ -5,7 +5,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from .rope import position_limit, standardize_rope_parameters
+from .rope import standardize_rope_parameters
 from .validation import check_choice, check_divisible, check_positive, check_probability
 
 
@@ -130,11 +130,6 @@ class TinyCausalConfig(PretrainedConfig):
         self.eos_token_id = eos_token_id
         self.use_cache = use_cache
         super().__init__(**kwargs)
-
-    @property
-    def position_limit(self) -> int:
-        """The longest sequence (cached + new tokens) the model accepts; see rope.position_limit."""
-        return position_limit(self.rope_parameters, self.max_position_embeddings)
 
 
 __all__ = ["TinyCausalConfig"]

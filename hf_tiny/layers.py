@@ -159,7 +159,7 @@ class Attention(nn.Module):
         backend = get_attention_backend(implementation)
         if implementation == "flash_attention_2":
             check_flash_can_run(query.device, query.dtype)
-        mask, is_causal = attention_mask if attention_mask is not None else (None, False)
+        mask, is_causal, segment_ids = attention_mask if attention_mask is not None else (None, False, None)
         out, weights = backend(
             query,
             key,
@@ -169,6 +169,7 @@ class Attention(nn.Module):
             dropout_p=self.dropout if self.training else 0.0,
             is_causal=is_causal,
             output_attentions=output_attentions,
+            segment_ids=segment_ids,
         )
         out = out.transpose(1, 2).reshape(batch, seq_len, -1)
         return self.o_proj(out), weights
@@ -225,16 +226,25 @@ class TransformerBlock(GradientCheckpointingLayer):
     def forward(
         self,
         hidden_states: torch.Tensor,
-        attention_mask: Optional[AttentionMask] = None,
+        attention_mask: Optional[torch.Tensor] = None,
         position_embeddings: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         encoder_hidden_states: Optional[torch.Tensor] = None,
-        encoder_attention_mask: Optional[AttentionMask] = None,
+        encoder_attention_mask: Optional[torch.Tensor] = None,
+        *,
+        is_causal: bool = False,
+        segment_ids: Optional[torch.Tensor] = None,
         past_key_values: Optional[Cache] = None,
         output_attentions: bool = False,
     ):
+        """Masks arrive as plain tensors in the positional arguments (with is_causal / segment_ids beside them)
+        because reentrant gradient checkpointing detaches and re-feeds only top-level tensor arguments: a tensor
+        that needs gradients inside a container (T5's relative-position bias folded into the mask, encoder states)
+        would be backpropagated through once per checkpointed block. Call it as
+        `block(hidden, mask.mask, position_embeddings, encoder_hidden, cross_mask.mask, is_causal=mask.is_causal,
+        ...)`."""
         attn_out, self_weights = self.self_attn(
             self._sublayer_input(hidden_states, self.input_layernorm),
-            attention_mask,
+            AttentionMask(attention_mask, is_causal, segment_ids),
             position_embeddings=position_embeddings,
             past_key_values=past_key_values,
             output_attentions=output_attentions,
@@ -244,7 +254,7 @@ class TransformerBlock(GradientCheckpointingLayer):
         if self.has_cross_attention:
             cross_out, cross_weights = self.cross_attn(
                 self._sublayer_input(hidden_states, self.cross_attn_layernorm),
-                encoder_attention_mask,
+                AttentionMask(encoder_attention_mask, False),
                 key_value_states=encoder_hidden_states,
                 past_key_values=past_key_values,
                 output_attentions=output_attentions,

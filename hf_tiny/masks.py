@@ -3,6 +3,11 @@
 A mask is None when nothing needs masking beyond plain causality (no padding, Sq == Sk or a single new query):
 then backends take their fast path (SDPA's causal kernel, flash without varlen) instead of reading a 4-D tensor.
 
+Packed (padding-free) rows hold several sequences one after the other, as `DataCollatorWithFlattening` builds
+them: `position_ids` restart at 0 where a sequence begins (or `cu_seq_lens_q/k` give the boundaries). Their mask
+is block-diagonal and causal, and `segment_ids` ([B, S], the index of each token's sequence within its row) travel
+with it so that kernels which take sequence boundaries instead of a mask (flash varlen) can read them.
+
 Padding rules (the same in every family):
 - keys that are padding are never attended to;
 - in causal self-attention, padding queries are fully masked too, so they give zeros in every backend
@@ -21,6 +26,7 @@ from .attention import causal_bool_mask
 class AttentionMask(NamedTuple):
     mask: Optional[torch.Tensor]
     is_causal: bool
+    segment_ids: Optional[torch.Tensor] = None  # packed rows only: [B, S] sequence index of each token
 
 
 def _is_compiling() -> bool:
@@ -180,3 +186,52 @@ def with_position_bias(mask: AttentionMask, bias: torch.Tensor, dtype: torch.dty
         return AttentionMask(bias, mask.is_causal)
     lowest = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=bias.device)
     return AttentionMask(torch.where(mask.mask, bias, lowest), mask.is_causal)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Packed (padding-free) rows
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def segment_ids_from_position_ids(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """[B, S] index of the sequence each token belongs to, where a sequence starts wherever position ids do not
+    continue by +1 (transformers' `find_packed_sequence_indices` rule); None when every row holds one sequence.
+    Under torch.compile the ids are always returned (no data-dependent branch)."""
+    first = position_ids[:, :1] - 1
+    segment_ids = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
+    if not _is_compiling() and not bool(segment_ids[:, -1].any()):
+        return None
+    return segment_ids
+
+
+def segment_ids_from_cu_seq_lens(
+    cu_seq_lens: torch.Tensor, *, batch_size: int, length: int, field: str = "cu_seq_lens_q"
+) -> torch.Tensor:
+    """[1, S] sequence index of each token from cumulative sequence lengths [0, l0, l0 + l1, ..., S] (the flash
+    varlen convention that `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` produces)."""
+    if not isinstance(cu_seq_lens, torch.Tensor) or cu_seq_lens.dim() != 1 or cu_seq_lens.is_floating_point():
+        shape = tuple(cu_seq_lens.shape) if isinstance(cu_seq_lens, torch.Tensor) else type(cu_seq_lens).__name__
+        raise ValueError(f"{field} must be a 1-D integer tensor [0, len0, len0 + len1, ...], got {shape}")
+    if batch_size != 1:
+        raise ValueError(
+            f"{field} describes sequences packed into one row; the input has batch_size={batch_size} (expected 1)"
+        )
+    if not _is_compiling():
+        values = cu_seq_lens.tolist()
+        if len(values) < 2 or values[0] != 0 or values[-1] != length or any(b <= a for a, b in zip(values, values[1:])):
+            raise ValueError(
+                f"{field}={values} must start at 0, increase strictly and end at the packed length {length}"
+            )
+    token = torch.arange(length, device=cu_seq_lens.device)
+    return (torch.searchsorted(cu_seq_lens[1:-1].to(token.dtype), token, right=True))[None, :]
+
+
+def packed_causal_mask(segment_ids: torch.Tensor, *, sliding_window: Optional[int] = None) -> AttentionMask:
+    """Causal attention inside each packed sequence and none across them: bool [B, 1, S, S]."""
+    seq = segment_ids.shape[-1]
+    mask = causal_bool_mask(seq, seq, segment_ids.device)
+    if sliding_window is not None:
+        rows = torch.arange(seq, device=segment_ids.device)[:, None]
+        mask = mask & (rows - torch.arange(seq, device=segment_ids.device)[None, :] < sliding_window)
+    same_sequence = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return AttentionMask((mask[None] & same_sequence)[:, None], True, segment_ids)

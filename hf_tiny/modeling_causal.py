@@ -21,7 +21,7 @@ from transformers.modeling_outputs import (
 
 from .configuration_causal import TinyCausalConfig
 from .layers import RMSNorm, TransformerBlock
-from .masks import AttentionMask, self_attention_mask
+from .masks import AttentionMask, packed_causal_mask, segment_ids_from_cu_seq_lens, segment_ids_from_position_ids, self_attention_mask
 from .modeling_base import HfTinyPreTrainedModel
 from .rope import RotaryEmbedding
 from .validation import check_attention_mask, check_input_ids, check_labels, check_sequence_labels
@@ -29,6 +29,9 @@ from .validation import check_attention_mask, check_input_ids, check_labels, che
 # Keyword arguments forward() takes besides its named ones. Anything else is an error: silently ignoring, say,
 # packed-sequence boundaries (cu_seq_lens_*) would attend across sequences.
 LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
+# Sequence boundaries of a packed (padding-free) row, as DataCollatorWithFlattening(return_flash_attn_kwargs=True)
+# passes them; without them the boundaries are read from restarting position_ids.
+PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 # Older transformers versions pass cache_position from generate(); positions come from position_ids / the cache.
 IGNORED_KWARGS = ("cache_position",)
 
@@ -54,7 +57,7 @@ class TinyCausalPreTrainedModel(HfTinyPreTrainedModel):
 
     def _decode(
         self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, output_attentions,
-        output_hidden_states,
+        output_hidden_states, **packing_kwargs,
     ) -> BaseModelOutputWithPast:
         """A head's run of its base model (self.model), always as a ModelOutput."""
         return self.model(
@@ -67,6 +70,7 @@ class TinyCausalPreTrainedModel(HfTinyPreTrainedModel):
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
             return_dict=True,
+            **packing_kwargs,
         )
 
 
@@ -109,22 +113,52 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
     # input checks
     # ------------------------------------------------------------------------------------------------------------
 
-    def _check_length(self, past_length, query_length: int, position_ids: Optional[torch.Tensor]) -> None:
-        """Every position must stay below the position limit; the message names the limit and the lengths."""
-        if _compiling():
-            return  # data-dependent checks break graphs; the eager path runs the same checks
-        limit = self.config.position_limit
-        limit_text = f"max_position_embeddings={self.config.max_position_embeddings}"
-        if self.rotary_emb.rope_type == "dynamic":
-            limit_text += f" × rope factor {self.config.rope_parameters['factor']} = {limit} positions"
-        total = int(past_length) + query_length
-        if total > limit:
-            detail = f" ({int(past_length)} cached + {query_length} new tokens)" if int(past_length) else ""
-            raise ValueError(f"sequence length {total}{detail} exceeds {limit_text}")
-        if position_ids is not None and position_ids.numel():
-            low, high = int(position_ids.min()), int(position_ids.max())
-            if low < 0 or high >= limit:
-                raise ValueError(f"position_ids must lie in [0, {limit}) ({limit_text}); got values in [{low}, {high}]")
+    def _check_positions(self, position_ids: torch.Tensor, batch_size: int, query_length: int) -> torch.Tensor:
+        """position_ids: integers, [query_length] or [1 | batch, query_length], never negative. Rotary positions have
+        no upper limit (as in official Llama: the rotation is computed for any position, and the scaled rope types
+        exist to run past the trained length)."""
+        if not isinstance(position_ids, torch.Tensor):
+            raise TypeError(f"position_ids must be a torch.Tensor of integers, got {type(position_ids).__name__}")
+        if position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool:
+            raise TypeError(f"position_ids must hold integer positions, got dtype {position_ids.dtype}")
+        if position_ids.dim() == 1:
+            position_ids = position_ids.unsqueeze(0)
+        if position_ids.dim() != 2 or position_ids.shape[0] not in (1, batch_size) or position_ids.shape[1] != query_length:
+            raise ValueError(
+                f"position_ids has shape {tuple(position_ids.shape)} but the input needs [{batch_size}, {query_length}] "
+                f"(or [1, {query_length}])"
+            )
+        if not _compiling() and position_ids.numel() and int(position_ids.min()) < 0:
+            raise ValueError(f"position_ids must be >= 0; got {int(position_ids.min())}")
+        return position_ids
+
+    def _packed_segments(
+        self, position_ids_given: bool, position_ids, attention_mask, past_key_values, past_length, batch_size, kwargs
+    ) -> Optional[torch.Tensor]:
+        """Sequence index of each token when the row holds several packed sequences (no padding mask, no cached
+        tokens): from cu_seq_lens_q/k when given, else from restarting position_ids. None otherwise."""
+        cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+        query_length = position_ids.shape[-1]
+        if cu_q is not None or cu_k is not None:
+            if past_length or attention_mask is not None:
+                raise ValueError(
+                    "cu_seq_lens_q/cu_seq_lens_k describe packed sequences of one forward without padding; they cannot "
+                    f"be combined with cached tokens ({int(past_length)}) or an attention_mask"
+                )
+            cu = cu_q if cu_q is not None else cu_k
+            if cu_q is not None and cu_k is not None and not torch.equal(cu_q.cpu(), cu_k.cpu()):
+                raise ValueError(
+                    f"cu_seq_lens_q={cu_q.tolist()} and cu_seq_lens_k={cu_k.tolist()} must be equal in self-attention "
+                    "without a cache"
+                )
+            return segment_ids_from_cu_seq_lens(
+                cu, batch_size=batch_size, length=query_length,
+                field="cu_seq_lens_q" if cu_q is not None else "cu_seq_lens_k",
+            )
+        static = past_key_values is not None and getattr(past_key_values, "is_compileable", False)
+        if not position_ids_given or attention_mask is not None or static or (not _compiling() and int(past_length)):
+            return None
+        return segment_ids_from_position_ids(position_ids.expand(batch_size, -1))
 
     # ------------------------------------------------------------------------------------------------------------
     # masks
@@ -198,7 +232,7 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         return_dict: Optional[bool] = None,
         **kwargs,
     ) -> Union[BaseModelOutputWithPast, tuple]:
-        _check_extra_kwargs(type(self).__name__, kwargs, ())
+        _check_extra_kwargs(type(self).__name__, kwargs, PACKING_KWARGS)
         config = self.config
         output_attentions = config.output_attentions if output_attentions is None else output_attentions
         output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
@@ -227,17 +261,23 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         batch_size, query_length = inputs_embeds.shape[:2]
         device = inputs_embeds.device
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        self._check_length(past_length, query_length, position_ids)
         if attention_mask is not None and not _compiling() and (
             not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4
         ):
             check_attention_mask(attention_mask, expected_shape=(batch_size, int(past_length) + query_length))
+        position_ids_given = position_ids is not None
         if position_ids is None:
             position_ids = (torch.arange(query_length, device=device) + past_length).unsqueeze(0)
-        elif position_ids.dim() == 1:
-            position_ids = position_ids.unsqueeze(0)
+        else:
+            position_ids = self._check_positions(position_ids, batch_size, query_length)
 
-        mask = self._build_mask(attention_mask, past_key_values, past_length, batch_size, query_length, device)
+        segment_ids = self._packed_segments(
+            position_ids_given, position_ids, attention_mask, past_key_values, past_length, batch_size, kwargs
+        )
+        if segment_ids is not None:
+            mask = packed_causal_mask(segment_ids, sliding_window=config.sliding_window)
+        else:
+            mask = self._build_mask(attention_mask, past_key_values, past_length, batch_size, query_length, device)
         cos, sin = self.rotary_emb(inputs_embeds, position_ids)
         position_embeddings = (cos.unsqueeze(1), sin.unsqueeze(1))  # broadcast over heads once, not per layer
 
@@ -249,8 +289,10 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
                 all_hidden_states += (hidden_states,)
             hidden_states, attn_weights, _ = layer(
                 hidden_states,
-                attention_mask=mask,
-                position_embeddings=position_embeddings,
+                mask.mask,
+                position_embeddings,
+                is_causal=mask.is_causal,
+                segment_ids=mask.segment_ids,
                 past_key_values=past_key_values,
                 output_attentions=output_attentions,
             )
@@ -319,20 +361,6 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head = new_embeddings
 
-    def _validate_generated_length(self, generation_config, input_ids_length, *args, **kwargs):
-        """Adds to transformers' checks: the prompt plus max_new_tokens must fit the position limit."""
-        super()._validate_generated_length(generation_config, input_ids_length, *args, **kwargs)
-        limit = self.config.position_limit
-        max_length = generation_config.max_length
-        if max_length is not None and max_length > limit:
-            new_tokens = max_length - input_ids_length
-            raise ValueError(
-                f"generation would reach {max_length} tokens (prompt {input_ids_length} + max_new_tokens "
-                f"{new_tokens}), which exceeds max_position_embeddings={self.config.max_position_embeddings}"
-                + (f" (position limit {limit})" if limit != self.config.max_position_embeddings else "")
-                + f"; use max_new_tokens <= {max(limit - input_ids_length, 0)}"
-            )
-
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
@@ -352,11 +380,12 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         num_items_in_batch (passed by Trainer): the loss is then summed and divided by it, so gradient
         accumulation over micro-batches equals one big batch. logits_to_keep: compute logits only for the last
         N positions (0 = all; generate passes 1), or for the given position indices."""
-        loss_kwargs = _check_extra_kwargs(type(self).__name__, kwargs, LOSS_KWARGS)
+        extras = _check_extra_kwargs(type(self).__name__, kwargs, LOSS_KWARGS + PACKING_KWARGS)
+        loss_kwargs = {k: v for k, v in extras.items() if k in LOSS_KWARGS}
         return_dict = self.config.return_dict if return_dict is None else return_dict
         outputs = self._decode(
             input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, output_attentions,
-            output_hidden_states,
+            output_hidden_states, **{k: v for k, v in extras.items() if k in PACKING_KWARGS},
         )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
@@ -410,11 +439,11 @@ class TinyCausalForSequenceClassification(TinyCausalPreTrainedModel):
         return_dict: Optional[bool] = None,
         **kwargs,
     ) -> Union[SequenceClassifierOutputWithPast, tuple]:
-        _check_extra_kwargs(type(self).__name__, kwargs, ())
+        packing = _check_extra_kwargs(type(self).__name__, kwargs, PACKING_KWARGS)
         return_dict = self.config.return_dict if return_dict is None else return_dict
         outputs = self._decode(
             input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, output_attentions,
-            output_hidden_states,
+            output_hidden_states, **packing,
         )
         logits = self.score(outputs.last_hidden_state)
         batch_size = logits.shape[0]

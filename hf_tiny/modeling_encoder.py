@@ -202,7 +202,7 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         all_attentions = () if output_attentions else None
         for layer in self.layers:
             # Hidden states positionally: gradient checkpointing (GradientCheckpointingLayer) needs it.
-            hidden_states, attention_weights, _ = layer(hidden_states, mask, output_attentions=output_attentions)
+            hidden_states, attention_weights, _ = layer(hidden_states, mask.mask, is_causal=mask.is_causal, output_attentions=output_attentions)
             if output_hidden_states:
                 all_hidden_states += (hidden_states,)
             if output_attentions:

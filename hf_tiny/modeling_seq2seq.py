@@ -246,10 +246,11 @@ class TinySeq2SeqStack(nn.Module):
             # encoder states are positional so that gradient checkpointing propagates their gradients
             hidden_states, self_weights, cross_weights = layer(
                 hidden_states,
-                self_mask,
+                self_mask.mask,
                 None,
                 encoder_hidden_states,
-                cross_mask,
+                None if cross_mask is None else cross_mask.mask,
+                is_causal=self_mask.is_causal,
                 past_key_values=past_key_values,
                 output_attentions=output_attentions,
             )

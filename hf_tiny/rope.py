@@ -246,14 +246,6 @@ def compute_inv_freq(
     return function(rope_parameters, head_dim, max_position_embeddings, device, seq_len)
 
 
-def position_limit(rope_parameters: dict, max_position_embeddings: int) -> int:
-    """How many positions the model accepts: max_position_embeddings, or × factor for dynamic NTK, whose purpose
-    is to run past the trained length (its config keeps the trained length as max_position_embeddings)."""
-    if rope_parameters["rope_type"] == "dynamic":
-        return int(max_position_embeddings * max(float(rope_parameters["factor"]), 1.0))
-    return max_position_embeddings
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # The module
 # ----------------------------------------------------------------------------------------------------------------
@@ -263,8 +255,10 @@ class RotaryEmbedding(nn.Module):
     """cos/sin [B, S, head_dim] for position ids [B, S]; computed in float32 and returned in x's dtype.
 
     Reads config.rope_parameters (standardized), config.head_dim (or hidden_size // num_attention_heads) and
-    config.max_position_embeddings. For every rope type but "dynamic", cos/sin come from a float32 table over all
-    positions (built once per device; identical values, fewer kernels per step). "dynamic" recomputes inv_freq
+    config.max_position_embeddings. For every rope type but "dynamic", cos/sin of the first
+    max_position_embeddings positions come from a float32 table (built once per device; identical values, fewer
+    kernels per step); positions past it are computed from the same formula, as official models do for any
+    position (checkpoints keep the pre-scaling length as max_position_embeddings). "dynamic" recomputes inv_freq
     when the sequence grows past the cached length and restores it for short sequences, exactly like
     transformers' `dynamic_rope_update` (which is stateful the same way).
     """
@@ -286,8 +280,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
         self.original_max_seq_len = self.max_position_embeddings
         self.max_seq_len_cached = self.max_position_embeddings
-        limit = position_limit(self.rope_parameters, self.max_position_embeddings)
-        self._table_positions = limit if self.rope_type != "dynamic" and limit <= MAX_TABLE_POSITIONS else 0
+        table = self.max_position_embeddings
+        self._table_positions = table if self.rope_type != "dynamic" and table <= MAX_TABLE_POSITIONS else 0
         self._table = None  # (key, cos, sin): a plain attribute, rebuilt when the device or inv_freq changes
 
     @torch.no_grad()
@@ -334,7 +328,11 @@ class RotaryEmbedding(nn.Module):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.rope_type == "dynamic":
             self._dynamic_update(position_ids, x.device)
-        if self._table_positions and not torch.compiler.is_compiling():
+        if (
+            self._table_positions
+            and not torch.compiler.is_compiling()
+            and int(position_ids.max()) < self._table_positions
+        ):
             cos_table, sin_table = self._tables(x.device)
             cos, sin = cos_table[position_ids], sin_table[position_ids]
         else:

@@ -144,14 +144,16 @@ def test_logits_with_and_without_cache_agree(pair, backend, cache_kind):
     assert max_diff(wrong[real], expected[real]) > 1e-3
 
 
-def test_max_new_tokens_past_the_position_limit_is_an_error():
-    ours = ours_from(tiny_official("llama", max_position_embeddings=16))
-    ids = torch.randint(3, 97, (1, 10))
-    with pytest.raises(ValueError) as error:
-        ours.generate(ids, max_new_tokens=8, do_sample=False)
-    message = str(error.value)
-    assert "max_new_tokens 8" in message and "max_position_embeddings=16" in message and "<= 6" in message
-    assert ours.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None).shape == (1, 16)
+@pytest.mark.parametrize("rope", [None, {"rope_type": "linear", "factor": 4.0}])
+def test_generation_past_max_position_embeddings_matches_official(rope):
+    """Rotary models have no hard position limit (official Llama rotates any position): generating past
+    max_position_embeddings=16 gives the official tokens, for the default rope too."""
+    official = tiny_official("llama", max_position_embeddings=16, rope_parameters=rope)
+    ours = ours_from(official)
+    ids = torch.randint(3, 97, (1, 10), generator=torch.Generator().manual_seed(3))
+    expected = official.generate(ids, **{**GREEDY, "max_new_tokens": 20})
+    produced = ours.generate(ids, **{**GREEDY, "max_new_tokens": 20})
+    assert produced.shape == (1, 30) and torch.equal(produced, expected)
 
 
 def test_text_streamer_prints_the_generated_text(pair, capsys):

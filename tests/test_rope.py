@@ -8,12 +8,11 @@ from transformers import LlamaConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-from hf_tiny import TinyCausalConfig
+from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM
 from hf_tiny.rope import (
     RotaryEmbedding,
     apply_rotary_pos_emb,
     compute_inv_freq,
-    position_limit,
     standardize_rope_parameters,
 )
 
@@ -153,8 +152,6 @@ def test_legacy_spellings_are_standardized():
     assert config.rope_parameters == {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 50.0}
     yarn = standardize_rope_parameters({"rope_type": "yarn", "factor": 2.0}, max_position_embeddings=64)
     assert yarn["original_max_position_embeddings"] == 64 and yarn["rope_theta"] == 10000.0
-    assert position_limit(config.rope_parameters, 64) == 128  # dynamic NTK exists to run past the trained length
-    assert position_limit(yarn, 64) == 64
 
 
 @pytest.mark.parametrize(
@@ -175,3 +172,27 @@ def test_bad_rope_parameters_name_field_and_value(rope, message):
         TinyCausalConfig(**SIZES, num_hidden_layers=1, intermediate_size=8, rope_parameters=rope)
     assert message in str(error.value)
     assert "TinyCausalConfig" in str(error.value)
+
+
+@pytest.mark.parametrize("case", sorted(ROPE_CASES))
+def test_positions_past_max_position_embeddings_match_official_logits(case):
+    """Official Llama rotates any position, so checkpoints run past max_position_embeddings (the pre-scaling
+    length for linear / yarn / llama3). 100 tokens on max_position_embeddings=64: logits equal official's."""
+    from causal_helpers import max_diff, tiny_official
+
+    official = tiny_official("llama", rope_parameters=dict(ROPE_CASES[case]))
+    fields = {k: v for k, v in official.config.to_dict().items() if k in TinyCausalConfig().to_dict()}
+    for name in ("architectures", "transformers_version", "model_type"):
+        fields.pop(name, None)
+    ours = TinyCausalForCausalLM(TinyCausalConfig(**fields)).eval()
+    ours.load_state_dict(official.state_dict())
+    ids = torch.randint(3, 97, (2, 100), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = official(ids).logits
+        produced = ours(ids).logits
+    assert max_diff(produced, expected) <= 1e-5 * max(1.0, float(expected.abs().max()))
+    # negative control: positions clamped to the table (what a cap would silently give) differ past it
+    clamped = torch.arange(100).clamp(max=63)[None].expand(2, -1)
+    with torch.no_grad():
+        wrong = ours(ids, position_ids=clamped).logits
+    assert max_diff(wrong[:, 64:], expected[:, 64:]) > 1e-2
