@@ -6,7 +6,15 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from .rope import standardize_rope_parameters
-from .validation import check_choice, check_divisible, check_positive, check_probability
+from .validation import (
+    check_choice,
+    check_divisible,
+    check_finite_fields,
+    check_positive,
+    check_positive_number,
+    check_probability,
+    init_arguments,
+)
 
 
 class TinyCausalConfig(PretrainedConfig):
@@ -69,6 +77,7 @@ class TinyCausalConfig(PretrainedConfig):
         **kwargs,
     ):
         owner = type(self).__name__
+        check_finite_fields(owner, init_arguments(locals()))
         if num_key_value_heads is None:
             num_key_value_heads = num_attention_heads
         check_positive(
@@ -90,9 +99,7 @@ class TinyCausalConfig(PretrainedConfig):
         check_divisible(owner, "num_attention_heads", num_attention_heads, "num_key_value_heads", num_key_value_heads)
         check_choice(owner, "hidden_act", hidden_act, sorted(ACT2FN))
         check_probability(owner, attention_dropout=attention_dropout)
-        for name, value in (("rms_norm_eps", rms_norm_eps), ("initializer_range", initializer_range)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"{owner}: {name} must be a positive number, got {value!r}")
+        check_positive_number(owner, rms_norm_eps=rms_norm_eps, initializer_range=initializer_range)
         if sliding_window is not None:
             check_positive(owner, sliding_window=sliding_window)
         for name, value in (("pad_token_id", pad_token_id), ("bos_token_id", bos_token_id)):

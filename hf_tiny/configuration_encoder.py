@@ -5,7 +5,16 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from .validation import check_choice, check_divisible, check_positive, check_probability, check_unsupported_field
+from .validation import (
+    check_choice,
+    check_divisible,
+    check_finite_fields,
+    check_positive,
+    check_positive_number,
+    check_probability,
+    check_unsupported_field,
+    init_arguments,
+)
 
 
 class TinyEncoderConfig(PretrainedConfig):
@@ -50,6 +59,7 @@ class TinyEncoderConfig(PretrainedConfig):
         **kwargs,
     ):
         owner = type(self).__name__
+        check_finite_fields(owner, init_arguments(locals()))
         check_positive(
             owner,
             vocab_size=vocab_size,
@@ -69,9 +79,7 @@ class TinyEncoderConfig(PretrainedConfig):
         check_probability(owner, hidden_dropout=hidden_dropout, attention_dropout=attention_dropout)
         if classifier_dropout is not None:
             check_probability(owner, classifier_dropout=classifier_dropout)
-        for name, value in (("layer_norm_eps", layer_norm_eps), ("initializer_range", initializer_range)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ValueError(f"{owner}: {name} must be a positive number, got {value!r}")
+        check_positive_number(owner, layer_norm_eps=layer_norm_eps, initializer_range=initializer_range)
         if pad_token_id is not None and (
             isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or not 0 <= pad_token_id < vocab_size
         ):

@@ -24,7 +24,16 @@ from typing import Optional
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from .validation import check_choice, check_divisible, check_positive, check_probability, check_unsupported_field
+from .validation import (
+    check_choice,
+    check_divisible,
+    check_finite_fields,
+    check_positive,
+    check_positive_number,
+    check_probability,
+    check_unsupported_field,
+    init_arguments,
+)
 
 NORM_PLACEMENTS = ("pre", "post")
 NORM_TYPES = ("layernorm", "rmsnorm")
@@ -35,12 +44,6 @@ def _check_bool(owner: str, **fields) -> None:
     for name, value in fields.items():
         if not isinstance(value, bool):
             raise TypeError(f"{owner}: {name} must be True or False, got {value!r}")
-
-
-def _check_positive_number(owner: str, **fields) -> None:
-    for name, value in fields.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-            raise ValueError(f"{owner}: {name} must be a positive number, got {value!r}")
 
 
 def _check_token_id(owner: str, name: str, value, vocab_size: int) -> None:
@@ -132,6 +135,7 @@ class TinySeq2SeqConfig(PretrainedConfig):
         **kwargs,
     ):
         owner = type(self).__name__
+        check_finite_fields(owner, init_arguments(locals()))
         if num_decoder_layers is None:
             num_decoder_layers = num_hidden_layers
         if num_key_value_heads is None:
@@ -174,9 +178,9 @@ class TinySeq2SeqConfig(PretrainedConfig):
             hidden_dropout=hidden_dropout,
             activation_dropout=activation_dropout,
         )
-        _check_positive_number(owner, layer_norm_eps=layer_norm_eps, initializer_range=initializer_range)
+        check_positive_number(owner, layer_norm_eps=layer_norm_eps, initializer_range=initializer_range)
         if attention_scale is not None:
-            _check_positive_number(owner, attention_scale=attention_scale)
+            check_positive_number(owner, attention_scale=attention_scale)
         if isinstance(position_offset, bool) or not isinstance(position_offset, int) or position_offset < 0:
             raise ValueError(f"{owner}: position_offset must be an integer >= 0, got {position_offset!r}")
         if isinstance(type_vocab_size, bool) or not isinstance(type_vocab_size, int) or type_vocab_size < 0:

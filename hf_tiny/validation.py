@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, Optional
 
 import torch
@@ -11,6 +12,45 @@ def check_positive(owner: str, **fields) -> None:
     for name, value in fields.items():
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"{owner}: {name} must be a positive integer, got {value!r}")
+
+
+def check_positive_number(owner: str, **fields) -> None:
+    """Finite numbers > 0 (norm epsilons, init ranges); NaN and inf are refused."""
+    for name, value in fields.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{owner}: {name} must be a positive finite number, got {value!r}")
+
+
+def _non_finite(value, path: str):
+    """(path, value) of the first NaN / inf float inside value (nested dicts and lists), or None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return path, value
+    if isinstance(value, dict):
+        items = ((f"{path}[{key!r}]", item) for key, item in value.items())
+    elif isinstance(value, (list, tuple)):
+        items = ((f"{path}[{index}]", item) for index, item in enumerate(value))
+    else:
+        return None
+    for item_path, item in items:
+        found = _non_finite(item, item_path)
+        if found is not None:
+            return found
+    return None
+
+
+def check_finite_fields(owner: str, fields: dict) -> None:
+    """No float field of a config (nested in dicts such as rope_parameters too) may be NaN or inf: such a value
+    would pass `value > 0`-style checks by accident or slip through unchecked, and give all-NaN outputs."""
+    for name, value in fields.items():
+        found = _non_finite(value, name)
+        if found is not None:
+            raise ValueError(f"{owner}: {found[0]} must be a finite number, got {found[1]!r}")
+
+
+def init_arguments(arguments: dict) -> dict:
+    """A config __init__'s arguments from its locals(): the named ones and those in **kwargs, by field name."""
+    fields = {k: v for k, v in arguments.items() if k not in ("self", "kwargs", "__class__")}
+    return {**fields, **arguments.get("kwargs", {})}
 
 
 def check_probability(owner: str, **fields) -> None:

@@ -130,6 +130,21 @@ def config_cases():
                        id="causal-rope-parameters-not-a-dict")
     yield pytest.param("causal", {"hidden_size": 18, "num_attention_heads": 2}, ValueError,
                        ["head_dim", "9"], id="causal-odd-head-dim")
+    # NaN / inf in any float field (they pass `value <= 0` checks and give all-NaN outputs)
+    float_fields = {
+        "encoder": ["layer_norm_eps", "initializer_range", "hidden_dropout", "attention_dropout"],
+        "causal": ["rms_norm_eps", "initializer_range", "attention_dropout"],
+        "seq2seq": ["layer_norm_eps", "initializer_range", "dropout", "attention_dropout"],
+    }
+    for family, fields in float_fields.items():
+        for field in fields:
+            for value in (float("nan"), float("inf")):
+                yield pytest.param(family, {field: value}, ValueError, [field, repr(value)],
+                                   id=f"{family}-{field}={value}")
+        yield pytest.param(family, {"some_new_field": float("nan")}, ValueError, ["some_new_field", "nan"],
+                           id=f"{family}-unknown-float-field-nan")
+    yield pytest.param("causal", {"rope_parameters": {"rope_type": "linear", "factor": float("nan")}}, ValueError,
+                       ["rope_parameters['factor']", "nan"], id="causal-rope-factor-nan")
 
 
 @pytest.mark.parametrize("family, changes, error, fragments", list(config_cases()))
