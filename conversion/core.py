@@ -672,10 +672,36 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def cast_floating(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """Casts floating-point tensors to dtype (None: unchanged); integer/bool tensors keep their dtype."""
+    """Casts floating-point tensors to dtype (None: unchanged); integer/bool tensors keep their dtype.
+
+    A cast that turns finite values into inf (|value| above the dtype's largest number, e.g. 65504 in float16) is
+    an error naming the dtype and the first such tensor: such a model would compute NaN."""
     if dtype is None:
         return dict(state_dict)
-    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state_dict.items()}
+    cast = {}
+    for key, value in state_dict.items():
+        if not value.is_floating_point():
+            cast[key] = value
+            continue
+        cast[key] = value.to(dtype)
+        if dtype.itemsize < value.dtype.itemsize or torch.finfo(dtype).max < torch.finfo(value.dtype).max:
+            overflow = torch.isinf(cast[key]) & torch.isfinite(value)
+            if bool(overflow.any()):
+                largest = float(value[overflow].abs().max())
+                raise ConversionError(
+                    f"--dtype {str(dtype).removeprefix('torch.')}: tensor {key} holds {largest:.6g}, beyond the largest "
+                    f"{str(dtype).removeprefix('torch.')} number ({torch.finfo(dtype).max:.6g}); the cast would make it "
+                    "inf. Convert to float32 or bfloat16 instead"
+                )
+    return cast
+
+
+def first_non_finite(state_dict: Mapping[str, torch.Tensor]) -> str | None:
+    """The name of the first floating tensor holding NaN or inf, or None."""
+    for key, value in state_dict.items():
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            return key
+    return None
 
 
 def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -691,7 +717,7 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 # Parity measured at conversion time: tolerance = RELATIVE_TOLERANCE[dtype] * max(1, max |official output|).
-RELATIVE_TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+RELATIVE_TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-5, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
 def parity_plans(dtype: torch.dtype) -> list[tuple[str, torch.dtype, str]]:
@@ -715,12 +741,26 @@ def parity_row(backend: str, dtype: torch.dtype, device: str, diff: float, scale
     }
 
 
-def fail_on_parity(rows: Iterable[dict], what: str) -> None:
-    """Raises naming every float32 row above its tolerance (NaN counts as above)."""
-    failed = [r for r in rows if r["dtype"] == "float32" and not r["max_abs_diff"] <= r["tolerance"]]
+def fail_on_parity(
+    rows: Iterable[dict], what: str, state_dict: Mapping[str, torch.Tensor] | None = None
+) -> None:
+    """Raises naming every row, of any dtype, above its tolerance; a NaN or inf difference counts as above (a
+    lossy cast that makes the outputs non-finite must not pass). state_dict (the converted tensors), when given,
+    lets the message name the first non-finite tensor."""
+    failed = [r for r in rows if not r["max_abs_diff"] <= r["tolerance"]]
     if failed:
-        detail = ", ".join(f"{r['backend']} on {r['device']}: {r['max_abs_diff']:.3g} > {r['tolerance']:.3g}" for r in failed)
-        raise ConversionError(f"converted model does not match the official {what}: {detail}")
+        detail = ", ".join(
+            f"{r['backend']} {r['dtype']} on {r['device']}: {r['max_abs_diff']:.3g} > {r['tolerance']:.3g}"
+            for r in failed
+        )
+        message = f"converted model does not match the official {what}: {detail}"
+        if any(not math.isfinite(r["max_abs_diff"]) for r in failed):
+            bad = first_non_finite(state_dict) if state_dict is not None else None
+            message += "; the outputs are not finite" + (
+                f" (first non-finite tensor: {bad})" if bad is not None else " (every converted tensor is finite)"
+                if state_dict is not None else ""
+            )
+        raise ConversionError(message)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -265,11 +265,12 @@ def check_parity_and_write_card(
     tmp: Path, dst: Path, *, official, config, dtype, flash_ok: bool, what: str, **card
 ) -> tuple[list[dict], str]:
     """Measures the written folder against `official` (fp32; its weights rounded to dtype first), writes the model
-    card (card: write_card's fields) and fails on a float32 row above tolerance. Returns (rows, inputs)."""
+    card (card: write_card's fields) and fails on any row above tolerance or not finite. Returns (rows, inputs)."""
     round_trip_weights(official, dtype)
-    rows, inputs = measure_parity(official, load_ours_checked(tmp, dtype=torch.float32), config, flash_ok=flash_ok)
+    ours = load_ours_checked(tmp, dtype=torch.float32)
+    rows, inputs = measure_parity(official, ours, config, flash_ok=flash_ok)
     write_card(tmp, dst, rows=rows, inputs=inputs, **card)
-    fail_on_parity(rows, what)
+    fail_on_parity(rows, what, ours.state_dict())
     return rows, inputs
 
 
@@ -286,7 +287,7 @@ def write_card(tmp: Path, dst: Path, *, base_model: str, description: str, rows:
         parity_rows=rows,
         tags=list(tags),
         extra=f"\nParity inputs: {inputs}. The tolerance is the relative tolerance of the dtype times "
-        f"max(1, max |official logits|); float32 rows must pass or the conversion fails.\n{extra}",
+        f"max(1, max |official logits|); every row must pass (and be finite) or the conversion fails.\n{extra}",
     )
 
 

@@ -317,6 +317,48 @@ def test_dtype_option_casts_weights(tmp_path):
     assert 1e-4 < diff < 0.2
 
 
+def test_float16_cast_that_overflows_fails_naming_dtype_and_tensor(tmp_path):
+    """A weight beyond float16's range (65504) would become inf and the outputs NaN: the conversion must fail,
+    naming the dtype and the tensor, and leave no destination (it used to exit 0 with a card row 'nan ... NO')."""
+    official = official_model("BertModel")
+    with torch.no_grad():
+        official.encoder.layer[1].intermediate.dense.weight[3, 5] = 1e5
+    official.save_pretrained(tmp_path / "src")
+    with pytest.raises(ConversionError) as error:
+        bert_conversion.convert(tmp_path / "src", tmp_path / "fp16", dtype="float16")
+    message = str(error.value)
+    assert "float16" in message and "layers.1.mlp.up_proj.weight" in message and "100000" in message
+    assert not (tmp_path / "fp16").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["src"]  # no temporary folder left either
+    # control: float32 holds 1e5, so the same checkpoint converts
+    bert_conversion.convert(tmp_path / "src", tmp_path / "fp32", dtype="float32")
+
+
+def test_non_finite_outputs_fail_the_conversion_naming_the_first_non_finite_tensor(tmp_path):
+    official = official_model("BertModel")
+    with torch.no_grad():
+        official.encoder.layer[0].attention.output.dense.bias[2] = float("nan")
+    official.save_pretrained(tmp_path / "src")
+    for dtype in (None, "bfloat16"):
+        with pytest.raises(ConversionError) as error:
+            bert_conversion.convert(tmp_path / "src", tmp_path / "out", dtype=dtype)
+        message = str(error.value)
+        assert "not finite" in message and "layers.0.self_attn.o_proj.bias" in message, message
+        assert ("bfloat16" if dtype else "float32") in message
+        assert not (tmp_path / "out").exists()
+
+
+def test_float64_checkpoint_converts_and_is_compared_in_float64(tmp_path):
+    official = official_model("BertModel").to(torch.float64)
+    official.save_pretrained(tmp_path / "src")
+    report = bert_conversion.convert(tmp_path / "src", tmp_path / "out")
+    assert {row["dtype"] for row in report["parity"]} == {"float64"}
+    assert all(row["max_abs_diff"] <= row["tolerance"] for row in report["parity"])
+    assert {t.dtype for t in _converted_tensors(tmp_path / "out").values()} == {torch.float64}
+    report = bert_conversion.convert(tmp_path / "src", tmp_path / "out32", dtype="float32")
+    assert {t.dtype for t in _converted_tensors(tmp_path / "out32").values()} == {torch.float32}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------------------------
