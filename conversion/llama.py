@@ -412,16 +412,41 @@ def merge_meta_shards(shards: list[dict], params: dict, *, src) -> dict:
         pieces = [shard[key] for shard in shards]
         suffix = re.sub(r"^layers\.\d+\.", "", key)
         if key == "tok_embeddings.weight":
+            _check_shard_ranks(pieces, key, 2, src)
             # Llama 1/2 split the embedding width across shards, Llama 3 the vocabulary.
-            merged[key] = torch.cat(pieces, dim=0 if pieces[0].shape[1] == dim else 1)
+            merged[key] = _concatenate_shards(pieces, 0 if pieces[0].shape[1] == dim else 1, key, src)
         elif suffix in META_SHARD_DIMS and META_SHARD_DIMS[suffix] is not None:
-            merged[key] = torch.cat(pieces, dim=META_SHARD_DIMS[suffix])
+            _check_shard_ranks(pieces, key, META_SHARD_DIMS[suffix] + 1, src)
+            merged[key] = _concatenate_shards(pieces, META_SHARD_DIMS[suffix], key, src)
         else:
             for number, piece in enumerate(pieces[1:], start=1):
                 if piece.shape != pieces[0].shape or not torch.equal(piece, pieces[0]):
                     raise ConversionError(f"{src}: replicated tensor {key!r} differs between shard 00 and shard {number:02d}")
             merged[key] = pieces[0]
     return merged
+
+
+def _shapes(pieces) -> str:
+    return ", ".join(f"shard {number:02d}: {tuple(piece.shape)}" for number, piece in enumerate(pieces))
+
+
+def _check_shard_ranks(pieces: list, key: str, min_dims: int, src) -> None:
+    for number, piece in enumerate(pieces):
+        if piece.dim() < min_dims:
+            raise ConversionError(
+                f"{src}: tensor {key!r} in consolidated.{number:02d}.pth is {piece.dim()}-D with shape "
+                f"{tuple(piece.shape)}; a model-parallel shard of it needs at least {min_dims} dimensions"
+            )
+
+
+def _concatenate_shards(pieces: list, dim: int, key: str, src) -> torch.Tensor:
+    """Joins the slices of a split tensor along dim; every other dimension must agree."""
+    others = {tuple(size for axis, size in enumerate(piece.shape) if axis != dim) for piece in pieces}
+    if len({piece.dim() for piece in pieces}) != 1 or len(others) != 1:
+        raise ConversionError(
+            f"{src}: the shards of tensor {key!r} do not concatenate along dimension {dim} ({_shapes(pieces)})"
+        )
+    return torch.cat(pieces, dim=dim)
 
 
 def _read_meta(src: Path):

@@ -241,6 +241,29 @@ def test_meta_layout_round_trip(shards, tmp_path):
     assert all(torch.equal(back.state_dict()[key], original[key]) for key in original)
 
 
+@pytest.mark.parametrize(
+    "key, spoil, fragments",
+    [
+        ("tok_embeddings.weight", lambda t: t.flatten(), ["'tok_embeddings.weight'", "consolidated.00.pth", "1-D"]),
+        ("layers.1.attention.wq.weight", lambda t: t[:, :-1],
+         ["'layers.1.attention.wq.weight'", "do not concatenate along dimension 0", "shard 00: (16, 31)",
+          "shard 01: (16, 32)"]),
+    ],
+    ids=["1-D-embedding", "shards-that-do-not-concatenate"],
+)
+def test_malformed_meta_shards_name_the_tensor_and_the_shapes(key, spoil, fragments, tmp_path):
+    official = tiny_official("llama", num_key_value_heads=2)
+    write_meta_checkpoint(official, tmp_path / "meta", shards=2)
+    shard = torch.load(tmp_path / "meta" / "consolidated.00.pth", weights_only=True)
+    shard[key] = spoil(shard[key]).contiguous()
+    torch.save(shard, tmp_path / "meta" / "consolidated.00.pth")
+    with pytest.raises(ConversionError) as error:
+        llama.convert(tmp_path / "meta", tmp_path / "ours")
+    for fragment in fragments:
+        assert fragment in str(error.value), str(error.value)
+    assert not (tmp_path / "ours").exists()
+
+
 def test_meta_layout_without_permutation_is_rejected_by_parity(tmp_path, monkeypatch):
     """Negative control: the same comparison fails when the RoPE permutation is skipped."""
     official = tiny_official("llama", num_key_value_heads=2)
