@@ -815,6 +815,8 @@ def atomic_output_dir(
     from hf_tiny.io_utils import atomic_directory, clean_stale_temporaries
 
     dst = Path(dst).absolute()
+    if dst.is_symlink():  # the folder the link points to is replaced; the link stays (see atomic_directory)
+        dst = Path(os.path.realpath(dst))
     if src is not None:
         source = Path(src).resolve()
         if dst.resolve() == source or dst.resolve() in source.parents:

@@ -12,20 +12,40 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import hashlib
 import os
 import re
 import secrets
 import shutil
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 _TEMP_NAME = re.compile(r"\.(?P<base>.+)\.(?P<kind>tmp|old)-(?P<pid>\d+)-[0-9a-f]{8}")
+# A file name may hold 255 bytes (ext4, xfs, btrfs, APFS...); the temp name adds "." + ".tmp-PID-XXXXXXXX".
+_NAME_MAX = 255
+_TEMP_SUFFIX_MAX = len(".") + len(".tmp-") + 10 + len("-") + 8  # pid up to 10 digits
+
+
+def _temp_base(name: str) -> str:
+    """The name a temp folder of `name` carries: the name itself, or for a name too long to extend, a prefix of
+    it plus a hash of the whole name (still unique to it, and recognisable by clean_stale_temporaries)."""
+    if len(os.fsencode(name)) + _TEMP_SUFFIX_MAX <= _NAME_MAX:
+        return name
+    digest = hashlib.sha1(os.fsencode(name)).hexdigest()[:12]
+    keep = _NAME_MAX - _TEMP_SUFFIX_MAX - len(digest) - 1
+    prefix = os.fsdecode(os.fsencode(name)[:keep]).rstrip("\udcff")
+    while len(os.fsencode(prefix)) > keep:  # a multi-byte character cut in half
+        prefix = prefix[:-1]
+    return f"{prefix}~{digest}"
 
 
 def temp_name(dst: Path, kind: str = "tmp") -> Path:
-    """A fresh sibling name `.NAME.KIND-PID-XXXXXXXX` that clean_stale_temporaries recognises."""
-    return dst.parent / f".{dst.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
+    """A fresh sibling name `.NAME.KIND-PID-XXXXXXXX` that clean_stale_temporaries recognises, within the file
+    system's 255-byte name limit however long NAME is."""
+    return dst.parent / f".{_temp_base(dst.name)}.{kind}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def _alive(pid: int) -> bool:
@@ -49,7 +69,7 @@ def _stale_owner(name: str, dst_name: str) -> tuple[str, bool] | None:
         return None
     dead = not _alive(int(match.group("pid")))
     base = match.group("base")
-    if base == dst_name:
+    if base == _temp_base(dst_name):
         return match.group("kind"), dead
     if match.group("kind") != "tmp":
         return None
@@ -75,7 +95,7 @@ def clean_stale_temporaries(dst: str | os.PathLike) -> None:
         if owner[0] == "old" and not dst.exists():
             os.rename(entry, dst)
         else:
-            shutil.rmtree(entry, ignore_errors=True)
+            remove_entry(entry)
 
 
 _RENAME_EXCHANGE = 2
@@ -108,7 +128,7 @@ def swap_into_place(tmp: Path, dst: Path, *, exchange: Callable[[Path, Path], bo
         os.rename(tmp, dst)
         return
     if exchange(tmp, dst):
-        shutil.rmtree(tmp, ignore_errors=True)  # tmp now holds the old destination
+        remove_entry(tmp)  # tmp now holds the old destination
         return
     old = temp_name(dst, "old")
     os.rename(dst, old)
@@ -117,7 +137,35 @@ def swap_into_place(tmp: Path, dst: Path, *, exchange: Callable[[Path, Path], bo
     except BaseException:
         os.rename(old, dst)
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    remove_entry(old)
+
+
+def remove_entry(path: Path) -> None:
+    """Removes a folder tree, a file or a symlink (never what a symlink points to); missing is fine."""
+    if path.is_symlink() or path.is_file():
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+    else:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _sigterm_raises() -> Iterator[None]:
+    """SIGTERM (a plain `kill`, a job scheduler's stop) raises SystemExit(143) inside the block, so that cleanup
+    runs as on Ctrl-C instead of leaving a model-sized temp folder behind. Only in the main thread, and only where
+    nobody installed a SIGTERM handler of their own."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) != signal.SIG_DFL:
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 @contextlib.contextmanager
@@ -133,22 +181,27 @@ def atomic_directory(
     replace=False: a dst that exists (or appears while the block runs) raises FileExistsError, dst untouched.
     """
     dst = Path(dst).absolute()
+    if dst.is_symlink():
+        # Write where the link points (as a plain save into it would) and keep the link: swapping the link itself
+        # away would replace the link, not the folder the user sees through it.
+        dst = Path(os.path.realpath(dst))
     clean_stale_temporaries(dst)  # first: it may put back a destination a killed swap had moved aside
     if dst.exists() and not replace:
         raise FileExistsError(errno.EEXIST, "destination already exists", str(dst))
     if dst.exists() and not dst.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, "destination exists and is not a folder", str(dst))
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_name(dst)
-    tmp.mkdir()
-    try:
-        yield tmp
-        if dst.exists() and not replace:
-            raise FileExistsError(errno.EEXIST, "destination appeared while writing", str(dst))
-        swap_into_place(tmp, dst, exchange=exchange)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with _sigterm_raises():
+        tmp = temp_name(dst)
+        tmp.mkdir()
+        try:
+            yield tmp
+            if dst.exists() and not replace:
+                raise FileExistsError(errno.EEXIST, "destination appeared while writing", str(dst))
+            swap_into_place(tmp, dst, exchange=exchange)
+        except BaseException:
+            remove_entry(tmp)
+            raise
 
 
 def link_or_copy_tree(src: Path, dst: Path) -> None:
@@ -169,6 +222,7 @@ def link_or_copy_tree(src: Path, dst: Path) -> None:
 
 __all__ = [
     "atomic_directory",
+    "remove_entry",
     "clean_stale_temporaries",
     "exchange_paths",
     "link_or_copy_tree",

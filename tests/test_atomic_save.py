@@ -122,8 +122,11 @@ RUN_SAVE = PAUSE_BEFORE_SWAP + textwrap.dedent(
 )
 
 
-def run_until_paused_then_kill(script: str, watched: Path, ready: Path, *args: str) -> Path:
-    """Runs script in a child, waits until it reports the temp folder it is about to swap in, SIGKILLs it."""
+def run_until_paused_then_kill(
+    script: str, watched: Path, ready: Path, *args: str, sig: int = signal.SIGKILL, expected_returncode=None
+) -> Path:
+    """Runs script in a child, waits until it reports the temp folder it is about to swap in, sends it sig
+    (SIGKILL unless told otherwise) and checks its exit code (default: killed by sig)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     process = subprocess.Popen(
         [sys.executable, "-c", script, str(watched), str(ready), *args],
@@ -137,9 +140,9 @@ def run_until_paused_then_kill(script: str, watched: Path, ready: Path, *args: s
             assert time.monotonic() < deadline, "child never reached the swap"
             time.sleep(0.05)
     finally:
-        process.send_signal(signal.SIGKILL)
-        process.wait()
-    assert process.returncode == -signal.SIGKILL
+        process.send_signal(sig)
+        process.wait(timeout=60)
+    assert process.returncode == (-sig if expected_returncode is None else expected_returncode), process.stderr.read()
     return Path(ready.read_text())
 
 
@@ -179,6 +182,51 @@ def test_cli_conversion_killed_before_the_swap_leaves_dst_as_it_was(tmp_path, ca
     assert json.loads((dst / "config.json").read_text())["model_type"] == "hf_tiny_encoder"
     assert not (dst / "sub").exists()  # a conversion replaces the folder wholesale
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "ready", "src"]
+
+
+@pytest.mark.slow
+def test_cli_conversion_stopped_by_sigterm_cleans_up_its_temp_folder(tmp_path):
+    """SIGTERM (kill, a scheduler's stop) is handled like Ctrl-C: exit 143, no model-sized temp folder left."""
+    src = official_bert_source(tmp_path)
+    dst = existing_destination(tmp_path)
+    before = snapshot(dst)
+    temp_folder = run_until_paused_then_kill(
+        RUN_CLI, dst, tmp_path / "ready", "bert", str(src), str(dst), "--force",
+        sig=signal.SIGTERM, expected_returncode=128 + signal.SIGTERM,
+    )
+    assert temp_folder.name.startswith(".dst.tmp-") and not temp_folder.exists()
+    assert snapshot(dst) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "ready", "src"]
+
+
+def test_cli_conversion_into_a_symlinked_destination_with_force(tmp_path, capsys):
+    """The folder the link points to is replaced, the link stays, and no temporary entry is left (the link itself
+    used to be swapped away and left behind as `.link.tmp-PID-...`)."""
+    src = official_bert_source(tmp_path)
+    real = existing_destination(tmp_path)
+    (tmp_path / "link").symlink_to(real)
+    assert conversion_main(["bert", str(src), str(tmp_path / "link"), "--force"]) == 0
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "link").resolve() == real.resolve()
+    assert json.loads((real / "config.json").read_text())["model_type"] == "hf_tiny_encoder"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dst", "link", "src"]
+
+
+def test_long_destination_names_keep_temporary_names_within_the_limit(tmp_path, capsys):
+    """A valid 240-character folder name: the temp name beside it must not exceed 255 bytes."""
+    src = official_bert_source(tmp_path)
+    long_name = "m" * 240
+    assert conversion_main(["bert", str(src), str(tmp_path / long_name)]) == 0
+    assert (tmp_path / long_name / "config.json").is_file()
+    tiny_encoder().save_pretrained(tmp_path / ("s" * 240))
+    assert (tmp_path / ("s" * 240) / "model.safetensors").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([long_name, "s" * 240, "src"]), [p.name[:30] for p in tmp_path.iterdir()]
+    # a killed writer's temp folder of a long name is still recognised as stale and removed
+    stale = io_utils.temp_name(tmp_path / long_name)
+    assert len(stale.name) <= 255
+    stale = stale.with_name(stale.name.replace(f"-{os.getpid()}-", "-999999999-"))
+    stale.mkdir()
+    io_utils.clean_stale_temporaries(tmp_path / long_name)
+    assert not stale.exists()
 
 
 # ---------------------------------------------------------------------------------------------------------------
