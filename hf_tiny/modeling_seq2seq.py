@@ -461,6 +461,27 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
             self.register_buffer("final_logits_bias", torch.zeros(1, config.vocab_size))
         self.post_init()
 
+    def _validate_generated_length(self, generation_config, input_ids_length, *args, **kwargs):
+        """Adds to transformers' checks, before any step runs: with learned or sinusoidal positions the decoder
+        reads at most max_position_embeddings tokens, i.e. max_length - 1 (the last token is never fed back)."""
+        super()._validate_generated_length(generation_config, input_ids_length, *args, **kwargs)
+        if self.config.position_embedding_type not in ("learned", "sinusoidal"):
+            return  # relative position buckets (T5) have no length limit
+        limit = self.config.max_position_embeddings
+        max_length = generation_config.max_length
+        if max_length is None or max_length - 1 <= limit:
+            return
+        if input_ids_length > limit:
+            raise ValueError(
+                f"the decoder prompt (decoder_input_ids) holds {input_ids_length} tokens, more than "
+                f"max_position_embeddings={limit}; shorten it to at most {limit} tokens"
+            )
+        raise ValueError(
+            f"generation would feed the decoder {max_length - 1} tokens (decoder prompt {input_ids_length} + "
+            f"max_new_tokens {max_length - input_ids_length} - 1), which exceeds max_position_embeddings={limit}; "
+            f"use max_new_tokens <= {limit + 1 - input_ids_length}"
+        )
+
     def get_encoder(self, modality=None):
         return self.model.encoder
 

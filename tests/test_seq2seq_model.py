@@ -412,3 +412,32 @@ def test_cuda_backends_match_cpu_reference(variant, backend, dtype):
     assert generated.shape == (3, 5)
     scale = max(1.0, float(reference.abs().max()))
     assert float((logits - reference).abs().max()) <= CUDA_TOLERANCE[dtype] * scale
+
+
+@pytest.mark.parametrize("variant", ("bart", "marian"))
+def test_generate_past_the_decoder_position_limit_is_refused_before_any_step(variant, monkeypatch):
+    """max_position_embeddings=32: 32 new tokens feed the decoder 32 tokens (fine), 33 would need position 32.
+    The refusal comes up front, not after 32 decoding steps (the decoder is never run)."""
+    model = make_model(variant)
+    input_ids, attention_mask = encoder_batch(model.config)
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=32, min_new_tokens=32,
+                         do_sample=False)
+    assert out.shape[1] == 33
+    calls = []
+    monkeypatch.setattr(model.model.decoder, "forward", lambda *a, **k: calls.append(1))
+    with pytest.raises(ValueError) as error:
+        model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=33, do_sample=False)
+    message = str(error.value)
+    assert "max_new_tokens 33" in message and "max_position_embeddings=32" in message and "<= 32" in message
+    assert not calls
+    long_prompt = torch.full((3, 40), 9)  # generate puts decoder_start_token_id before it: 41 tokens
+    with pytest.raises(ValueError, match="decoder prompt .* holds 41 tokens, more than max_position_embeddings=32"):
+        model.generate(input_ids=input_ids, decoder_input_ids=long_prompt, max_new_tokens=2, do_sample=False)
+
+
+def test_t5_relative_positions_generate_past_max_position_embeddings():
+    model = make_model("t5")
+    input_ids, attention_mask = encoder_batch(model.config)
+    out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=40, min_new_tokens=40,
+                         do_sample=False)
+    assert out.shape[1] == 41
