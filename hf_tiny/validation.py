@@ -18,7 +18,7 @@ def check_positive_number(owner: str, **fields) -> None:
     """Finite numbers > 0 (norm epsilons, init ranges); NaN and inf are refused."""
     for name, value in fields.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{owner}: {name} must be a positive finite number, got {value!r}")
+            raise ValueError(f"{owner}: {name} must be a positive number, got {value!r}")
 
 
 def _non_finite(value, path: str):
