@@ -168,7 +168,8 @@ def test_padding_does_not_change_real_tokens():
     input_ids, attention_mask = padded_batch()
     batched = model(input_ids, attention_mask=attention_mask).last_hidden_state
     alone = model(input_ids[2:3, :3]).last_hidden_state
-    torch.testing.assert_close(batched[2:3, :3], alone, atol=1e-6, rtol=0)
+    # fp32 tolerance of DESIGN (1e-5): the masked and the unmasked SDPA kernels round differently (1.07e-6 here)
+    torch.testing.assert_close(batched[2:3, :3], alone, atol=1e-5, rtol=0)
     # and the mask matters: without it, the padded row's real tokens see the padding
     unmasked = model(input_ids).last_hidden_state
     assert (unmasked[2, :3] - alone[0]).abs().max() > 1e-3
