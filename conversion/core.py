@@ -235,6 +235,14 @@ def load_config_json(src: str | os.PathLike) -> dict:
     path = Path(src)
     if path.is_dir():
         path = path / "config.json"
+    elif path.is_file() and path.suffix != ".json":
+        # a weights file given as the source: its config is the config.json beside it
+        if not (path.parent / "config.json").is_file():
+            raise ConversionError(
+                f"{path} is a weights file and its folder {path.parent} holds no config.json; pass the checkpoint "
+                "folder (config.json + weights)"
+            )
+        path = path.parent / "config.json"
     if not path.is_file():
         raise ConversionError(f"no config.json found: {path} does not exist")
     try:
@@ -641,7 +649,15 @@ def check_shapes(state_dict: Mapping[str, torch.Tensor], expected: Mapping[str, 
         for k in expected
         if k in state_dict and tuple(state_dict[k].shape) != tuple(expected[k])
     ]
+    # hf_tiny models hold floating tensors only: an integer or bool weight is a corrupt or foreign checkpoint
+    not_floating = [
+        f"{k} ({str(state_dict[k].dtype).removeprefix('torch.')})"
+        for k in expected
+        if k in state_dict and not state_dict[k].is_floating_point()
+    ]
     problems = []
+    if not_floating:
+        problems.append(f"tensors that must hold floating-point weights: {_list_names(sorted(not_floating))}")
     if wrong:
         problems.append(f"wrong shapes: {', '.join(sorted(wrong))}")
     if missing:

@@ -24,7 +24,14 @@ from .layers import RMSNorm, TransformerBlock
 from .masks import AttentionMask, packed_causal_mask, segment_ids_from_cu_seq_lens, segment_ids_from_position_ids, self_attention_mask
 from .modeling_base import HfTinyPreTrainedModel
 from .rope import RotaryEmbedding
-from .validation import check_attention_mask, check_input_ids, check_labels, check_sequence_labels
+from .validation import (
+    check_attention_mask,
+    check_cache_matches,
+    check_input_ids,
+    check_inputs_embeds,
+    check_labels,
+    check_sequence_labels,
+)
 
 # Keyword arguments forward() takes besides its named ones. Anything else is an error: silently ignoring, say,
 # packed-sequence boundaries (cu_seq_lens_*) would attend across sequences.
@@ -246,11 +253,8 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         if input_ids is not None:
             check_input_ids(input_ids, vocab_size=config.vocab_size)
             inputs_embeds = self.embed_tokens(input_ids)
-        elif inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size:
-            raise ValueError(
-                f"inputs_embeds must be [batch, sequence, hidden_size={config.hidden_size}], "
-                f"got shape {tuple(inputs_embeds.shape)}"
-            )
+        else:
+            check_inputs_embeds(inputs_embeds, hidden_size=config.hidden_size)
         if past_key_values is not None and not isinstance(past_key_values, Cache):
             raise TypeError(
                 f"past_key_values must be a transformers Cache (e.g. DynamicCache), got {type(past_key_values).__name__}"
@@ -261,6 +265,11 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         batch_size, query_length = inputs_embeds.shape[:2]
         device = inputs_embeds.device
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
+        if past_key_values is not None and not _compiling():
+            check_cache_matches(
+                past_key_values, batch_size=batch_size, num_key_value_heads=config.num_key_value_heads,
+                head_dim=config.head_dim,
+            )
         if attention_mask is not None and not _compiling() and (
             not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4
         ):

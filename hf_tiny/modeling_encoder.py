@@ -32,6 +32,7 @@ from .masks import self_attention_mask
 from .modeling_base import HfTinyPreTrainedModel
 from .validation import (
     check_answer_positions,
+    check_inputs_embeds,
     check_attention_mask,
     check_input_ids,
     check_labels,
@@ -134,13 +135,7 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
             check_input_ids(input_ids, vocab_size=config.vocab_size)
             shape = tuple(input_ids.shape)
         else:
-            if not isinstance(inputs_embeds, torch.Tensor) or not inputs_embeds.is_floating_point():
-                raise TypeError("inputs_embeds must be a floating-point torch.Tensor [batch, sequence, hidden_size]")
-            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != config.hidden_size or inputs_embeds.shape[0] == 0:
-                raise ValueError(
-                    f"inputs_embeds has shape {tuple(inputs_embeds.shape)} but must be [batch, sequence, "
-                    f"hidden_size={config.hidden_size}]"
-                )
+            check_inputs_embeds(inputs_embeds, hidden_size=config.hidden_size)
             shape = tuple(inputs_embeds.shape[:2])
         if position_ids is None:
             check_sequence_length(shape[1], limit=config.max_position_embeddings, field="input sequence length")

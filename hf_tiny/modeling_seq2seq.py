@@ -29,7 +29,7 @@ from .configuration_seq2seq import TinySeq2SeqConfig
 from .layers import TransformerBlock, build_norm
 from .masks import AttentionMask, cross_attention_mask, self_attention_mask, with_position_bias
 from .modeling_base import HfTinyPreTrainedModel
-from .validation import check_attention_mask, check_input_ids, check_labels, check_sequence_length
+from .validation import check_attention_mask, check_input_ids, check_inputs_embeds, check_labels, check_sequence_length
 
 
 def shift_tokens_right(labels: torch.Tensor, pad_token_id: Optional[int], decoder_start_token_id: Optional[int]):
@@ -200,10 +200,8 @@ class TinySeq2SeqStack(nn.Module):
             check_input_ids(input_ids, vocab_size=self.config.vocab_size, field=name)
             batch, seq_len = input_ids.shape
         else:
-            if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != self.config.hidden_size:
-                raise ValueError(
-                    f"inputs_embeds must be [batch, sequence, {self.config.hidden_size}], got {tuple(inputs_embeds.shape)}"
-                )
+            check_inputs_embeds(inputs_embeds, hidden_size=self.config.hidden_size,
+                                field="decoder_inputs_embeds" if self.is_decoder else "inputs_embeds")
             batch, seq_len = inputs_embeds.shape[:2]
         if self.is_decoder and encoder_hidden_states is None:
             raise ValueError("the decoder needs encoder_hidden_states (the encoder's last_hidden_state)")

@@ -77,6 +77,9 @@ def check_input_ids(input_ids: torch.Tensor, *, vocab_size: int, field: str = "i
         raise TypeError(f"{field} must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
     if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
         raise TypeError(f"{field} must hold integer token ids, got dtype {input_ids.dtype}")
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        # nn.Embedding indexes with int64 / int32 only; uint8 would also wrap ids above 255
+        raise TypeError(f"{field} must be int64 (or int32) token ids, got dtype {input_ids.dtype}; use {field}.long()")
     if input_ids.dim() != 2:
         raise ValueError(f"{field} must be 2-D [batch, sequence], got shape {tuple(input_ids.shape)}")
     if input_ids.shape[0] == 0:
@@ -91,6 +94,37 @@ def check_input_ids(input_ids: torch.Tensor, *, vocab_size: int, field: str = "i
     if low < 0 or high >= vocab_size:
         bad = low if low < 0 else high
         raise ValueError(f"{field} contains token id {bad}, outside the vocabulary [0, {vocab_size})")
+
+
+def check_inputs_embeds(inputs_embeds, *, hidden_size: int, field: str = "inputs_embeds") -> None:
+    """Floating-point [batch, sequence, hidden_size] embeddings with at least one example and one position."""
+    if not isinstance(inputs_embeds, torch.Tensor):
+        raise TypeError(f"{field} must be a torch.Tensor [batch, sequence, hidden_size], got {type(inputs_embeds).__name__}")
+    if not inputs_embeds.is_floating_point():
+        raise TypeError(
+            f"{field} must be floating-point embeddings [batch, sequence, hidden_size={hidden_size}], got dtype "
+            f"{inputs_embeds.dtype} (token ids go in input_ids)"
+        )
+    if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != hidden_size or 0 in inputs_embeds.shape[:2]:
+        raise ValueError(
+            f"{field} has shape {tuple(inputs_embeds.shape)} but must be [batch, sequence, hidden_size={hidden_size}]"
+        )
+
+
+def check_cache_matches(past_key_values, *, batch_size: int, num_key_value_heads: int, head_dim: int) -> None:
+    """A filled cache must come from a model of the same KV heads / head_dim and hold the same batch."""
+    layers = getattr(past_key_values, "layers", None)
+    keys = getattr(layers[0], "keys", None) if layers else None
+    if not isinstance(keys, torch.Tensor) or keys.dim() != 4 or keys.numel() == 0:
+        return
+    expected = {"batch size": batch_size, "key/value heads": num_key_value_heads, "head_dim": head_dim}
+    found = {"batch size": keys.shape[0], "key/value heads": keys.shape[1], "head_dim": keys.shape[3]}
+    wrong = [f"{name} {found[name]} (expected {value})" for name, value in expected.items() if found[name] != value]
+    if wrong:
+        raise ValueError(
+            f"past_key_values holds keys of shape {tuple(keys.shape)}: {', '.join(wrong)}; it comes from another model "
+            "or another batch. Pass the cache this model returned for this batch, or a fresh DynamicCache"
+        )
 
 
 def check_sequence_length(length: int, *, limit: int, field: str = "sequence length", limit_name: str = "max_position_embeddings") -> None:

@@ -207,6 +207,7 @@ COMMON_INPUT_CASES = [
      ["max_position_embeddings=16", str(MAX_POSITIONS + 1)]),
     ("empty-batch", dict(input_ids=IDS[:0]), ValueError, ["input_ids", "(0, 5)"]),
     ("empty-sequences", dict(input_ids=IDS[:, :0]), ValueError, ["input_ids", "(2, 0)"]),
+    ("uint8-ids", dict(input_ids=IDS.to(torch.uint8)), TypeError, ["input_ids", "torch.uint8", "long()"]),
 ]
 
 LABEL_CASES = {
@@ -282,6 +283,14 @@ POSITION_CASES = {
 }
 
 
+INPUTS_EMBEDS_CASES = [
+    ("integer-inputs-embeds", dict(inputs_embeds=torch.ones(2, 5, 16, dtype=torch.long)), TypeError,
+     ["inputs_embeds", "torch.int64", "hidden_size=16"]),
+    ("inputs-embeds-wrong-width", dict(inputs_embeds=torch.ones(2, 5, 15)), ValueError,
+     ["inputs_embeds", "(2, 5, 15)", "hidden_size=16"]),
+]
+
+
 def input_cases():
     for head in HEADS:
         for name, kwargs, error, fragments in COMMON_INPUT_CASES:
@@ -292,6 +301,9 @@ def input_cases():
             yield pytest.param(head, {"input_ids": IDS, **kwargs}, error, fragments, id=f"{head}-{name}")
         for name, kwargs, error, fragments in POSITION_CASES.get(head, []):
             yield pytest.param(head, kwargs, error, fragments, id=f"{head}-{name}")
+        if head != "seq2seq-lm":
+            for name, kwargs, error, fragments in INPUTS_EMBEDS_CASES:
+                yield pytest.param(head, kwargs, error, fragments, id=f"{head}-{name}")
     for name, kwargs, error, fragments in DECODER_CASES:
         yield pytest.param("seq2seq-lm", kwargs, error, fragments, id=f"seq2seq-lm-{name}")
 
@@ -546,3 +558,25 @@ def test_bad_gguf_is_a_clear_error_and_dst_is_untouched(case, mode, tmp_path, ca
     for fragment in fragments:
         assert fragment in message, f"{fragment!r} not in {message!r}"
     assert_untouched(dst, before)
+
+
+@pytest.mark.parametrize(
+    "other, ids, fragments",
+    [
+        (dict(num_key_value_heads=2), IDS, ["past_key_values", "key/value heads 2 (expected 1)"]),
+        (dict(num_key_value_heads=1, head_dim=4), IDS, ["past_key_values", "head_dim 4 (expected 8)"]),
+        (dict(num_key_value_heads=1), IDS[:1], ["past_key_values", "batch size 1 (expected 2)"]),
+    ],
+    ids=["other-kv-heads", "other-head-dim", "other-batch-size"],
+)
+def test_a_cache_from_another_model_or_batch_is_named(models, other, ids, fragments):
+    """It used to fail deep in cache_utils with "Sizes of tensors must match"."""
+    from transformers import DynamicCache
+
+    config = TinyCausalConfig(**{**SIZES, **other})
+    source = TinyCausalForCausalLM(config).eval()
+    cache = DynamicCache(config=config)
+    source(ids, past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError) as info:
+        models["causal-lm"](IDS[:, :1], past_key_values=cache, use_cache=True)
+    assert_names(info.value, fragments)

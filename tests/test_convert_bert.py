@@ -359,6 +359,26 @@ def test_float64_checkpoint_converts_and_is_compared_in_float64(tmp_path):
     assert {t.dtype for t in _converted_tensors(tmp_path / "out32").values()} == {torch.float32}
 
 
+def test_integer_weights_and_a_weights_file_as_source_are_named(tmp_path):
+    official = official_model("BertModel")
+    official.save_pretrained(tmp_path / "src")
+    # a weights file given as SRC: its folder's config.json is used (it used to parse the weights as JSON)
+    report = bert_conversion.convert(tmp_path / "src" / "model.safetensors", tmp_path / "from_file")
+    assert report["architecture"] == "BertModel"
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    (lone / "model.safetensors").write_bytes((tmp_path / "src" / "model.safetensors").read_bytes())
+    with pytest.raises(ConversionError, match="is a weights file and its folder .* holds no config.json"):
+        bert_conversion.convert(lone / "model.safetensors", tmp_path / "out")
+    state = load_file(tmp_path / "src" / "model.safetensors")
+    state["encoder.layer.1.output.dense.weight"] = state["encoder.layer.1.output.dense.weight"].to(torch.int32)
+    save_file(state, tmp_path / "src" / "model.safetensors")
+    with pytest.raises(ConversionError) as error:
+        bert_conversion.convert(tmp_path / "src", tmp_path / "out")
+    assert "must hold floating-point weights: layers.1.mlp.down_proj.weight (int32)" in str(error.value)
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------------------------
