@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import importlib.util
 import os
 import platform
 import shlex
@@ -386,7 +387,15 @@ def parse_args(argv=None):
         parser.error("--clock cpu measures process CPU time, which equals elapsed time only with --device cpu --threads 1")
     if args.attn == "flash_attention_2" and args.device != "cuda":
         parser.error("--attn flash_attention_2 needs --device cuda")
+    missing = missing_report_dependencies()
+    if missing:
+        # checked before measuring: the plot is drawn at the end of a run of several minutes
+        parser.error(f"the report needs {', '.join(missing)}: pip install -e \".[bench]\"")
     return args
+
+
+def missing_report_dependencies() -> list[str]:
+    return [name for name in ("matplotlib",) if importlib.util.find_spec(name) is None]
 
 
 def main(argv=None) -> dict:
