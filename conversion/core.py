@@ -766,7 +766,7 @@ def fail_on_parity(
     failed = [r for r in rows if not r["max_abs_diff"] <= r["tolerance"]]
     if failed:
         detail = ", ".join(
-            f"{r['backend']} {r['dtype']} on {r['device']}: {r['max_abs_diff']:.3g} > {r['tolerance']:.3g}"
+            f"{r['backend']} on {r['device']} ({r['dtype']}): {r['max_abs_diff']:.3g} > {r['tolerance']:.3g}"
             for r in failed
         )
         message = f"converted model does not match the official {what}: {detail}"

@@ -200,3 +200,29 @@ def test_text_generation(smollm2_tokenizer):
     turns = chat[0]["generated_text"]
     assert [t["role"] for t in turns] == ["user", "assistant"]
     assert isinstance(turns[-1]["content"], str)
+
+
+def test_a_freshly_initialized_head_is_reported_when_loading(tmp_path):
+    """fill-mask on a folder holding only the encoder body: the MLM head is new, random, and transformers' load
+    report must say so (a warning naming the missing lm_head tensors), as for official BERT."""
+    import logging
+
+    from transformers import AutoModelForMaskedLM
+
+    from hf_tiny import TinyEncoderConfig, TinyEncoderModel
+
+    config = TinyEncoderConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                               intermediate_size=24, max_position_embeddings=16)
+    TinyEncoderModel(config).save_pretrained(tmp_path / "body")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        _, info = AutoModelForMaskedLM.from_pretrained(tmp_path / "body", output_loading_info=True)
+    finally:
+        logger.removeHandler(handler)
+    assert {"lm_head.dense.weight", "lm_head.decoder.bias"} <= set(info["missing_keys"])
+    warnings = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    assert any("lm_head.dense.weight" in w and "MISSING" in w for w in warnings), warnings
