@@ -877,17 +877,53 @@ TOKENIZER_FILES = (
 )
 
 
+# A sentence-transformers model is a folder like any other plus these files and the module folders that
+# modules.json names (1_Pooling/, 2_Normalize/, ...). Without them SentenceTransformer(folder) falls back to plain
+# mean pooling with no normalisation and max_seq_length 512: other embeddings, silently.
+SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
+
+
 def copy_tokenizer_files(src_dir: str | os.PathLike, dst_dir: str | os.PathLike) -> list[str]:
-    """Copies the TOKENIZER_FILES present in src_dir into dst_dir; returns the names copied."""
+    """Copies the TOKENIZER_FILES present in src_dir into dst_dir, and the sentence-transformers files with the
+    module folders of modules.json; returns the names copied."""
     src_dir, dst_dir = Path(src_dir), Path(dst_dir)
     if not src_dir.is_dir():
         raise ConversionError(f"tokenizer source {src_dir} is not a folder")
     copied = []
-    for name in TOKENIZER_FILES:
+    for name in TOKENIZER_FILES + SENTENCE_TRANSFORMERS_FILES:
         if (src_dir / name).is_file():
             shutil.copyfile(src_dir / name, dst_dir / name)
             copied.append(name)
+    for folder in _sentence_transformers_module_folders(src_dir):
+        shutil.copytree(src_dir / folder, dst_dir / folder)
+        copied.append(folder + "/")
     return copied
+
+
+def _sentence_transformers_module_folders(src_dir: Path) -> list[str]:
+    """The module folders modules.json names (its entry of path "" is the model itself, converted here)."""
+    modules_path = src_dir / "modules.json"
+    if not modules_path.is_file():
+        return []
+    try:
+        modules = json.loads(modules_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConversionError(f"cannot read {modules_path}: {error}") from error
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise ConversionError(f"{modules_path} must hold a list of module objects (sentence-transformers' format)")
+    folders = []
+    for module in modules:
+        folder = module.get("path", "")
+        if not isinstance(folder, str):
+            raise ConversionError(f"{modules_path}: module path {folder!r} is not a string")
+        if not folder:
+            continue
+        resolved = (src_dir / folder).resolve()
+        if src_dir.resolve() not in resolved.parents:
+            raise ConversionError(f"{modules_path}: module path {folder!r} points outside {src_dir}")
+        if resolved.is_dir():  # a module without files (Normalize) may have no folder at all
+            folders.append(folder)
+    return folders
 
 
 def write_official_folder(

@@ -67,3 +67,25 @@ def test_converted_minilm_matches_original_sentence_transformer(converted_minilm
     assert isinstance(reloaded[0].auto_model, hf_tiny.TinyEncoderModel)
     again = reloaded.encode(SENTENCES, convert_to_tensor=True, batch_size=4)
     assert (again - got).abs().max().item() <= 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.real_weights
+def test_converted_folder_is_the_same_sentence_transformer(converted_minilm, real_minilm_dir):
+    """SentenceTransformer(converted folder) as it is: the pooling and normalisation modules and max_seq_length
+    256 travel with the conversion (they used to be dropped: unnormalized embeddings, dot product 28.8 vs 0.908)."""
+    from sentence_transformers import SentenceTransformer
+
+    assert {"modules.json", "sentence_bert_config.json", "1_Pooling"} <= {p.name for p in converted_minilm.iterdir()}
+    original = SentenceTransformer(str(real_minilm_dir), device="cpu")
+    ours = SentenceTransformer(str(converted_minilm), device="cpu")
+    assert isinstance(ours[0].auto_model, hf_tiny.TinyEncoderModel)
+    assert ours.max_seq_length == original.max_seq_length == 256
+    expected = original.encode(SENTENCES, convert_to_tensor=True, batch_size=4)
+    got = ours.encode(SENTENCES, convert_to_tensor=True, batch_size=4)
+    dots, expected_dots = got @ got.T, expected @ expected.T
+    assert (dots - expected_dots).abs().max().item() <= 1e-5
+    assert torch.allclose(got.norm(dim=-1), torch.ones(len(SENTENCES)), atol=1e-5)
+    # negative control: the bare encoder with default mean pooling is not normalized
+    bare = SentenceTransformer(modules=[ours[0], ours[1]], device="cpu").encode(SENTENCES, convert_to_tensor=True)
+    assert (bare @ bare.T - expected_dots).abs().max().item() > 1.0
