@@ -80,7 +80,7 @@ def real_model_and_tokenizer(args: argparse.Namespace):
 
     import hf_tiny  # noqa: F401  (registers the Auto classes)
 
-    folder = common.converted(args.work_dir / "smollm2", llama.convert, common.smollm2_source())
+    folder = common.converted(args.work_dir, "smollm2", llama.convert, common.smollm2_source())
     overrides = {} if args.dropout is None else {"attention_dropout": args.dropout}
     model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **overrides)
     return model, AutoTokenizer.from_pretrained(str(folder))

@@ -44,8 +44,8 @@ def add_common_arguments(
     parser.add_argument("--output-dir", type=Path, default=Path("examples_output") / name,
                         help="checkpoints, the final model (OUTPUT_DIR/final) and results.json")
     parser.add_argument("--work-dir", type=Path, default=None,
-                        help="where the real checkpoint is converted to (default OUTPUT_DIR/converted; reused when "
-                        "already there)")
+                        help="a converted hf_tiny checkpoint folder to reuse as it is, or the folder to convert the "
+                        "real checkpoint into (WORK_DIR/NAME; default OUTPUT_DIR/converted; reused when already there)")
     parser.add_argument("--batch-size", type=int, default=batch_size, help="per-device micro-batch size")
     parser.add_argument("--grad-accum", type=int, default=1, help="gradient accumulation steps")
     parser.add_argument("--learning-rate", type=float, default=None,
@@ -245,9 +245,22 @@ def smollm2_source() -> Path:
     return package_dir(SMOLLM2_PACKAGE) / SMOLLM2_GGUF_NAME
 
 
-def converted(dst: Path, convert, src: Path) -> Path:
-    """Run a production converter once; a later run reuses its (atomically written) output folder."""
-    if not (dst / "config.json").is_file():
+def converted(work_dir: Path, name: str, convert, src: Path) -> Path:
+    """The converted checkpoint: --work-dir itself when it already is an hf_tiny folder (reused as it is), else
+    WORK_DIR/name, converted there once by the production converter and reused by later runs."""
+    if (work_dir / "config.json").is_file():
+        model_type = json.loads((work_dir / "config.json").read_text()).get("model_type", "")
+        if not str(model_type).startswith("hf_tiny_"):
+            raise SystemExit(
+                f"error: --work-dir {work_dir} holds a config.json of model_type={model_type!r}, not a converted "
+                "hf_tiny checkpoint; pass an hf_tiny folder or a folder to convert into"
+            )
+        print(f"reusing the converted checkpoint {work_dir}")
+        return work_dir
+    dst = work_dir / name
+    if (dst / "config.json").is_file():
+        print(f"reusing the converted checkpoint {dst}")
+    else:
         print(f"converting {src} -> {dst} (with a parity check against official transformers)")
         convert(src, dst)
     return dst

@@ -84,7 +84,7 @@ def real_model_and_tokenizer(args: argparse.Namespace):
 
     import hf_tiny  # noqa: F401  (registers the Auto classes)
 
-    folder = common.converted(args.work_dir / "bert2seq", bert2seq.convert, common.minilm_source())
+    folder = common.converted(args.work_dir, "bert2seq", bert2seq.convert, common.minilm_source())
     overrides = {}
     if args.dropout is not None:
         overrides = {"hidden_dropout": args.dropout, "attention_dropout": args.dropout}
