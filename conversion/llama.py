@@ -13,8 +13,8 @@ SRC may be
       Meta's q/k rows interleave the two halves of each rotary pair; transformers' Llama expects them split into
       halves (rotate_half), hence the RoPE permutation below (the `permute` of transformers'
       convert_llama_weights_to_hf.py) and its inverse.
-Parity with the official transformers model is measured while converting and written into the model card; a
-row (any dtype) above its tolerance, or not finite, fails the conversion (DST is then left untouched).
+Parity with the official transformers model is measured while converting and written into the model card; an
+fp32 row above its tolerance, or any row that is not finite, fails the conversion (DST is then left untouched).
 """
 
 from __future__ import annotations

@@ -287,7 +287,7 @@ def write_card(tmp: Path, dst: Path, *, base_model: str, description: str, rows:
         parity_rows=rows,
         tags=list(tags),
         extra=f"\nParity inputs: {inputs}. The tolerance is the relative tolerance of the dtype times "
-        f"max(1, max |official logits|); every row must pass (and be finite) or the conversion fails.\n{extra}",
+        f"max(1, max |official logits|); float32 rows must pass and every row must be finite, or the conversion fails.\n{extra}",
     )
 
 

@@ -107,7 +107,8 @@ def check_inputs_embeds(inputs_embeds, *, hidden_size: int, field: str = "inputs
         )
     if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != hidden_size or 0 in inputs_embeds.shape[:2]:
         raise ValueError(
-            f"{field} has shape {tuple(inputs_embeds.shape)} but must be [batch, sequence, hidden_size={hidden_size}]"
+            f"{field} has shape {tuple(inputs_embeds.shape)}, but {field} must be [batch, sequence, "
+            f"hidden_size={hidden_size}]"
         )
 
 

@@ -117,7 +117,7 @@ def test_chunked_prefill_without_padding_builds_the_bottom_right_causal_mask():
 
 def test_sliding_window_wider_than_the_keys_is_plain_causal():
     built = self_attention_mask(None, batch_size=1, query_length=4, key_length=4, causal=True, sliding_window=4, device=CPU)
-    assert built == (None, True)
+    assert built == (None, True, None)
     built = self_attention_mask(None, batch_size=1, query_length=4, key_length=4, causal=True, sliding_window=2, device=CPU)
     assert built.mask[0, 0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
 
@@ -227,8 +227,8 @@ def test_bad_self_attention_inputs_raise_clear_errors(kwargs, message):
 
 
 def test_cross_attention_mask():
-    assert cross_attention_mask(None, query_length=4) == (None, False)
-    assert cross_attention_mask(torch.ones(2, 6), query_length=4) == (None, False)
+    assert cross_attention_mask(None, query_length=4) == (None, False, None)
+    assert cross_attention_mask(torch.ones(2, 6), query_length=4) == (None, False, None)
     encoder_padding = [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]]
     built = cross_attention_mask(torch.tensor(encoder_padding), query_length=4)
     assert not built.is_causal and built.mask.dtype == torch.bool and built.mask.shape == (2, 1, 4, 6)
