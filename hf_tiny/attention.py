@@ -370,16 +370,15 @@ def _flash_packed(q, k, v, segment_ids, *, scale, dropout_p, is_causal) -> torch
     lengths = torch.diff(
         F.pad(starts.flatten().nonzero().squeeze(-1), (0, 1), value=batch * seq)
     ).to(torch.int32)
+    q_, k_, v_ = (t.transpose(1, 2).flatten(0, 1) for t in (q, k, v))  # [B*S, H, D]
     if flash_attn_package_available():
         flash_attn_varlen_func = _flash_attn_functions()[1]
         cu = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
-        q_, k_, v_ = (t.transpose(1, 2).flatten(0, 1) for t in (q, k, v))
         out = flash_attn_varlen_func(
             q_, k_, v_, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=int(lengths.max()),
             max_seqlen_k=int(lengths.max()), dropout_p=dropout_p, softmax_scale=scale, causal=is_causal,
         )
         return out.view(batch, seq, heads, dim).transpose(1, 2)
-    q_, k_, v_ = (t.transpose(1, 2).flatten(0, 1) for t in (q, k, v))  # [B*S, H, D]
     outputs = []
     for part_q, part_k, part_v in zip(*(t.split(lengths.tolist()) for t in (q_, k_, v_))):
         part = _flash_sdpa(
