@@ -1,6 +1,8 @@
-"""`python -m conversion FAMILY SRC DST [--reverse] [--force] [--debug] [--dtype float32|bfloat16|float16]`
+"""`python -m conversion [FAMILY] SRC DST [--reverse] [--force] [--debug] [--dtype float32|bfloat16|float16]`
 
 Forward: an official Hugging Face checkpoint (SRC) -> an hf_tiny checkpoint (DST).
+Without FAMILY the family is detected from SRC (config.json's model_type, the GGUF architecture, Meta's layout;
+with --reverse the hf_tiny model_type) and named on stderr.
 --reverse: an hf_tiny checkpoint -> the official format (not every family has one).
 A failure prints one line `error: ...` on stderr and exits with 1 (2 for usage errors); --debug shows the
 traceback instead.
@@ -9,18 +11,10 @@ traceback instead.
 from __future__ import annotations
 
 import argparse
-import importlib
 import inspect
 import sys
 
-# family name -> module exposing convert(src, dst, *, force=False, dtype=None) [and convert_back(src, dst, *, force)]
-FAMILIES = {
-    "bert": "conversion.bert",
-    "llama": "conversion.llama",
-    "bart": "conversion.bart",
-    "t5": "conversion.t5",
-    "bert2seq": "conversion.bert2seq",
-}
+from .registry import FAMILIES, detect_family, family_module
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
@@ -41,9 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m conversion",
         description="Convert checkpoints between official Hugging Face formats and hf_tiny.",
     )
-    parser.add_argument("family", help=f"model family: {', '.join(FAMILIES)}")
-    parser.add_argument("src", help="source checkpoint folder (or file, e.g. a .gguf for llama)")
-    parser.add_argument("dst", help="destination folder (written atomically)")
+    parser.add_argument(
+        "paths",
+        nargs="*",
+        metavar="[FAMILY] SRC DST",
+        help=f"model family (detected when left out): {', '.join(FAMILIES)}; the source checkpoint folder (or file, "
+        "e.g. a .gguf); the destination folder (written atomically)",
+    )
     parser.add_argument(
         "--reverse", action="store_true", help="convert an hf_tiny checkpoint back to the official format"
     )
@@ -54,23 +52,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _load_family(family: str):
-    from .core import ConversionError
-
-    if family not in FAMILIES:
-        raise UsageError(f"unknown family {family!r}; known families: {', '.join(FAMILIES)}")
-    module_name = FAMILIES[family]
     try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name == module_name:
-            raise ConversionError(
-                f"family {family!r} is registered but its converter module {module_name} is not available"
-            ) from error
-        raise
+        return family_module(family)
+    except KeyError:
+        raise UsageError(f"unknown family {family!r}; known families: {', '.join(FAMILIES)}") from None
+
+
+def resolve_paths(args: argparse.Namespace) -> None:
+    """Splits the positional arguments into family, src and dst; detects the family when it is left out."""
+    if len(args.paths) < 2:
+        raise UsageError("the following arguments are required: SRC DST (see python -m conversion --help)")
+    if len(args.paths) > 3:
+        raise UsageError(f"expected [FAMILY] SRC DST, got {len(args.paths)} arguments: {' '.join(args.paths)}")
+    if len(args.paths) == 3:
+        args.family, args.src, args.dst = args.paths
+        return
+    args.src, args.dst = args.paths
+    args.family, why = detect_family(args.src, reverse=args.reverse)
+    print(f"detected family {args.family} ({why})", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> None:
-    from .core import ConversionError, parse_dtype
+    from .errors import ConversionError
+    from .tensors import parse_dtype
 
     module = _load_family(args.family)
     if args.reverse:
@@ -93,7 +97,7 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _one_line(error: BaseException) -> str:
-    from .core import ConversionError
+    from .errors import ConversionError
 
     text = " ".join(str(error).split()) or "(no message)"
     if isinstance(error, (ConversionError, UsageError, ValueError, TypeError, FileNotFoundError, RuntimeError)):
@@ -106,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     try:
         args = build_parser().parse_args(argv)
+        resolve_paths(args)
         run(args)
     except UsageError as error:
         if debug:
@@ -128,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _is_expected(error: BaseException) -> bool:
-    from .core import ConversionError
+    from .errors import ConversionError
 
     return isinstance(error, (ConversionError, ValueError, TypeError, FileNotFoundError))
 

@@ -21,31 +21,16 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Optional
 
 import torch
 
 from . import bert as bert_conversion
-from .core import (
-    ConversionError,
-    KeyMap,
-    Rule,
-    atomic_output_dir,
-    check_shapes,
-    expected_shapes,
-    load_checkpoint,
-    load_config_json,
-    parse_dtype,
-    require_model_type,
-)
-from .seq2seq_common import (
-    check_parity_and_write_card,
-    drop_tied_copies,
-    head_is_tied,
-    layer_rules,
-    our_config,
-    write_ours,
-)
+from .keymap import KeyMap, Rule, check_shapes, expected_shapes, layer_rules
+from .pipeline import Plan, Source
+from .pipeline import convert as run_conversion
+from .readers import official_config
+from .seq2seq_common import Seq2SeqFamily, stack_depths, styled_config
+from .writer import drop_tied_copies, stores_tied_copy
 
 # A BERT layer maps onto an hf_tiny seq2seq layer exactly as onto an hf_tiny encoder layer.
 BERT_LAYER = bert_conversion.LAYER_MODULES
@@ -106,7 +91,8 @@ def config_from_bert(bert, *, src, tied_head: bool, token_ids: dict):
     position_type = getattr(bert, "position_embedding_type", None) or "absolute"
     if position_type != "absolute":
         raise ConversionError(f"{src}: position_embedding_type={position_type!r} is not supported (only 'absolute')")
-    return our_config(
+    return styled_config(
+        "bert2seq",
         src,
         vocab_size=bert.vocab_size,
         hidden_size=bert.hidden_size,
@@ -121,20 +107,9 @@ def config_from_bert(bert, *, src, tied_head: bool, token_ids: dict):
         attention_dropout=float(bert.attention_probs_dropout_prob),
         hidden_dropout=float(bert.hidden_dropout_prob),
         activation_dropout=0.0,
-        norm_placement="post",
-        norm_type="layernorm",
-        position_embedding_type="learned",
-        position_offset=0,
         type_vocab_size=bert.type_vocab_size,
-        mlp_bias=True,
-        attention_bias=True,
-        embedding_norm=True,
         use_padding_idx=bert.pad_token_id is not None,
-        share_encoder_decoder_embeddings=False,
         tie_word_embeddings=tied_head,
-        lm_head_transform=True,
-        lm_head_bias=True,
-        final_logits_bias=False,
         **token_ids,
     )
 
@@ -162,76 +137,64 @@ def official_warm_start(src: Path, *, seed: int):
     return model.eval()
 
 
-def check_source_weights(src: Path, raw: dict) -> None:
+def check_source_weights(source: Source) -> None:
     """Reads SRC as strictly as `python -m conversion bert` does. transformers' warm start alone would re-initialize
     a missing BERT tensor and skip an unknown one without an error, and reports damaged files in its own terms."""
-    state = load_checkpoint(src)
-    architecture = bert_conversion.detect_architecture(raw, state, src=src)
-    config = bert_conversion.encoder_config_from_bert(raw, src=src)
-    state = bert_conversion._drop_tied_copies(state, architecture, config.tie_word_embeddings)
+    architecture, config, state = bert_conversion.mapped_bert(source)
     mapped = bert_conversion.key_map(architecture, tied=config.tie_word_embeddings).to_target(
         state, num_layers=config.num_hidden_layers
     )
     with torch.device("meta"):
-        body = bert_conversion._our_class(bert_conversion.ARCHITECTURES[architecture][0])(config)
+        body = bert_conversion.FAMILY.hf_tiny_class(bert_conversion.ARCHITECTURES[architecture][0])(config)
     check_shapes(mapped, expected_shapes(body))
 
 
-def convert(
-    src: str | os.PathLike,
-    dst: str | os.PathLike,
-    *,
-    force: bool = False,
-    dtype: Optional[torch.dtype | str] = None,
-    seed: int = 0,
-    base_model: Optional[str] = None,
-) -> dict:
-    """One BERT folder -> hf_tiny seq2seq folder warm-started like EncoderDecoderModel (atomic).
+DECODER_WORDS = "decoder.bert.embeddings.word_embeddings.weight"
 
-    Returns {"dst", "parity", "parity_inputs"}."""
-    from transformers import BertConfig
 
-    src, dst = Path(src), Path(dst)
-    dtype = parse_dtype(dtype)
-    raw = load_config_json(src)
-    require_model_type(raw, "bert", src=src)
-    try:
-        bert = BertConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "auto_map", "model_type")})
-    except (TypeError, ValueError) as error:
-        raise ConversionError(f"{src}: config.json is not a valid BERT config: {error}") from error
+class Bert2SeqFamily(Seq2SeqFamily):
+    name = "bert2seq"
+    model_types = ("bert",)
+    tags = ("bert", "bert2bert", "seq2seq")
+    reversible = False
+    detected = False  # a BERT folder converts with `bert` unless bert2seq is asked for by name
+    keep_source_generation_config = False  # a BERT folder's generation_config.json would be for another model
+    seed = 0
 
-    with atomic_output_dir(dst, force=force) as tmp:
-        check_source_weights(src, raw)
-        official = official_warm_start(src, seed=seed)
-        state = {k: v.detach().clone() for k, v in official.state_dict().items()}
-        tied_head = head_is_tied(state, "decoder.bert.embeddings.word_embeddings.weight", "decoder.cls.predictions.decoder.weight")
-        copies = ["decoder.cls.predictions.decoder.weight"] if tied_head else []
-        state = drop_tied_copies(state, "decoder.bert.embeddings.word_embeddings.weight", copies, src=src)
+    def read(self, src: Path) -> Source:
+        source = super().read(src)
+        check_source_weights(source)
+        source.official = official_warm_start(source.folder, seed=self.seed)
+        source.state = {k: v.detach().clone() for k, v in source.official.state_dict().items()}
+        source.kind = "warm start"
+        source.description = (
+            f"an encoder-decoder warm-started from the BERT checkpoint `{src.resolve().name}`, as transformers' "
+            "`EncoderDecoderModel.from_encoder_decoder_pretrained` does: encoder and decoder carry the BERT weights, "
+            "cross-attention (and the LM-head transform, when the checkpoint has none) is newly initialized "
+            f"(seed {self.seed}). Fine-tune it before use"
+        )
+        return source
+
+    def plan(self, source: Source) -> Plan:
+        state, src = source.state, source.path
+        tied_head = stores_tied_copy(state, DECODER_WORDS, "decoder.cls.predictions.decoder.weight")
+        state = drop_tied_copies(state, DECODER_WORDS, ["decoder.cls.predictions.decoder.weight"] if tied_head else [], src=src)
         # BertLMPredictionHead ties decoder.bias to predictions.bias
         state = drop_tied_copies(state, "decoder.cls.predictions.bias", ["decoder.cls.predictions.decoder.bias"], src=src)
-        config = config_from_bert(bert, src=src, tied_head=tied_head, token_ids=special_token_ids(src, bert))
-        # a BERT folder's generation_config.json would be for another model
-        write_ours(tmp, src, config, key_map(tied_head=tied_head), state, dtype=dtype, keep_source_generation=False)
-        rows, inputs = check_parity_and_write_card(
-            tmp,
-            dst,
-            official=official,
-            config=config,
-            dtype=dtype,
-            flash_ok=True,
-            what="EncoderDecoderModel warm start",
-            base_model=base_model or raw.get("_name_or_path") or src.resolve().name,
-            description=(
-                "An encoder-decoder warm-started from one BERT checkpoint, as transformers' "
-                "`EncoderDecoderModel.from_encoder_decoder_pretrained` does: encoder and decoder carry the BERT "
-                f"weights, cross-attention (and the LM-head transform, when the checkpoint has none) is newly "
-                f"initialized (seed {seed}). Fine-tune it before use."
-            ),
-            tags=["bert", "bert2bert", "seq2seq"],
-            extra="\nParity reference: `EncoderDecoderModel.from_encoder_decoder_pretrained(SRC, SRC)` built with the "
-            "same seed, whose newly initialized tensors are the ones stored here.\n",
-        )
-    return {"dst": dst, "parity": rows, "parity_inputs": inputs}
+        bert = official_config(source.raw_config, src=src)
+        config = config_from_bert(bert, src=src, tied_head=tied_head, token_ids=special_token_ids(source.folder, bert))
+        note = ("Parity reference: `EncoderDecoderModel.from_encoder_decoder_pretrained(SRC, SRC)` built with the "
+                "same seed, whose newly initialized tensors are the ones stored here.")
+        return Plan(config, "TinySeq2SeqForConditionalGeneration", "EncoderDecoderModel", key_map(tied_head=tied_head),
+                    stack_depths(config), state, notes=[note])
 
 
-__all__ = ["convert", "key_map", "config_from_bert", "official_warm_start", "special_token_ids"]
+FAMILY = Bert2SeqFamily()
+
+
+def convert(src: str | os.PathLike, dst: str | os.PathLike, *, force=False, dtype=None, seed: int = 0, base_model=None) -> dict:
+    """One BERT folder -> hf_tiny seq2seq folder warm-started like EncoderDecoderModel (seeded); see
+    conversion.pipeline.convert for what it returns. There is no reverse direction."""
+    family = Bert2SeqFamily()
+    family.seed = seed
+    return run_conversion(family, src, dst, force=force, dtype=dtype, base_model=base_model)

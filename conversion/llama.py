@@ -20,37 +20,17 @@ fp32 row above its tolerance, or any row that is not finite, fails the conversio
 from __future__ import annotations
 
 import json
-import os
 import re
-import sys
 from pathlib import Path
-from typing import Optional
 
 import torch
 
-from .core import (
-    ConversionError,
-    KeyMap,
-    Rule,
-    Transform,
-    atomic_output_dir,
-    cast_floating,
-    check_shapes,
-    copy_tokenizer_files,
-    expected_shapes,
-    fail_on_parity,
-    load_checkpoint,
-    load_config_json,
-    load_gguf,
-    load_hf_tiny_config,
-    max_abs_diff,
-    parity_plans,
-    parity_row,
-    parse_dtype,
-    require_model_type,
-    write_model_card,
-    write_official_folder,
-)
+from .errors import ConversionError
+from .gguf_files import load_gguf
+from .keymap import KeyMap, Rule, Transform
+from .pipeline import Family, Plan, ReversePlan, Source, entry_points
+from .readers import load_checkpoint, official_config, require_model_type
+from .writer import drop_tied_copies
 
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
 GGUF_ARCHITECTURE = "llama"
@@ -92,16 +72,6 @@ META_SHARD_DIMS = {
 META_IGNORED = (r"rope\.freqs",)
 # Meta's params.json has no context length; these are the lengths transformers' converter assigns.
 META_CONTEXT_LENGTH = {"llama3.1": 131072, "llama3": 8192, "codellama": 16384, "llama2": 4096}
-
-# Parity: fp32 tolerance is absolute on tiny random models in the tests; here it is relative to the logits'
-# scale, core.RELATIVE_TOLERANCE[dtype] * max(1, max |official logits|).
-SAMPLE_PROMPTS = (
-    "The capital of France is",
-    "def fibonacci(n):",
-    "Hi",
-    "A converted checkpoint holds the same numbers under different names, so both models must agree.",
-)
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # Key maps
@@ -189,18 +159,6 @@ def meta_key_map(config) -> KeyMap:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _official_config(raw: dict, *, src):
-    """The transformers config object of a config.json / GGUF config dict (it standardizes rope_parameters)."""
-    from transformers import AutoConfig
-
-    model_type = raw.get("model_type")
-    fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map", "_model_name_or_path")}
-    try:
-        return AutoConfig.for_model(model_type, **fields)
-    except (TypeError, ValueError, KeyError) as error:
-        raise ConversionError(f"{src}: config is not a valid {model_type} config: {error}") from error
-
-
 def causal_config_from_official(official, *, src):
     """TinyCausalConfig equivalent to an official Llama / Mistral / Qwen2 config; variants without an hf_tiny
     equivalent are errors naming the field."""
@@ -255,7 +213,7 @@ def causal_config_from_official(official, *, src):
         raise ConversionError(f"{src}: this {model_type} config has no hf_tiny equivalent: {error}") from error
 
 
-def official_config_from_causal(config, official_class: str, dtype: torch.dtype):
+def official_config_from_causal(config, official_class: str):
     """The official transformers config for an hf_tiny causal config (Llama; Mistral when sliding_window is set;
     Qwen2 for q/k/v-only attention biases)."""
     import transformers
@@ -279,7 +237,6 @@ def official_config_from_causal(config, official_class: str, dtype: torch.dtype)
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
         architectures=[official_class],
-        dtype=str(dtype).removeprefix("torch."),
     )
     if config.id2label is not None and official_class.endswith("ForSequenceClassification"):
         values.update(id2label=config.id2label, label2id=config.label2id, problem_type=config.problem_type)
@@ -449,20 +406,15 @@ def _concatenate_shards(pieces: list, dim: int, key: str, src) -> torch.Tensor:
     return torch.cat(pieces, dim=dim)
 
 
-def _read_meta(src: Path):
+def _read_params(src: Path) -> dict:
     params_path = src / "params.json"
     try:
         params = json.loads(params_path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ConversionError(f"cannot read {params_path}: {error}") from error
     if not isinstance(params, dict):
         raise ConversionError(f"{params_path} holds a JSON {type(params).__name__}, expected an object")
-    files = sorted(src.glob("consolidated.*.pth"))
-    shards = [load_checkpoint(path) for path in files]
-    state = merge_meta_shards(shards, params, src=src)
-    config = meta_config(params, state, src=src)
-    converted = meta_key_map(config).to_target(state, num_layers=config.num_hidden_layers, progress=sys.stderr.isatty())
-    return config, converted, "TinyCausalForCausalLM", f"Meta consolidated checkpoint ({len(files)} shard(s))"
+    return params
 
 
 def _class_for_official(architectures, state: dict, *, src) -> str:
@@ -482,327 +434,100 @@ def _class_for_official(architectures, state: dict, *, src) -> str:
     return "TinyCausalForCausalLM"
 
 
-def _drop_tied_copy(state: dict, config, class_name: str, *, src) -> dict:
-    """A tied checkpoint may still store lm_head.weight: it must equal the embeddings, and is then dropped."""
-    if class_name != "TinyCausalForCausalLM" or not config.tie_word_embeddings or "lm_head.weight" not in state:
-        return state
-    state = dict(state)
-    copy = state.pop("lm_head.weight")
-    embed = state.get("model.embed_tokens.weight")
-    if embed is not None and (copy.shape != embed.shape or not torch.equal(copy, embed)):
-        raise ConversionError(
-            f"{src}: lm_head.weight differs from model.embed_tokens.weight although tie_word_embeddings=true; "
-            "set tie_word_embeddings=false in config.json if the head is really untied"
-        )
-    return state
-
-
-def _read_hf(src: Path):
-    raw = load_config_json(src)
-    require_model_type(raw, HF_MODEL_TYPES, src=src)
-    official = _official_config(raw, src=src)
-    config = causal_config_from_official(official, src=src)
-    state = load_checkpoint(src)
-    class_name = _class_for_official(raw.get("architectures"), state, src=src)
-    state = _drop_tied_copy(state, config, class_name, src=src)
-    converted = key_map(config, class_name).to_target(
-        state, num_layers=config.num_hidden_layers, progress=sys.stderr.isatty()
-    )
-    return config, converted, class_name, f"Hugging Face {raw['model_type']} folder"
-
-
-def _read_gguf(path: Path):
-    raw, state = load_gguf(path, expected_architecture=GGUF_ARCHITECTURE)
-    require_model_type(raw, ("llama",), src=path)
-    official = _official_config(raw, src=path)
-    config = causal_config_from_official(official, src=path)
-    state = _drop_tied_copy(state, config, "TinyCausalForCausalLM", src=path)
-    converted = key_map(config).to_target(state, num_layers=config.num_hidden_layers, progress=sys.stderr.isatty())
-    return config, converted, "TinyCausalForCausalLM", f"GGUF file {path.name} (dequantized to float32)"
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Parity at conversion time
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def left_padded_batch(tokenizer, prompts, config) -> Optional[dict]:
-    """The tokenizer's left-padded batch of prompts, or None if it cannot produce one for this model."""
-    try:
-        tokenizer.padding_side = "left"
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        batch = tokenizer(list(prompts), padding=True, return_tensors="pt")
-    except Exception:  # a tokenizer that cannot pad is as unusable as none: random ids are then used
-        return None
-    if int(batch["input_ids"].max()) >= config.vocab_size:
-        return None
-    return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
-
-
-def random_left_padded_batch(config, seed: int = 0) -> dict:
-    generator = torch.Generator().manual_seed(seed)
-    seq_len = min(16, config.max_position_embeddings)
-    lengths = [seq_len, max(1, seq_len - 5), max(1, seq_len // 4)]
-    input_ids = torch.randint(0, config.vocab_size, (len(lengths), seq_len), generator=generator)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, length in enumerate(lengths):
-        attention_mask[row, seq_len - length :] = 1
-    input_ids = input_ids.masked_fill(attention_mask == 0, config.pad_token_id or 0)
-    return {"input_ids": input_ids, "attention_mask": attention_mask}
-
-
-def with_positions(batch: dict) -> dict:
-    """Adds position_ids counting real tokens only, as generate() does for left padding."""
-    mask = batch["attention_mask"]
-    return {**batch, "position_ids": (mask.long().cumsum(-1) - 1).clamp(min=0)}
-
-
-def compared_logits(model, batch: dict, device) -> torch.Tensor:
-    """Logits at the real (non-padding) tokens of a batch, in float32."""
-    with torch.no_grad():
-        logits = model(**{k: v.to(device) for k, v in batch.items()}).logits
-    return logits[batch["attention_mask"].bool().to(device)].float()
-
-
-def measure_parity(official, ours, batch: dict, dtype: torch.dtype) -> list[dict]:
-    """max |ours - official| over the real tokens' logits per backend / device / dtype; official fp32 is the
-    reference (its logits are computed once per device)."""
-    official.eval()
-    ours.eval()
-    batch = with_positions(batch)
-    rows, skipped, reference_device, reference = [], [], None, None
-    for device, run_dtype, backend in parity_plans(dtype):
-        if device != reference_device:
-            official.to(device=device, dtype=torch.float32)
-            official.set_attn_implementation("eager")
-            reference = compared_logits(official, batch, device)
-            scale = max(1.0, float(reference.abs().max()))
-            reference_device = device
-        ours.to(device=device, dtype=run_dtype)
-        try:
-            ours.set_attn_implementation(backend)
-            produced = compared_logits(ours, batch, device)
-        except ValueError as error:  # a backend this machine cannot run (e.g. flash on an old GPU): no row
-            if run_dtype == torch.float32 and device == "cpu":
-                raise
-            skipped.append(f"{backend} {str(run_dtype).removeprefix('torch.')} on {device}: {error}")
-            continue
-        rows.append(parity_row(backend, run_dtype, device, max_abs_diff(produced, reference), scale))
-    official.to("cpu")
-    ours.to(device="cpu", dtype=dtype)
-    ours.set_attn_implementation("sdpa")
-    if skipped:
-        print("parity rows not measured: " + "; ".join(skipped), file=sys.stderr)
-    return rows
-
-
-def _official_for_parity(kind: str, source: Path, config, class_name: str, state: dict):
-    """The official transformers model to compare with: loaded from the source where transformers can read it;
-    for Meta's layout (no transformers loader) LlamaForCausalLM holding the converted weights."""
-    import transformers
-
-    official_class = _official_class_name(config, class_name)
-    if kind == "gguf":
-        return transformers.AutoModelForCausalLM.from_pretrained(
-            str(source.parent), gguf_file=source.name, dtype=torch.float32
-        )
-    if kind == "hf":
-        return getattr(transformers, official_class).from_pretrained(str(source), dtype=torch.float32)
-    official_config = official_config_from_causal(config, official_class, torch.float32)
-    with torch.device("meta"):
-        model = getattr(transformers, official_class)(official_config)
-    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True, assign=True)
-    # the rotary buffers are not in the state dict: build them for real (they are all that is left on meta)
-    model.model.rotary_emb = type(model.model.rotary_emb)(config=official_config)
-    model.tie_weights()
-    return model
-
-
 def _official_class_name(config, class_name: str) -> str:
     prefix = OFFICIAL_PREFIX[official_family(config)]
     suffix = next(s for s, ours in CLASS_BY_SUFFIX.items() if ours == class_name)
     return prefix + suffix
 
 
-def _parity_batch(tmp: Path, config) -> tuple[dict, str]:
-    try:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(str(tmp))
-    except Exception:  # no or unusable tokenizer: random ids are as good a parity input
-        tokenizer = None
-    if tokenizer is not None:
-        batch = left_padded_batch(tokenizer, SAMPLE_PROMPTS, config)
-        if batch is not None:
-            return batch, f"{len(SAMPLE_PROMPTS)} prompts through the converted tokenizer, left-padded"
-    batch = random_left_padded_batch(config)
-    lengths = batch["attention_mask"].sum(-1).tolist()
-    return batch, f"seeded random token ids, left-padded batch of lengths {lengths}"
+UNTIED_HINT = "; set tie_word_embeddings=false in config.json if the head is really untied"
+OFFICIAL_NOTES = {
+    "gguf": "`AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` on the same file",
+    "hf": "`from_pretrained` on the source folder",
+    "meta": "`LlamaForCausalLM` holding the same weights in the Hugging Face layout (transformers has no loader for "
+    "Meta's layout; the RoPE permutation itself is checked by the test suite)",
+}
 
 
-# ----------------------------------------------------------------------------------------------------------------
-# The two directions
-# ----------------------------------------------------------------------------------------------------------------
+class LlamaFamily(Family):
+    name = "llama"
+    model_types = HF_MODEL_TYPES
+    gguf_architectures = (GGUF_ARCHITECTURE,)
+    config_class = "TinyCausalConfig"
+    classes = {name: (auto, tag) for name, (auto, tag, _prefix) in OUR_CLASSES.items()}
+    default_class = "TinyCausalForCausalLM"
+    modality = "causal"
+    card_family = "hf_tiny_causal (Llama-style decoder)"
+    tags = ("llama", "causal-lm", "text-generation")
 
+    def read(self, src: Path) -> Source:
+        kind, path = detect_source(src)
+        if kind == "hf":
+            source = super().read(path)
+            source.description = f"the Hugging Face {source.raw_config['model_type']} folder `{path.resolve().name}`"
+            return source
+        if kind == "gguf":
+            raw, state = load_gguf(path, expected_architecture=self.gguf_architectures)
+            require_model_type(raw, ("llama",), src=path)
+            return Source(path, path.parent, kind, raw, state, f"the GGUF file `{path.name}` (dequantized to float32)")
+        params = _read_params(path)
+        files = sorted(path.glob("consolidated.*.pth"))
+        state = merge_meta_shards([load_checkpoint(f) for f in files], params, src=path)
+        return Source(path, path, kind, params, state, f"the Meta consolidated checkpoint ({len(files)} shard(s))")
 
-def full_auto_map() -> dict:
-    """auto_map naming every causal class, so a converted folder loads with any Auto head and trust_remote_code."""
-    auto_map = {"AutoConfig": "configuration_causal.TinyCausalConfig"}
-    for name, (auto_class, _tag, _prefix) in OUR_CLASSES.items():
-        auto_map[auto_class] = f"modeling_causal.{name}"
-    return auto_map
+    def plan(self, source: Source) -> Plan:
+        if source.kind == "meta":
+            config = meta_config(source.raw_config, source.state, src=source.path)
+            class_name, mapping, state = "TinyCausalForCausalLM", meta_key_map(config), source.state
+        else:
+            config = causal_config_from_official(official_config(source.raw_config, src=source.path), src=source.path)
+            class_name = "TinyCausalForCausalLM" if source.kind == "gguf" else _class_for_official(
+                source.raw_config.get("architectures"), source.state, src=source.path)
+            state = source.state
+            if class_name == "TinyCausalForCausalLM" and config.tie_word_embeddings:
+                state = drop_tied_copies(state, "model.embed_tokens.weight", ["lm_head.weight"], src=source.path,
+                                         hint=UNTIED_HINT)
+            mapping = key_map(config, class_name)
+        official_class = _official_class_name(config, class_name)
+        note = f"The official side is {OFFICIAL_NOTES[source.kind]}."
+        return Plan(config, class_name, official_class, mapping, config.num_hidden_layers, state, notes=[note])
 
+    def official_model(self, source: Source, plan: Plan):
+        import transformers
 
-def _save_tokenizer(kind: str, source: Path, tmp: Path) -> str:
-    if kind == "gguf":
+        if source.kind == "gguf":
+            return transformers.AutoModelForCausalLM.from_pretrained(
+                str(source.folder), gguf_file=source.path.name, dtype=torch.float32
+            )
+        if source.kind == "hf":
+            return super().official_model(source, plan)
+        official_config_ = official_config_from_causal(plan.config, plan.official_class)
+        with torch.device("meta"):
+            model = getattr(transformers, plan.official_class)(official_config_)
+        state = plan.key_map.to_target(plan.state, num_layers=plan.num_layers)
+        model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True, assign=True)
+        # the rotary buffers are not in the state dict: build them for real (they are all that is left on meta)
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=official_config_)
+        model.tie_weights()
+        return model
+
+    def write_side_files(self, source: Source, plan: Plan, tmp: Path) -> str:
+        if source.kind != "gguf":
+            return super().write_side_files(source, plan, tmp)
         from transformers import AutoTokenizer
 
         try:
-            tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+            tokenizer = AutoTokenizer.from_pretrained(str(source.folder), gguf_file=source.path.name)
         except Exception as error:  # the weights are still usable; say so on the card
             return f"the GGUF tokenizer could not be rebuilt ({type(error).__name__}: {error})"
         tokenizer.save_pretrained(str(tmp))
         return "rebuilt from the GGUF metadata"
-    copied = copy_tokenizer_files(source, tmp)
-    return f"copied from the source ({', '.join(copied)})" if copied else "none in the source folder"
+
+    def reverse(self, config, our_class: str, src: Path) -> ReversePlan:
+        official_class = _official_class_name(config, our_class)
+        return ReversePlan(official_class, official_config_from_causal(config, official_class),
+                           key_map(config, our_class), config.num_hidden_layers)
 
 
-def convert(
-    src: str | os.PathLike,
-    dst: str | os.PathLike,
-    *,
-    force: bool = False,
-    dtype: Optional[torch.dtype | str] = None,
-    base_model: Optional[str] = None,
-    reference_model=None,
-) -> dict:
-    """Llama-family checkpoint (HF folder, .gguf, or Meta consolidated layout) -> hf_tiny causal folder.
-
-    reference_model: an official transformers model already loaded from the same source (saves loading it a
-    second time to measure parity, e.g. the ~17 s of dequantizing a GGUF).
-    Returns {"dst", "source_kind", "hf_tiny_class", "config", "parity" (rows measured now), "parity_inputs"}.
-    """
-    src, dst = Path(src), Path(dst)
-    dtype = parse_dtype(dtype)
-    kind, source = detect_source(src)
-    readers = {"hf": _read_hf, "gguf": _read_gguf, "meta": _read_meta}
-    with atomic_output_dir(dst, force=force) as tmp:
-        config, converted, class_name, description = readers[kind](source)
-        source_state = converted
-        converted = cast_floating(converted, dtype)
-
-        from hf_tiny import modeling_causal
-
-        config.architectures = [class_name]
-        config.auto_map = full_auto_map()
-        with torch.device("meta"):
-            model = getattr(modeling_causal, class_name)(config)
-        check_shapes(converted, expected_shapes(model))
-        model.load_state_dict(converted, strict=True, assign=True)
-        model.tie_weights()
-        model.save_pretrained(str(tmp))
-        tokenizer_note = _save_tokenizer(kind, source, tmp)
-
-        ours = getattr(modeling_causal, class_name).from_pretrained(str(tmp), dtype=dtype or torch.float32)
-        official = reference_model or _official_for_parity(kind, source, config, class_name, source_state)
-        batch, inputs_description = _parity_batch(tmp, config)
-        if class_name != "TinyCausalForCausalLM":
-            parity = _measure_hidden_parity(official, ours, batch, ours.dtype)
-        else:
-            parity = measure_parity(official, ours, batch, ours.dtype)
-
-        auto_class, pipeline_tag, _ = OUR_CLASSES[class_name]
-        official_note = {
-            "gguf": "`AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` on the same file",
-            "hf": f"`{_official_class_name(config, class_name)}.from_pretrained` on the source folder",
-            "meta": "`LlamaForCausalLM` holding the same weights in the Hugging Face layout (transformers has no "
-            "loader for Meta's layout; the RoPE permutation itself is checked by the test suite)",
-        }[kind]
-        write_model_card(
-            tmp,
-            model_name=dst.name,
-            model_id=str(dst),
-            base_model=base_model or source.resolve().name,
-            pipeline_tag=pipeline_tag,
-            family="hf_tiny_causal (Llama-style decoder)",
-            auto_class=auto_class,
-            description=f"`{class_name}` converted from the {description}.",
-            parity_rows=parity,
-            tags=["llama", "causal-lm", "text-generation"],
-            extra=f"\nParity inputs: {inputs_description}; logits compared at real tokens only, position ids "
-            "counted over real tokens (as generate() does). The official side is "
-            f"{official_note}. Tolerance = relative tolerance of the dtype × max(1, max |official logits|). "
-            f"Tokenizer: {tokenizer_note}.\n",
-        )
-        fail_on_parity(parity, "model", converted)
-    return {
-        "dst": dst,
-        "source_kind": kind,
-        "hf_tiny_class": class_name,
-        "config": config,
-        "parity": parity,
-        "parity_inputs": inputs_description,
-    }
-
-
-def _measure_hidden_parity(official, ours, batch: dict, dtype: torch.dtype) -> list[dict]:
-    """Parity for the base model / classifier: last hidden states resp. pooled logits, CPU backends."""
-    official.eval()
-    ours.eval()
-    batch = with_positions(batch)
-    real = batch["attention_mask"].bool()
-
-    def outputs(model):
-        with torch.no_grad():
-            out = model(**batch)
-        return out.logits.float() if hasattr(out, "logits") else out.last_hidden_state[real].float()
-
-    official.set_attn_implementation("eager")
-    reference = outputs(official)
-    scale = max(1.0, float(reference.abs().max()))
-    rows = []
-    for backend in ("eager", "sdpa"):
-        ours.set_attn_implementation(backend)
-        rows.append(parity_row(backend, dtype, "cpu", max_abs_diff(outputs(ours), reference), scale))
-    return rows
-
-
-def convert_back(src: str | os.PathLike, dst: str | os.PathLike, *, force: bool = False) -> dict:
-    """hf_tiny causal folder -> official folder (LlamaForCausalLM; Mistral* with a sliding window; Qwen2* with
-    q/k/v-only biases) that transformers loads with no missing or unexpected keys. Returns {"dst", "architecture"}."""
-    from hf_tiny import TinyCausalConfig
-
-    src, dst = Path(src), Path(dst)
-    config, class_name = load_hf_tiny_config(src, TinyCausalConfig, supported=OUR_CLASSES, default="TinyCausalForCausalLM")
-    official_class = _official_class_name(config, class_name)
-
-    with atomic_output_dir(dst, force=force) as tmp:
-        state = dict(load_checkpoint(src))
-        if class_name == "TinyCausalForCausalLM" and config.tie_word_embeddings and "lm_head.weight" not in state:
-            state["lm_head.weight"] = state.get("model.embed_tokens.weight")  # save_pretrained stores tied weights once
-            if state["lm_head.weight"] is None:
-                state.pop("lm_head.weight")
-        official = key_map(config, class_name).to_source(
-            state, num_layers=config.num_hidden_layers, progress=sys.stderr.isatty()
-        )
-        dtype = next(iter(official.values())).dtype
-        official_config = official_config_from_causal(config, official_class, dtype)
-
-        import transformers
-
-        write_official_folder(tmp, getattr(transformers, official_class), official_config, official, src)
-    return {"dst": dst, "architecture": official_class}
-
-
-__all__ = [
-    "convert",
-    "convert_back",
-    "key_map",
-    "meta_key_map",
-    "rope_permutation",
-    "causal_config_from_official",
-    "official_config_from_causal",
-    "measure_parity",
-    "merge_meta_shards",
-]
+FAMILY = LlamaFamily()
+convert, convert_back = entry_points(FAMILY)

@@ -13,35 +13,14 @@ that differs from shared.weight; the rescale follows config.json (`scale_decoder
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
-from typing import Optional
 
-import torch
-
-from .core import (
-    ConversionError,
-    KeyMap,
-    Rule,
-    atomic_output_dir,
-    load_checkpoint,
-    load_config_json,
-    parse_dtype,
-    require_model_type,
-)
-from .seq2seq_common import (
-    check_parity_and_write_card,
-    drop_tied_copies,
-    head_is_tied,
-    layer_rules,
-    load_our_config,
-    our_config,
-    read_ours_for_reverse,
-    require_equal,
-    save_official,
-    to_official_names,
-    write_ours,
-)
+from .errors import ConversionError
+from .keymap import KeyMap, Rule, layer_rules
+from .pipeline import Plan, ReversePlan, Source, entry_points
+from .readers import official_config
+from .seq2seq_common import Seq2SeqFamily, require_style, stack_depths, styled_config
+from .writer import drop_tied_copies, stores_tied_copy
 
 ATTENTION = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
 
@@ -86,21 +65,12 @@ def key_map(*, gated: bool, tied_head: bool) -> KeyMap:
     return KeyMap(rules, ignore=ignore)
 
 
-def _official_config(src: Path, raw: dict):
-    from transformers import T5Config
-
-    fields = {k: v for k, v in raw.items() if k not in ("architectures", "auto_map", "model_type")}
-    try:
-        return T5Config(**fields)
-    except (TypeError, ValueError) as error:
-        raise ConversionError(f"{src}: config.json is not a valid T5 config: {error}") from error
-
-
 def config_from_official(official, *, src, tied_head: bool):
     """TinySeq2SeqConfig equivalent to an official T5 config."""
     dropout = float(official.dropout_rate)
     start = getattr(official, "decoder_start_token_id", None)
-    return our_config(
+    return styled_config(
+        "t5",
         src,
         vocab_size=official.vocab_size,
         hidden_size=official.d_model,
@@ -116,22 +86,11 @@ def config_from_official(official, *, src, tied_head: bool):
         attention_dropout=dropout,
         hidden_dropout=dropout,
         activation_dropout=dropout,
-        norm_placement="pre",
-        norm_type="rmsnorm",
-        position_embedding_type="relative",
         relative_attention_num_buckets=official.relative_attention_num_buckets,
         relative_attention_max_distance=official.relative_attention_max_distance,
         mlp_gated=bool(official.is_gated_act),
-        mlp_bias=False,
-        attention_bias=False,
-        attention_scale=1.0,
-        embedding_norm=False,
-        final_norm=True,
-        use_padding_idx=False,
-        share_encoder_decoder_embeddings=True,
         tie_word_embeddings=tied_head,
         scale_decoder_outputs=bool(official.scale_decoder_outputs),
-        final_logits_bias=False,
         pad_token_id=official.pad_token_id,
         bos_token_id=None,
         eos_token_id=official.eos_token_id,
@@ -140,29 +99,10 @@ def config_from_official(official, *, src, tied_head: bool):
     )
 
 
-def official_config_from_ours(config, *, src, dtype: torch.dtype):
+def official_config_from_ours(config, *, src):
     from transformers import T5Config
 
-    require_equal(
-        config,
-        src,
-        norm_placement="pre",
-        norm_type="rmsnorm",
-        position_embedding_type="relative",
-        type_vocab_size=0,
-        mlp_bias=False,
-        attention_bias=False,
-        attention_scale=1.0,
-        embedding_norm=False,
-        final_norm=True,
-        scale_embedding=False,
-        use_padding_idx=False,
-        share_encoder_decoder_embeddings=True,
-        lm_head_transform=False,
-        lm_head_bias=False,
-        final_logits_bias=False,
-        num_key_value_heads=config.num_attention_heads,
-    )
+    require_style(config, "t5", src, num_key_value_heads=config.num_attention_heads)
     act = config.hidden_act
     if config.mlp_gated:
         if act != "gelu_new":
@@ -190,70 +130,43 @@ def official_config_from_ours(config, *, src, dtype: torch.dtype):
         # T5Config turns this into scale_decoder_outputs; the head's tying follows the stored tensors
         tie_word_embeddings=config.scale_decoder_outputs,
         architectures=["T5ForConditionalGeneration"],
-        dtype=str(dtype).removeprefix("torch."),
     )
     if official.dense_act_fn != act:
         raise ConversionError(f"{src}: hidden_act={act!r} with mlp_gated={config.mlp_gated} has no T5 feed_forward_proj")
     return official
 
 
-def convert(
-    src: str | os.PathLike,
-    dst: str | os.PathLike,
-    *,
-    force: bool = False,
-    dtype: Optional[torch.dtype | str] = None,
-    base_model: Optional[str] = None,
-) -> dict:
-    """Official T5 folder -> hf_tiny seq2seq folder (atomic). Returns {"dst", "parity", "parity_inputs"}."""
-    from transformers import T5ForConditionalGeneration
+RELATIVE_BIAS_NOTE = (
+    "`flash_attention_2` cannot run this model: T5's relative position bias is an additive attention bias, which "
+    "flash kernels do not take (the model raises a clear error)."
+)
 
-    src, dst = Path(src), Path(dst)
-    dtype = parse_dtype(dtype)
-    raw = load_config_json(src)
-    require_model_type(raw, "t5", src=src)
-    official_config = _official_config(src, raw)
 
-    with atomic_output_dir(dst, force=force) as tmp:
-        state = load_checkpoint(src)
-        tied_head = head_is_tied(state, "shared.weight")
+class T5Family(Seq2SeqFamily):
+    name = "t5"
+    model_types = ("t5",)
+    tags = ("t5", "seq2seq")
+    parity_backends = ("eager", "sdpa")  # see RELATIVE_BIAS_NOTE
+
+    def plan(self, source: Source) -> Plan:
+        src, state = source.path, source.state
+        official = official_config(source.raw_config, src=src)
+        tied_head = stores_tied_copy(state, "shared.weight", "lm_head.weight")
         copies = ["encoder.embed_tokens.weight", "decoder.embed_tokens.weight"] + (["lm_head.weight"] if tied_head else [])
         state = drop_tied_copies(state, "shared.weight", copies, src=src)
-        config = config_from_official(official_config, src=src, tied_head=tied_head)
-        mapping = key_map(gated=config.mlp_gated, tied_head=tied_head)
-        write_ours(tmp, src, config, mapping, state, dtype=dtype, official_config=official_config)
+        if "shared.weight" not in state:
+            raise ConversionError(f"{src}: missing tensor shared.weight")
+        config = config_from_official(official, src=src, tied_head=tied_head)
         version = "v1.1 layout (gated-GELU, untied head)" if config.mlp_gated else "v1.0 layout"
-        rows, inputs = check_parity_and_write_card(
-            tmp,
-            dst,
-            official=T5ForConditionalGeneration.from_pretrained(str(src), dtype=torch.float32),
-            config=config,
-            dtype=dtype,
-            # flash kernels take no additive bias: T5's relative position bias needs eager or sdpa
-            flash_ok=False,
-            what="T5ForConditionalGeneration",
-            base_model=base_model or raw.get("_name_or_path") or src.resolve().name,
-            description=f"A T5 checkpoint ({version}) converted to `TinySeq2SeqForConditionalGeneration`.",
-            tags=["t5", "seq2seq"],
-            extra="\n`flash_attention_2` cannot run this model: T5's relative position bias is an additive attention "
-            "bias, which flash kernels do not take (the model raises a clear error).\n",
-        )
-    return {"dst": dst, "parity": rows, "parity_inputs": inputs}
+        source.description = f"the official T5 checkpoint `{src.resolve().name}` ({version})"
+        return Plan(config, "TinySeq2SeqForConditionalGeneration", "T5ForConditionalGeneration",
+                    key_map(gated=config.mlp_gated, tied_head=tied_head), stack_depths(config), state,
+                    official_config=official, notes=[RELATIVE_BIAS_NOTE])
+
+    def reverse(self, config, our_class: str, src: Path) -> ReversePlan:
+        return ReversePlan("T5ForConditionalGeneration", official_config_from_ours(config, src=src),
+                           key_map(gated=config.mlp_gated, tied_head=config.tie_word_embeddings), stack_depths(config))
 
 
-def convert_back(src: str | os.PathLike, dst: str | os.PathLike, *, force: bool = False) -> dict:
-    """hf_tiny seq2seq folder (T5 layout) -> official T5 folder, loadable by T5ForConditionalGeneration with no
-    missing or unexpected keys. Returns {"dst"}."""
-    from transformers import T5ForConditionalGeneration
-
-    src, dst = Path(src), Path(dst)
-    config = load_our_config(src)
-    with atomic_output_dir(dst, force=force) as tmp:
-        state, dtype = read_ours_for_reverse(src, config)
-        official_config = official_config_from_ours(config, src=src, dtype=dtype)
-        official_state = to_official_names(key_map(gated=config.mlp_gated, tied_head=config.tie_word_embeddings), state, config)
-        save_official(T5ForConditionalGeneration, official_config, official_state, tmp, src)
-    return {"dst": dst}
-
-
-__all__ = ["convert", "convert_back", "key_map", "config_from_official", "official_config_from_ours"]
+FAMILY = T5Family()
+convert, convert_back = entry_points(FAMILY)

@@ -138,5 +138,18 @@ class TinyCausalConfig(PretrainedConfig):
         self.use_cache = use_cache
         super().__init__(**kwargs)
 
+    def block_spec(self):
+        """The decoder block: pre-norm RMSNorm, gated (SwiGLU) MLP, grouped-query attention (Llama)."""
+        from .layers import BlockSpec
+
+        output_bias = self.attention_bias if self.attention_output_bias is None else self.attention_output_bias
+        return BlockSpec(
+            hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, attention_scale=None,
+            attention_dropout=self.attention_dropout, attention_bias=self.attention_bias,
+            attention_output_bias=output_bias, intermediate_size=self.intermediate_size, hidden_act=self.hidden_act,
+            mlp_gated=True, mlp_bias=self.mlp_bias, pre_norm=True, norm_type="rmsnorm", norm_eps=self.rms_norm_eps,
+        )
+
 
 __all__ = ["TinyCausalConfig"]

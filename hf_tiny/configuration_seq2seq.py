@@ -40,6 +40,31 @@ NORM_TYPES = ("layernorm", "rmsnorm")
 POSITION_EMBEDDING_TYPES = ("learned", "sinusoidal", "relative")
 
 
+# Named presets: the fields each real checkpoint family fixes (sizes, dropouts, token ids and the few options a
+# family really varies -- BART's scale_embedding, Marian's shared vocabulary, T5's gated MLP and tied head -- are
+# given alongside). TinySeq2SeqConfig.from_style builds one; style_mismatches says what a config changed.
+_POST_LN = dict(
+    norm_placement="post", norm_type="layernorm", mlp_gated=False, mlp_bias=True, attention_bias=True,
+    attention_scale=None, embedding_norm=True, final_norm=False, scale_decoder_outputs=False,
+)
+_BART = dict(use_padding_idx=True, type_vocab_size=0, lm_head_transform=False, lm_head_bias=False, final_logits_bias=True,
+             layer_norm_eps=1e-5)
+STYLES = {
+    "bart": {**_POST_LN, **_BART, "position_embedding_type": "learned", "position_offset": 2,
+             "share_encoder_decoder_embeddings": True},
+    "marian": {**_POST_LN, **_BART, "position_embedding_type": "sinusoidal", "position_offset": 0, "embedding_norm": False},
+    "t5": dict(
+        norm_placement="pre", norm_type="rmsnorm", position_embedding_type="relative", mlp_bias=False,
+        attention_bias=False, attention_scale=1.0, embedding_norm=False, final_norm=True, scale_embedding=False,
+        use_padding_idx=False, share_encoder_decoder_embeddings=True, type_vocab_size=0, lm_head_transform=False,
+        lm_head_bias=False, final_logits_bias=False,
+    ),
+    "bert2seq": {**_POST_LN, "position_embedding_type": "learned", "position_offset": 0, "scale_embedding": False,
+                 "share_encoder_decoder_embeddings": False, "lm_head_transform": True, "lm_head_bias": True,
+                 "final_logits_bias": False},
+}
+
+
 def _check_bool(owner: str, **fields) -> None:
     for name, value in fields.items():
         if not isinstance(value, bool):
@@ -76,6 +101,9 @@ class TinySeq2SeqConfig(PretrainedConfig):
         scale_decoder_outputs: multiply decoder outputs by hidden_size ** -0.5 before the LM head (T5 v1.0).
         lm_head_transform: BERT's dense + act + LayerNorm before the LM head; lm_head_bias: a learned bias.
         final_logits_bias: BART's (non-trained) logits bias buffer.
+        decoder_attention_heads / decoder_head_dim / decoder_intermediate_size: the decoder stack's heads, head
+            width and MLP width where they differ from the encoder's (BART/Marian decoder_attention_heads,
+            decoder_ffn_dim); None: the encoder's. A decoder with other heads has no grouped-query attention.
         encoder_hidden_size / decoder_hidden_size: optional, must equal hidden_size (cross-attention reads
             encoder states directly, so the two widths must match).
     """
@@ -132,6 +160,9 @@ class TinySeq2SeqConfig(PretrainedConfig):
         use_cache: bool = True,
         encoder_hidden_size: Optional[int] = None,
         decoder_hidden_size: Optional[int] = None,
+        decoder_attention_heads: Optional[int] = None,
+        decoder_head_dim: Optional[int] = None,
+        decoder_intermediate_size: Optional[int] = None,
         **kwargs,
     ):
         owner = type(self).__name__
@@ -158,10 +189,31 @@ class TinySeq2SeqConfig(PretrainedConfig):
                     f"directly); got {name}={width!r} with hidden_size={hidden_size} (encoder_hidden_size="
                     f"{encoder_hidden_size!r}, decoder_hidden_size={decoder_hidden_size!r})"
                 )
+        explicit_head_dim = head_dim is not None
         if head_dim is None:
             check_divisible(owner, "hidden_size", hidden_size, "num_attention_heads", num_attention_heads)
+            head_dim = hidden_size // num_attention_heads
         else:
             check_positive(owner, head_dim=head_dim)
+        if decoder_attention_heads is None:
+            decoder_attention_heads = num_attention_heads
+        check_positive(owner, decoder_attention_heads=decoder_attention_heads)
+        if decoder_attention_heads != num_attention_heads and num_key_value_heads != num_attention_heads:
+            raise ValueError(
+                f"{owner}: decoder_attention_heads={decoder_attention_heads} differs from num_attention_heads="
+                f"{num_attention_heads}, which needs num_key_value_heads == num_attention_heads (got "
+                f"{num_key_value_heads}): a decoder with its own head count has no grouped-query attention"
+            )
+        if decoder_head_dim is None:
+            if explicit_head_dim or decoder_attention_heads == num_attention_heads:
+                decoder_head_dim = head_dim
+            else:
+                check_divisible(owner, "hidden_size", hidden_size, "decoder_attention_heads", decoder_attention_heads)
+                decoder_head_dim = hidden_size // decoder_attention_heads
+        check_positive(owner, decoder_head_dim=decoder_head_dim)
+        if decoder_intermediate_size is None:
+            decoder_intermediate_size = intermediate_size
+        check_positive(owner, decoder_intermediate_size=decoder_intermediate_size)
         check_divisible(owner, "num_attention_heads", num_attention_heads, "num_key_value_heads", num_key_value_heads)
         check_choice(owner, "hidden_act", hidden_act, sorted(ACT2FN))
         check_choice(owner, "norm_placement", norm_placement, NORM_PLACEMENTS)
@@ -223,8 +275,11 @@ class TinySeq2SeqConfig(PretrainedConfig):
         self.hidden_size = hidden_size
         self.num_attention_heads = num_attention_heads
         self.num_key_value_heads = num_key_value_heads
-        self.head_dim = head_dim if head_dim is not None else hidden_size // num_attention_heads
+        self.head_dim = head_dim
         self.intermediate_size = intermediate_size
+        self.decoder_attention_heads = decoder_attention_heads
+        self.decoder_head_dim = decoder_head_dim
+        self.decoder_intermediate_size = decoder_intermediate_size
         self.num_hidden_layers = num_hidden_layers
         self.num_decoder_layers = num_decoder_layers
         self.hidden_act = hidden_act
@@ -263,15 +318,62 @@ class TinySeq2SeqConfig(PretrainedConfig):
         kwargs.pop("is_encoder_decoder", None)
         super().__init__(is_encoder_decoder=True, **kwargs)
 
+    @classmethod
+    def from_style(cls, style: str, **fields) -> "TinySeq2SeqConfig":
+        """A config of one named style (STYLES: bart, marian, t5, bert2seq) with the given sizes and options; a
+        field the style fixes may not be given a different value."""
+        check_choice(cls.__name__, "style", style, sorted(STYLES))
+        clashes = [f"{k}={v!r} (the style needs {STYLES[style][k]!r})" for k, v in fields.items()
+                   if k in STYLES[style] and v != STYLES[style][k]]
+        if clashes:
+            raise ValueError(f"{cls.__name__}.from_style({style!r}): {', '.join(clashes)}")
+        return cls(**{**STYLES[style], **fields})
+
+    def style_mismatches(self, style: str) -> list[str]:
+        """`field=value (style needs X)` for every field this config sets differently from the style."""
+        check_choice(type(self).__name__, "style", style, sorted(STYLES))
+        return [f"{k}={getattr(self, k)!r} (it needs {v!r})" for k, v in STYLES[style].items() if getattr(self, k) != v]
+
+    def block_spec(self, *, decoder: bool = False):
+        """The block of the encoder stack, or (decoder=True) of the decoder stack, which adds cross-attention and
+        may have its own heads and MLP width."""
+        from .layers import BlockSpec
+
+        heads = self.decoder_attention_heads if decoder else self.num_attention_heads
+        return BlockSpec(
+            hidden_size=self.hidden_size,
+            num_attention_heads=heads,
+            num_key_value_heads=self.num_key_value_heads if heads == self.num_attention_heads else heads,
+            head_dim=self.decoder_head_dim if decoder else self.head_dim,
+            attention_scale=self.attention_scale,
+            attention_dropout=self.attention_dropout,
+            attention_bias=self.attention_bias,
+            attention_output_bias=self.attention_bias,
+            intermediate_size=self.decoder_intermediate_size if decoder else self.intermediate_size,
+            hidden_act=self.hidden_act,
+            mlp_gated=self.mlp_gated,
+            mlp_bias=self.mlp_bias,
+            pre_norm=self.norm_placement == "pre",
+            norm_type=self.norm_type,
+            norm_eps=self.layer_norm_eps,
+            hidden_dropout=self.hidden_dropout,
+            activation_dropout=self.activation_dropout,
+            cross_attention=decoder,
+        )
+
     def get_text_config(self, decoder=None, encoder=None):
-        """transformers sizes generation caches (DynamicCache(config=...)) from the decoder view of the config;
-        that view must report the decoder's depth, which may differ from the encoder's."""
+        """transformers sizes generation caches (DynamicCache(config=...)) from the decoder view of the config.
+        transformers builds that view by renaming decoder_* fields (decoder_attention_heads -> num_attention_heads,
+        decoder_head_dim -> head_dim, decoder_intermediate_size -> intermediate_size, which is why those fields
+        carry that prefix); the depth and the key/value heads are set here."""
         text_config = super().get_text_config(decoder=decoder, encoder=encoder)
         if decoder and not encoder:
             if text_config is self:
                 text_config = copy.deepcopy(self)
             text_config.num_hidden_layers = self.num_decoder_layers
+            if "decoder_attention_heads" in vars(self):  # not yet a decoder view (a view has them renamed)
+                text_config.num_key_value_heads = self.block_spec(decoder=True).num_key_value_heads
         return text_config
 
 
-__all__ = ["TinySeq2SeqConfig"]
+__all__ = ["STYLES", "TinySeq2SeqConfig"]

@@ -1,6 +1,6 @@
 """Folders that appear complete or not at all: write into a temp folder beside the destination, then swap it in.
 
-Used by `HfTinyPreTrainedModel.save_pretrained` and by the converters (conversion.core.atomic_output_dir). A
+Used by `HfTinyPreTrainedModel.save_pretrained` and by the converters (conversion.writer.atomic_output_dir). A
 process killed mid-write (even with SIGKILL) leaves the destination as it was, plus a `.NAME.tmp-PID-XXXXXXXX`
 folder beside it that the next atomic write to the same destination removes (once PID is dead).
 

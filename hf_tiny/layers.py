@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -41,9 +42,9 @@ class RMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
 
 
-def build_norm(norm_type: str, hidden_size: int, eps: float, bias: bool = True) -> nn.Module:
+def build_norm(norm_type: str, hidden_size: int, eps: float) -> nn.Module:
     if norm_type == "layernorm":
-        return nn.LayerNorm(hidden_size, eps=eps, bias=bias)
+        return nn.LayerNorm(hidden_size, eps=eps)
     if norm_type == "rmsnorm":
         return RMSNorm(hidden_size, eps=eps)
     raise ValueError(f"unknown norm_type {norm_type!r}; choose one of {list(NORM_TYPES)}")
@@ -81,6 +82,35 @@ class FeedForward(nn.Module):
         return self.down_proj(_dropout(self.dropout, hidden))
 
 
+@dataclass(frozen=True)
+class BlockSpec:
+    """Everything one TransformerBlock is built from, named the same for every family: each config builds its
+    own (`config.block_spec()`; a seq2seq config one per stack), so no layer reads a config field by name.
+
+    pre_norm=True (Llama, T5):      x = x + dropout(sublayer(norm(x)))
+    pre_norm=False (BERT, BART):    x = norm(x + dropout(sublayer(x)))
+    """
+
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    attention_scale: Optional[float]  # None: head_dim ** -0.5 (T5 uses 1.0)
+    attention_dropout: float
+    attention_bias: bool  # on q/k/v
+    attention_output_bias: bool  # on o_proj
+    intermediate_size: int
+    hidden_act: str
+    mlp_gated: bool
+    mlp_bias: bool
+    pre_norm: bool
+    norm_type: str
+    norm_eps: float
+    hidden_dropout: float = 0.0
+    activation_dropout: float = 0.0
+    cross_attention: bool = False
+
+
 class Attention(nn.Module):
     """One attention module for encoder self-attention, causal self-attention and cross-attention.
 
@@ -88,25 +118,21 @@ class Attention(nn.Module):
     attention.py chosen by `config._attn_implementation` at every call (so set_attn_implementation works live).
     """
 
-    def __init__(self, config, layer_idx: int, *, is_cross_attention: bool = False):
+    def __init__(self, config, spec: BlockSpec, layer_idx: int, *, is_cross_attention: bool = False):
         super().__init__()
-        self.config = config
+        self.config = config  # read for config._attn_implementation only, at every call
         self.layer_idx = layer_idx
         self.is_cross_attention = is_cross_attention
-        self.num_heads = config.num_attention_heads
-        self.num_key_value_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        scale = getattr(config, "attention_scale", None)
-        self.scaling = self.head_dim**-0.5 if scale is None else scale
-        self.dropout = getattr(config, "attention_dropout", 0.0)
-        bias = getattr(config, "attention_bias", False)
-        out_bias = getattr(config, "attention_output_bias", None)
-        out_bias = bias if out_bias is None else out_bias
-        hidden = config.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=out_bias)
+        self.num_heads = spec.num_attention_heads
+        self.num_key_value_heads = spec.num_key_value_heads
+        self.head_dim = spec.head_dim
+        self.scaling = self.head_dim**-0.5 if spec.attention_scale is None else spec.attention_scale
+        self.dropout = spec.attention_dropout
+        hidden = spec.hidden_size
+        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=spec.attention_bias)
+        self.k_proj = nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=spec.attention_bias)
+        self.v_proj = nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=spec.attention_bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=spec.attention_output_bias)
 
     def _project_kv(self, states: torch.Tensor):
         shape = (*states.shape[:-1], -1, self.head_dim)
@@ -176,45 +202,29 @@ class Attention(nn.Module):
 
 
 class TransformerBlock(GradientCheckpointingLayer):
-    """Self-attention [+ cross-attention] + feed-forward, each a residual sublayer with its norm.
-
-    pre_norm=True (Llama, T5):      x = x + dropout(sublayer(norm(x)))
-    pre_norm=False (BERT, BART):    x = norm(x + dropout(sublayer(x)))
-    Norm names follow Llama so tools find them by habit: `input_layernorm` belongs to self-attention,
-    `cross_attn_layernorm` to cross-attention, `post_attention_layernorm` to the feed-forward sublayer.
+    """Self-attention [+ cross-attention] + feed-forward, each a residual sublayer with its norm (BlockSpec says
+    which placement). Norm names follow Llama so tools find them by habit, and each belongs to one sublayer:
+    `input_layernorm` to self-attention, `cross_attn_layernorm` to cross-attention, `post_attention_layernorm` to
+    the feed-forward. In a post-LN block (BERT, BART) each therefore normalizes the output of its sublayer:
+    BERT's attention.output.LayerNorm is `input_layernorm`, its output.LayerNorm `post_attention_layernorm`.
     """
 
-    def __init__(
-        self,
-        config,
-        layer_idx: int,
-        *,
-        pre_norm: bool,
-        norm_type: str,
-        norm_eps: float,
-        hidden_act: str,
-        intermediate_size: int,
-        mlp_gated: bool,
-        mlp_bias: bool,
-        norm_bias: bool = True,
-        hidden_dropout: float = 0.0,
-        activation_dropout: float = 0.0,
-        cross_attention: bool = False,
-    ):
+    def __init__(self, config, spec: BlockSpec, layer_idx: int):
         super().__init__()
-        hidden = config.hidden_size
-        self.pre_norm = pre_norm
-        self.has_cross_attention = cross_attention
-        self.self_attn = Attention(config, layer_idx)
-        self.input_layernorm = build_norm(norm_type, hidden, norm_eps, norm_bias)
-        if cross_attention:
-            self.cross_attn = Attention(config, layer_idx, is_cross_attention=True)
-            self.cross_attn_layernorm = build_norm(norm_type, hidden, norm_eps, norm_bias)
+        hidden = spec.hidden_size
+        self.pre_norm = spec.pre_norm
+        self.has_cross_attention = spec.cross_attention
+        self.self_attn = Attention(config, spec, layer_idx)
+        self.input_layernorm = build_norm(spec.norm_type, hidden, spec.norm_eps)
+        if spec.cross_attention:
+            self.cross_attn = Attention(config, spec, layer_idx, is_cross_attention=True)
+            self.cross_attn_layernorm = build_norm(spec.norm_type, hidden, spec.norm_eps)
         self.mlp = FeedForward(
-            hidden, intermediate_size, hidden_act, gated=mlp_gated, bias=mlp_bias, activation_dropout=activation_dropout
+            hidden, spec.intermediate_size, spec.hidden_act, gated=spec.mlp_gated, bias=spec.mlp_bias,
+            activation_dropout=spec.activation_dropout,
         )
-        self.post_attention_layernorm = build_norm(norm_type, hidden, norm_eps, norm_bias)
-        self.dropout = nn.Dropout(hidden_dropout)
+        self.post_attention_layernorm = build_norm(spec.norm_type, hidden, spec.norm_eps)
+        self.dropout = nn.Dropout(spec.hidden_dropout)
 
     def _sublayer_input(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         return norm(x) if self.pre_norm else x

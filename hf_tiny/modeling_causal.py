@@ -89,22 +89,8 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
-        self.layers = nn.ModuleList(
-            [
-                TransformerBlock(
-                    config,
-                    layer_idx,
-                    pre_norm=True,
-                    norm_type="rmsnorm",
-                    norm_eps=config.rms_norm_eps,
-                    hidden_act=config.hidden_act,
-                    intermediate_size=config.intermediate_size,
-                    mlp_gated=True,
-                    mlp_bias=config.mlp_bias,
-                )
-                for layer_idx in range(config.num_hidden_layers)
-            ]
-        )
+        spec = config.block_spec()
+        self.layers = nn.ModuleList(TransformerBlock(config, spec, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
         self.gradient_checkpointing = False

@@ -103,21 +103,8 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         self.embed_token_types = nn.Embedding(config.type_vocab_size, hidden)
         self.embed_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout)
-        self.layers = nn.ModuleList(
-            TransformerBlock(
-                config,
-                layer_idx,
-                pre_norm=False,
-                norm_type="layernorm",
-                norm_eps=config.layer_norm_eps,
-                hidden_act=config.hidden_act,
-                intermediate_size=config.intermediate_size,
-                mlp_gated=False,
-                mlp_bias=True,
-                hidden_dropout=config.hidden_dropout,
-            )
-            for layer_idx in range(config.num_hidden_layers)
-        )
+        spec = config.block_spec()
+        self.layers = nn.ModuleList(TransformerBlock(config, spec, i) for i in range(config.num_hidden_layers))
         self.pooler = TinyEncoderPooler(config) if add_pooling_layer else None
         self.post_init()
 

@@ -119,29 +119,14 @@ class TinySeq2SeqStack(nn.Module):
         elif config.position_embedding_type == "sinusoidal":
             self.embed_positions = SinusoidalPositions(config.max_position_embeddings, hidden)
         else:
-            self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets, config.num_attention_heads)
+            self.relative_attention_bias = nn.Embedding(
+                config.relative_attention_num_buckets, config.block_spec(decoder=is_decoder).num_attention_heads
+            )
         if config.embedding_norm:
             self.embedding_norm = build_norm(config.norm_type, hidden, config.layer_norm_eps)
         num_layers = config.num_decoder_layers if is_decoder else config.num_hidden_layers
-        self.layers = nn.ModuleList(
-            [
-                TransformerBlock(
-                    config,
-                    layer_idx,
-                    pre_norm=config.norm_placement == "pre",
-                    norm_type=config.norm_type,
-                    norm_eps=config.layer_norm_eps,
-                    hidden_act=config.hidden_act,
-                    intermediate_size=config.intermediate_size,
-                    mlp_gated=config.mlp_gated,
-                    mlp_bias=config.mlp_bias,
-                    hidden_dropout=config.hidden_dropout,
-                    activation_dropout=config.activation_dropout,
-                    cross_attention=is_decoder,
-                )
-                for layer_idx in range(num_layers)
-            ]
-        )
+        spec = config.block_spec(decoder=is_decoder)
+        self.layers = nn.ModuleList([TransformerBlock(config, spec, layer_idx) for layer_idx in range(num_layers)])
         if config.final_norm:
             self.norm = build_norm(config.norm_type, hidden, config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout)

@@ -1,4 +1,4 @@
-"""Tests of conversion/core.py and the CLI error handling, on small fake checkpoints (no model family needed)."""
+"""Tests of the conversion building blocks (readers, GGUF, key maps, writer, cards) and the CLI error handling, on small fake checkpoints (no model family needed)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
-from conversion import core
+from conversion import writer
 from conversion.__main__ import FAMILIES, main
-from conversion.core import (
+from conversion import (
     ConversionError,
     KeyMap,
     Rule,
@@ -486,7 +486,7 @@ def test_atomic_output_dir_refuses_existing_dst_without_force_before_any_work(tm
 @pytest.mark.parametrize("exchange_supported", [True, False])
 def test_atomic_output_dir_force_replaces_dst(tmp_path, monkeypatch, exchange_supported):
     if not exchange_supported:
-        monkeypatch.setattr(core, "_exchange", lambda a, b: False)  # the two-rename fallback
+        monkeypatch.setattr(writer, "_exchange", lambda a, b: False)  # the two-rename fallback
     dst = existing_destination(tmp_path)
     with atomic_output_dir(dst, force=True) as tmp:
         (tmp / "model.safetensors").write_bytes(b"new weights")
@@ -538,7 +538,7 @@ KILLED_WRITER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from conversion.core import atomic_output_dir, save_state_dict_safetensors
+    from conversion import atomic_output_dir, save_state_dict_safetensors
     import torch
 
     dst, ready = sys.argv[1], Path(sys.argv[2])
@@ -796,7 +796,7 @@ def test_cli_unknown_family_is_one_line_usage_error_in_a_subprocess(tmp_path):
 
 FAKE_FAMILY = textwrap.dedent(
     """
-    from conversion.core import ConversionError
+    from conversion import ConversionError
     calls = []
 
     def convert(src, dst, *, force=False, dtype=None):

@@ -44,14 +44,15 @@ def make_official_bart(path: Path, seed: int = 0, **overrides) -> Path:
     return path
 
 
-def make_official_marian(path: Path, seed: int = 0) -> Path:
+def make_official_marian(path: Path, seed: int = 0, **overrides) -> Path:
     torch.manual_seed(seed)
-    config = MarianConfig(
+    fields = dict(
         vocab_size=64, d_model=16, encoder_layers=3, decoder_layers=2, encoder_attention_heads=4,
         decoder_attention_heads=4, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=40, init_std=0.3,
         dropout=0.0, pad_token_id=63, decoder_start_token_id=63, eos_token_id=0, forced_eos_token_id=0,
         scale_embedding=True, activation_function="swish",
     )
+    config = MarianConfig(**{**fields, **overrides})
     model = MarianMTModel(config).eval()
     _randomize_norms(model)
     model.save_pretrained(path)
@@ -151,6 +152,36 @@ def test_bart_reverse_is_bit_exact_and_loads_cleanly(bart_pair, tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
 
 
+@pytest.mark.parametrize("make", [make_official_bart, make_official_marian], ids=["bart", "marian"])
+def test_stacks_with_their_own_heads_and_ffn_sizes(make, tmp_path):
+    """decoder_attention_heads / decoder_ffn_dim that differ from the encoder's: parity with the official model on
+    every backend, generate identical, reverse bit-exact (a model with one head count for both stacks fails it)."""
+    overrides = dict(encoder_attention_heads=4, decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=40)
+    src = make(tmp_path / "official", seed=5, **overrides)
+    result = bart.convert(src, tmp_path / "ours")
+    ours_config = result["config"]
+    assert (ours_config.num_attention_heads, ours_config.decoder_attention_heads) == (4, 2)
+    assert (ours_config.intermediate_size, ours_config.decoder_intermediate_size) == (24, 40)
+    official_class = type(AutoModelForSeq2SeqLM.from_pretrained(src))
+    official = official_class.from_pretrained(src, attn_implementation="eager").eval()
+    batch = padded_batch(official.config)
+    for backend in BACKENDS:
+        ours = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "ours", attn_implementation=backend).eval()
+        assert real_logit_diff(ours, official, batch) <= TOLERANCE, backend
+    assert ours.model.decoder.layers[0].self_attn.num_heads == 2 and ours.model.encoder.layers[0].self_attn.num_heads == 4
+    kwargs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=8, num_beams=2)
+    assert ours.generate(**kwargs).tolist() == official.generate(**kwargs).tolist()
+    # negative control: the decoder's heads regrouped as the encoder's (same weights, 4 heads of 4) is far off
+    same_heads = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "ours", decoder_attention_heads=4,
+                                                       decoder_head_dim=4, attn_implementation="eager").eval()
+    assert real_logit_diff(same_heads, official, batch) > 1e-2
+    bart.convert_back(tmp_path / "ours", tmp_path / "back")
+    original, returned = load_file(src / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert all(torch.equal(original[k], returned[k]) for k in original)
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (back["decoder_attention_heads"], back["decoder_ffn_dim"]) == (2, 40)
+
+
 def test_bart_folder_and_model_card(bart_pair):
     _, dst, result = bart_pair
     config = json.loads((dst / "config.json").read_text())
@@ -213,7 +244,8 @@ def test_bart_failures_are_clear_and_leave_dst_untouched(bart_pair, tmp_path):
     config = json.loads((src / "config.json").read_text())
     (bad / "config.json").write_text(json.dumps({**config, "decoder_ffn_dim": 48}))
     (bad / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes())
-    with pytest.raises(ConversionError, match="decoder_ffn_dim=48"):
+    # a config that disagrees with its tensors: the shape check names the tensor and both shapes
+    with pytest.raises(ConversionError, match=r"wrong shapes: model\.decoder\.layers\.0\.mlp\.down_proj\.weight \(expected \(16, 48\), got \(16, 32\)\)"):
         bart.convert(bad, tmp_path / "never")
     assert not (tmp_path / "never").exists()
 

@@ -15,7 +15,7 @@ import hf_tiny  # noqa: F401  (registers the Auto classes)
 from causal_helpers import left_padded_batch, max_diff, real_logits, tiny_official
 from conversion import llama
 from conversion.__main__ import main as cli
-from conversion.core import ConversionError
+from conversion import ConversionError
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 

@@ -1,0 +1,122 @@
+"""Model cards: model_cards/<template>.md filled in with the parity measured at conversion time."""
+
+from __future__ import annotations
+
+import json
+import os
+import string
+from collections.abc import Mapping
+from pathlib import Path
+
+from .errors import list_names
+
+MODEL_CARDS_DIR = Path(__file__).resolve().parents[1] / "model_cards"
+PARITY_COLUMNS = ("backend", "dtype", "device", "max_abs_diff", "tolerance")
+ALWAYS_TAGS = ("hf_tiny", "custom_code")
+# Fields a card may omit, with their defaults.
+CARD_DEFAULTS = {
+    "license": "apache-2.0",
+    "tags": (),
+    "attention_backends": ("eager", "sdpa", "flash_attention_2"),
+    "extra": "",
+}
+
+
+def _yaml_str(value) -> str:
+    return json.dumps(str(value))  # a JSON string is a valid YAML double-quoted scalar
+
+
+def _format_number(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3g}" if value != 0 else "0"
+    return str(value)
+
+
+def _parity_table(rows) -> str:
+    if not rows:
+        raise ValueError("model card field 'parity_rows' must hold at least one measured row")
+    lines = ["| backend | dtype | device | max abs diff | tolerance | within tolerance |", "|---|---|---|---|---|---|"]
+    for number, row in enumerate(rows):
+        if isinstance(row, (tuple, list)) and len(row) == len(PARITY_COLUMNS):
+            row = dict(zip(PARITY_COLUMNS, row, strict=True))
+        if not isinstance(row, Mapping) or any(column not in row for column in PARITY_COLUMNS):
+            raise ValueError(f"parity_rows[{number}] must give {', '.join(PARITY_COLUMNS)}; got {rows[number]!r}")
+        within = "yes" if float(row["max_abs_diff"]) <= float(row["tolerance"]) else "NO"
+        cells = [_format_number(row[column]) for column in PARITY_COLUMNS] + [within]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# Placeholders computed from other fields: {placeholder: the field it is computed from}.
+_DERIVED_CARD_FIELDS = {
+    "tags_yaml": "tags",
+    "parity_table": "parity_rows",
+    "attention_backends_list": "attention_backends",
+    "base_model_yaml": "base_model",
+    "license_yaml": "license",
+    "pipeline_tag_yaml": "pipeline_tag",
+}
+
+
+def render_model_card(template_name: str = "hf_tiny", **fields) -> str:
+    """Fills model_cards/<template_name>.md ($placeholders) with fields; a missing or unknown field is an error.
+
+    Fields of the hf_tiny template: model_name, model_id (what from_pretrained is given), base_model,
+    pipeline_tag, family, auto_class, description, parity_rows (rows of backend, dtype, device,
+    max_abs_diff, tolerance, as dicts or 5-tuples); optional: license, tags, attention_backends, extra.
+    """
+    path = MODEL_CARDS_DIR / f"{template_name}.md"
+    if not path.is_file():
+        available = list_names(p.stem for p in MODEL_CARDS_DIR.glob("*.md")) or "none"
+        raise ValueError(f"no model card template {template_name!r} in {MODEL_CARDS_DIR} (available: {available})")
+    template = string.Template(path.read_text())
+    placeholders = {
+        match.group("named") or match.group("braced")
+        for match in template.pattern.finditer(template.template)
+        if match.group("named") or match.group("braced")
+    }
+    needed = {_DERIVED_CARD_FIELDS.get(name, name) for name in placeholders}
+    values = {**CARD_DEFAULTS, **fields}
+    missing = sorted(needed - values.keys())
+    if missing:
+        raise ValueError(f"model card template {template_name!r} needs field(s): {', '.join(missing)}")
+    unknown = sorted(fields.keys() - needed - CARD_DEFAULTS.keys())
+    if unknown:
+        raise ValueError(f"model card template {template_name!r} has no field(s): {', '.join(unknown)}")
+    if isinstance(values["tags"], str) or isinstance(values["attention_backends"], str):
+        raise TypeError("model card fields 'tags' and 'attention_backends' must be lists of strings")
+    tags = list(ALWAYS_TAGS) + [tag for tag in values["tags"] if tag not in ALWAYS_TAGS]
+    derived = {
+        "tags_yaml": "\n".join(f"  - {_yaml_str(tag)}" for tag in tags),
+        "attention_backends_list": ", ".join(f"`{name}`" for name in values["attention_backends"]),
+        "license_yaml": _yaml_str(values["license"]),
+    }
+    for name in ("base_model", "pipeline_tag"):
+        if name in values:
+            derived[f"{name}_yaml"] = _yaml_str(values[name])
+    if "parity_table" in placeholders:
+        derived["parity_table"] = _parity_table(values["parity_rows"])
+    return template.substitute({**values, **derived})
+
+
+def write_model_card(dst_dir: str | os.PathLike, template_name: str = "hf_tiny", **fields) -> Path:
+    """Renders the card and writes it as dst_dir/README.md; returns the path."""
+    path = Path(dst_dir) / "README.md"
+    path.write_text(render_model_card(template_name, **fields))
+    return path
+
+
+def source_license(src_dir: Path) -> str:
+    """The `license:` of the source model card's YAML header, or "other" when it does not say."""
+    card = Path(src_dir) / "README.md"
+    if not card.is_file():
+        return "other"
+    lines = card.read_text(errors="replace").splitlines()
+    if not lines or lines[0].strip() != "---":
+        return "other"
+    for line in lines[1:]:
+        if line.strip() == "---":
+            break
+        if line.startswith("license:"):
+            return line.split(":", 1)[1].strip().strip("'\"") or "other"
+    return "other"

@@ -1,0 +1,194 @@
+"""GGUF files: the architecture in the header (for family detection) and the dequantized tensors under
+transformers' names, computed exactly as `from_pretrained(dir, gguf_file=...)` computes them.
+
+transformers' own `load_gguf_checkpoint(..., return_tensors=True)` re-parses the file and rebuilds gguf's
+tensor-name table once per submodule (~25 s extra for a 100 MB file). Here the file is parsed once for the
+tensors, the name table is built once, and the per-tensor work uses transformers' own tensor processors
+(which un-permute Llama's q/k, split fused tensors, ...). Nothing outside this module is patched.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from pathlib import Path
+
+import torch
+
+from .errors import ConversionError, list_names
+
+_GGUF_MAGIC = b"GGUF"
+# GGUF metadata value types -> struct format (8: string, 9: array are read separately)
+_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_STRING, _ARRAY = 8, 9
+
+
+def gguf_architecture(path: str | os.PathLike) -> str:
+    """`general.architecture` read from the header alone (no tensor is touched), for family detection."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as handle:
+            if handle.read(4) != _GGUF_MAGIC:
+                raise ConversionError(f"{path} is not a valid GGUF file (no GGUF magic bytes at its start)")
+            _version, _tensors, count = struct.unpack("<IQQ", handle.read(20))
+            for _ in range(count):
+                key = _read_string(handle)
+                value = _read_value(handle, struct.unpack("<I", handle.read(4))[0])
+                if key == "general.architecture":
+                    return str(value)
+    except (struct.error, UnicodeDecodeError, OSError, MemoryError) as error:
+        raise ConversionError(f"{path} is not a valid GGUF file (truncated or corrupt?): {error}") from error
+    raise ConversionError(f"{path} has no general.architecture field; cannot tell which model it holds")
+
+
+def _read_string(handle) -> str:
+    (length,) = struct.unpack("<Q", handle.read(8))
+    if length > 1 << 24:
+        raise struct.error(f"implausible string length {length}")
+    return handle.read(length).decode("utf-8")
+
+
+def _read_value(handle, kind: int):
+    if kind == _STRING:
+        return _read_string(handle)
+    if kind == _ARRAY:
+        element_kind, length = struct.unpack("<IQ", handle.read(12))
+        if element_kind in _SCALAR_FORMATS:  # skip without decoding: tokenizer arrays are large
+            handle.seek(length * struct.calcsize("<" + _SCALAR_FORMATS[element_kind]), os.SEEK_CUR)
+            return None
+        return [_read_value(handle, element_kind) for _ in range(length)]
+    if kind not in _SCALAR_FORMATS:
+        raise struct.error(f"unknown metadata value type {kind}")
+    fmt = "<" + _SCALAR_FORMATS[kind]
+    return struct.unpack(fmt, handle.read(struct.calcsize(fmt)))[0]
+
+
+def _dequantizable_types() -> set:
+    """GGML tensor types that gguf-py (used by transformers) can dequantize."""
+    from gguf import GGMLQuantizationType
+
+    supported = {GGMLQuantizationType.F32, GGMLQuantizationType.F16}
+    try:
+        from gguf.quants import _type_traits  # private, but the exact list `gguf.dequantize` consults
+
+        supported |= set(_type_traits)
+    except ImportError:  # older/newer gguf-py: fall back to the types every version since 0.10 handles
+        supported |= {
+            getattr(GGMLQuantizationType, name)
+            for name in ("BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+            if hasattr(GGMLQuantizationType, name)
+        }
+    return supported
+
+
+def official_meta_model(config: dict):
+    """The official transformers model of a GGUF config, on the meta device (names only, no memory)."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+    )
+
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    hf_config = AutoConfig.for_model(config["model_type"], **fields)
+    if config["model_type"] in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        auto = AutoModelForCausalLM
+    elif config["model_type"] in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        auto = AutoModelForSeq2SeqLM
+    else:
+        auto = AutoModel
+    with torch.device("meta"):
+        return auto.from_config(hf_config)
+
+
+def _gguf_to_transformers_names(model, processor, architecture: str, num_layers: int) -> dict[str, str]:
+    """{GGUF tensor name: transformers name}, as transformers' get_gguf_hf_weights_map computes it (every
+    submodule's names, the outer module's mapping winning), with gguf's name table built once."""
+    from gguf import MODEL_ARCH_NAMES, get_tensor_name_map
+
+    arch = next((key for key, name in MODEL_ARCH_NAMES.items() if name == architecture), None)
+    if arch is None:
+        raise ConversionError(f"the installed gguf package does not know the GGUF architecture {architecture!r}")
+    table = get_tensor_name_map(arch, num_layers)
+    names: dict[str, str] = {}
+    for prefix, module in model.named_modules():
+        qualifier = f"{prefix}." if prefix else ""
+        level: dict[str, str] = {}
+        for hf_name in module.state_dict():
+            hf_name = processor.preprocess_name(hf_name)
+            stem, suffix = hf_name, ""
+            if hf_name.endswith((".weight", ".bias")):
+                stem, suffix = hf_name.rsplit(".", 1)
+                suffix = "." + suffix
+            gguf_name = table.get_name(stem)
+            if gguf_name is None:
+                processor.perform_fallback_tensor_mapping(level, suffix, qualifier, hf_name)
+            else:
+                level[gguf_name + suffix] = qualifier + hf_name
+        for key, value in level.items():
+            names.setdefault(key, value)
+    return names
+
+
+def load_gguf(
+    path: str | os.PathLike, *, expected_architecture: str | tuple[str, ...], dtype: torch.dtype | None = None
+) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Reads a GGUF file into (transformers config dict, dequantized state dict with transformers names).
+
+    The architecture and every tensor's quantization type are checked before anything is dequantized, and
+    every GGUF tensor must get a transformers name.
+    """
+    import numpy as np
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConversionError(f"GGUF file {path} does not exist")
+    try:
+        from gguf import GGUFReader, dequantize
+
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, load_gguf_checkpoint
+    except ImportError as error:
+        raise ConversionError(f"reading GGUF needs the `gguf` package (pip install gguf): {error}") from error
+
+    expected = (expected_architecture,) if isinstance(expected_architecture, str) else tuple(expected_architecture)
+    architecture = gguf_architecture(path)
+    if architecture not in expected:
+        raise ConversionError(
+            f"{path} is a GGUF of architecture {architecture!r}, expected {' or '.join(map(repr, expected))}"
+        )
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, OSError, IndexError, KeyError) as error:
+        raise ConversionError(f"{path} is not a valid GGUF file (truncated or corrupt?): {error}") from error
+    supported = _dequantizable_types()
+    unsupported = [f"{t.name} ({t.tensor_type.name})" for t in reader.tensors if t.tensor_type not in supported]
+    if unsupported:
+        raise ConversionError(
+            f"{path}: cannot dequantize tensor(s) with unsupported quantization type: {list_names(unsupported)}; "
+            f"supported types: {list_names(t.name for t in supported)}"
+        )
+    try:
+        config = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
+        model = official_meta_model(config)
+        processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config)
+        names = _gguf_to_transformers_names(model, processor, architecture, config["num_hidden_layers"])
+        unmapped = [t.name for t in reader.tensors if t.name not in names]
+        if unmapped:
+            raise ConversionError(
+                f"{path}: GGUF tensors with no transformers name for architecture {architecture!r}: "
+                f"{list_names(unmapped)}"
+            )
+        parsed = {"config": config, "tensors": {}}
+        state: dict[str, torch.Tensor] = {}
+        for tensor in reader.tensors:
+            weights = dequantize(tensor.data, tensor.tensor_type)
+            result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names, parsed_parameters=parsed)
+            if result.name not in names:  # a processor may consume a tensor into another (e.g. fused experts)
+                continue
+            value = torch.from_numpy(np.copy(result.weights))
+            state[names[result.name]] = value if dtype is None else value.to(dtype)
+    except ConversionError:
+        raise
+    except (ValueError, KeyError, NotImplementedError, OSError) as error:
+        raise ConversionError(f"cannot read GGUF file {path}: {type(error).__name__}: {error}") from error
+    return config, state

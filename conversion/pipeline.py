@@ -1,0 +1,290 @@
+"""The one conversion pipeline every family runs, and the Family interface a family module fills in.
+
+Forward (`convert`): read the source -> the family's Plan (hf_tiny config, classes, key map) -> map names ->
+cast -> write the hf_tiny folder -> measure parity against the official model -> model card -> verdict, all
+inside one atomic output folder, with the same guards, progress stages and return value for every family.
+Reverse (`convert_back`): an hf_tiny folder -> the family's ReversePlan -> the official folder, loaded back with
+the official class before it is swapped in.
+
+A family module is its tables (official <-> hf_tiny names and config fields) plus a Family subclass that says
+how to read its sources, which classes correspond, and its named quirks.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from .cards import source_license, write_model_card
+from .errors import ConversionError
+from .keymap import KeyMap
+from .parity import MODALITIES, fail_on_parity, measure_parity, parity_batch
+from .readers import load_checkpoint, load_config_json, load_hf_tiny_config, require_model_type
+from .tensors import cast_floating, parse_dtype
+from .writer import (
+    atomic_output_dir,
+    copy_tokenizer_files,
+    load_cleanly,
+    with_tied_copies,
+    write_hf_tiny_folder,
+    write_official_folder,
+)
+
+
+@dataclass
+class Source:
+    """A checkpoint as read, under its official tensor names."""
+
+    path: Path  # the file or folder that was read
+    folder: Path  # the folder holding its tokenizer and other side files
+    kind: str  # "hf" (a Hugging Face folder), "gguf", "meta", "warm start", ...
+    raw_config: dict  # config.json (or what stands for it: GGUF metadata, params.json)
+    state: dict[str, torch.Tensor]
+    description: str  # for the model card: "the official `BertModel` checkpoint `x`"
+    official: Any = None  # an official model already built while reading (e.g. a warm start)
+
+
+@dataclass
+class Plan:
+    """How one source becomes an hf_tiny folder."""
+
+    config: Any  # the hf_tiny config
+    our_class: str  # hf_tiny class name
+    official_class: str  # the transformers class parity is measured against
+    key_map: KeyMap
+    num_layers: int | dict[str, int]
+    state: dict[str, torch.Tensor]  # the source tensors ready for key_map (stored tied copies dropped)
+    official_config: Any = None  # the transformers config (seq2seq derives generation_config.json from it)
+    notes: list[str] = field(default_factory=list)  # lines for the model card
+
+
+@dataclass
+class ReversePlan:
+    """How an hf_tiny folder becomes an official one."""
+
+    official_class: str
+    official_config: Any
+    key_map: KeyMap
+    num_layers: int | dict[str, int]
+
+
+class Family:
+    """One checkpoint family. Subclasses set the class attributes and implement plan() and reverse()."""
+
+    name: str = ""
+    model_types: tuple[str, ...] = ()  # config.json model_type values read (family detection uses them)
+    gguf_architectures: tuple[str, ...] = ()  # GGUF general.architecture values read
+    config_class: str = ""  # the hf_tiny config class
+    classes: dict[str, tuple[str, str]] = {}  # hf_tiny class -> (Auto class, pipeline tag) it converts to
+    default_class: str = ""  # the class of an hf_tiny folder whose config names none
+    modality: str = ""  # one of parity.MODALITIES: which parity batch
+    card_family: str = ""
+    tags: tuple[str, ...] = ()
+    parity_backends: tuple[str, ...] = ("eager", "sdpa", "flash_attention_2")
+    keep_stored_tied_copies: bool = False  # reverse: write a tied copy the hf_tiny folder stores (untied heads)
+    reversible: bool = True
+    detected: bool = True  # False: only by name (e.g. bert2seq reads plain BERT folders, as `bert` does)
+
+    # --- forward ---
+
+    def read(self, src: Path) -> Source:
+        """Default: a Hugging Face folder (or a weights file inside one) of one of model_types."""
+        raw = load_config_json(src)
+        require_model_type(raw, self.model_types, src=src)
+        folder = src if src.is_dir() else src.parent
+        return Source(src, folder, "hf", raw, load_checkpoint(src), f"the official checkpoint `{src.resolve().name}`")
+
+    def plan(self, source: Source) -> Plan:
+        raise NotImplementedError
+
+    def official_model(self, source: Source, plan: Plan):
+        """The official model parity is measured against, in float32."""
+        if source.official is not None:
+            return source.official
+        import transformers
+
+        return getattr(transformers, plan.official_class).from_pretrained(str(source.folder), dtype=torch.float32)
+
+    def write_side_files(self, source: Source, plan: Plan, tmp: Path) -> str:
+        """Tokenizer and the other files that travel with the weights; returns a phrase for the card."""
+        copied = copy_tokenizer_files(source.folder, tmp)
+        return f"copied from the source ({', '.join(copied)})" if copied else "none in the source folder"
+
+    # --- reverse ---
+
+    def reverse(self, config, our_class: str, src: Path) -> ReversePlan:
+        raise NotImplementedError
+
+    def finish_official_state(self, state: dict, config, plan: ReversePlan) -> dict:
+        """Named quirks of the official layout applied after the key map (default: none)."""
+        return state
+
+    # --- shared ---
+
+    def hf_tiny_class(self, name: str):
+        import hf_tiny
+
+        return getattr(hf_tiny, name)
+
+    def auto_map(self) -> dict[str, str]:
+        """auto_map naming the config and every hf_tiny class of this config, so a converted folder loads with
+        any Auto head and trust_remote_code."""
+        import hf_tiny
+
+        config_class = self.hf_tiny_class(self.config_class)
+        auto_map = {"AutoConfig": _code_path(config_class)}
+        for value in vars(hf_tiny).values():
+            if isinstance(value, type) and getattr(value, "config_class", None) is config_class:
+                if getattr(value, "_auto_class", None):
+                    auto_map[value._auto_class] = _code_path(value)
+        return auto_map
+
+
+def _code_path(cls) -> str:
+    return f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}"
+
+
+class _Stages:
+    """A progress bar over the named steps of a conversion (the key map adds its own bar per tensor)."""
+
+    NAMES = ("reading weights", "mapping names", "writing the folder", "measuring parity", "writing the card")
+
+    def __init__(self):
+        from tqdm.auto import tqdm
+
+        # disable=None: a bar on a terminal only, so logs and captured stderr hold just the result or the error.
+        self.bar = tqdm(total=len(self.NAMES), desc=self.NAMES[0], unit="step", file=sys.stderr, leave=False, disable=None)
+
+    def next(self) -> None:
+        self.bar.update(1)
+        if self.bar.n < len(self.NAMES):
+            self.bar.set_description(self.NAMES[self.bar.n])
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+def convert(
+    family: Family,
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    force: bool = False,
+    dtype: Optional[torch.dtype | str] = None,
+    base_model: Optional[str] = None,
+    reference_model=None,
+) -> dict:
+    """An official checkpoint -> an hf_tiny folder (atomic: DST appears complete or not at all).
+
+    reference_model: the official model already loaded from the same source (saves loading it again, e.g. the
+    ~17 s of dequantizing a GGUF). Returns {"dst", "family", "source_kind", "architecture" (the official class),
+    "hf_tiny_class", "config", "parity" (rows measured now), "parity_inputs"}.
+    """
+    if family.modality not in MODALITIES:
+        raise ValueError(f"family {family.name!r}: modality must be one of {MODALITIES}, got {family.modality!r}")
+    src, dst = Path(src), Path(dst)
+    dtype = parse_dtype(dtype)
+    if not src.exists():
+        raise ConversionError(f"source {src} does not exist")
+    stages = _Stages()
+    try:
+        with atomic_output_dir(dst, force=force, src=src) as tmp:
+            source = family.read(src)
+            stages.next()
+
+            plan = family.plan(source)
+            progress = sys.stderr.isatty()
+            ours = cast_floating(plan.key_map.to_target(plan.state, num_layers=plan.num_layers, progress=progress), dtype)
+            stages.next()
+
+            our_class = family.hf_tiny_class(plan.our_class)
+            plan.config.architectures = [plan.our_class]
+            plan.config.auto_map = family.auto_map()
+            write_hf_tiny_folder(tmp, our_class, plan.config, ours)
+            tokenizer_note = family.write_side_files(source, plan, tmp)
+            stages.next()
+
+            stored_dtype = dtype or next(iter(ours.values())).dtype
+            converted = load_cleanly(our_class, tmp, "the converted folder", dtype=stored_dtype)
+            official = reference_model if reference_model is not None else family.official_model(source, plan)
+            batch = parity_batch(family.modality, plan.config, tmp)
+            rows = measure_parity(official, converted, batch, stored_dtype, backends=family.parity_backends)
+            stages.next()
+
+            auto_class, pipeline_tag = family.classes[plan.our_class]
+            notes = " ".join(plan.notes)
+            write_model_card(
+                tmp,
+                model_name=dst.name,
+                license=source_license(source.folder),
+                model_id=str(dst),
+                base_model=base_model or source.raw_config.get("_name_or_path") or source.path.resolve().name,
+                pipeline_tag=pipeline_tag,
+                family=family.card_family,
+                auto_class=auto_class,
+                description=f"`{plan.our_class}` converted from {source.description}.",
+                parity_rows=rows,
+                tags=list(family.tags),
+                extra=f"\nParity inputs: {batch.description}; per-token outputs are compared at real tokens only. "
+                f"The reference is the official `{plan.official_class}` in float32 with eager attention. Tolerance = "
+                "relative tolerance of the dtype × max(1, max |official output|); float32 rows must pass and every "
+                f"row must be finite, or the conversion fails. Tokenizer: {tokenizer_note}.\n"
+                + (f"\n{notes}\n" if notes else ""),
+            )
+            stages.next()
+            fail_on_parity(rows, plan.official_class, ours)
+    finally:
+        stages.close()
+    return {
+        "dst": dst,
+        "family": family.name,
+        "source_kind": source.kind,
+        "architecture": plan.official_class,
+        "hf_tiny_class": plan.our_class,
+        "config": plan.config,
+        "parity": rows,
+        "parity_inputs": batch.description,
+    }
+
+
+def convert_back(family: Family, src: str | os.PathLike, dst: str | os.PathLike, *, force: bool = False) -> dict:
+    """An hf_tiny folder -> the official folder that transformers loads with no missing or unexpected keys.
+    Returns {"dst", "family", "architecture" (the official class)}."""
+    if not family.reversible:
+        raise ConversionError(f"family {family.name!r} has no reverse conversion")
+    src, dst = Path(src), Path(dst)
+    config_class = family.hf_tiny_class(family.config_class)
+    config, our_class = load_hf_tiny_config(src, config_class, supported=family.classes, default=family.default_class)
+    with atomic_output_dir(dst, force=force, src=src) as tmp:
+        state = with_tied_copies(load_checkpoint(src), family.hf_tiny_class(our_class), config)
+        dtype = next(iter(state.values())).dtype
+        plan = family.reverse(config, our_class, src)
+        official = plan.key_map.to_source(state, num_layers=plan.num_layers, progress=sys.stderr.isatty())
+        official = family.finish_official_state(official, config, plan)
+        plan.official_config.dtype = dtype
+        import transformers
+
+        official_class = getattr(transformers, plan.official_class)
+        write_official_folder(
+            tmp, official_class, plan.official_config, official, src, keep_stored_tied_copies=family.keep_stored_tied_copies
+        )
+    return {"dst": dst, "family": family.name, "architecture": plan.official_class}
+
+
+def entry_points(family: Family):
+    """The module-level convert() / convert_back() of a family module (the CLI and the examples call them)."""
+
+    def convert_family(src, dst, *, force=False, dtype=None, base_model=None, reference_model=None) -> dict:
+        return convert(family, src, dst, force=force, dtype=dtype, base_model=base_model, reference_model=reference_model)
+
+    def convert_family_back(src, dst, *, force: bool = False) -> dict:
+        return convert_back(family, src, dst, force=force)
+
+    convert_family.__doc__ = f"An official {family.name} checkpoint -> an hf_tiny folder (pipeline.convert)."
+    convert_family_back.__doc__ = f"An hf_tiny folder -> the official {family.name} format (pipeline.convert_back)."
+    return convert_family, convert_family_back

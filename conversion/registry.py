@@ -1,0 +1,91 @@
+"""The families `python -m conversion` knows, and which one a source belongs to when none is named."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+
+from .errors import ConversionError
+
+# family name -> module defining FAMILY (a pipeline.Family), convert() and, where it exists, convert_back()
+FAMILIES = {
+    "bert": "conversion.bert",
+    "llama": "conversion.llama",
+    "bart": "conversion.bart",
+    "t5": "conversion.t5",
+    "bert2seq": "conversion.bert2seq",
+}
+# hf_tiny model_type -> the family that converts it back (seq2seq: decided by its position embedding type)
+REVERSE_FAMILIES = {"hf_tiny_encoder": "bert", "hf_tiny_causal": "llama"}
+
+
+def family_module(name: str):
+    if name not in FAMILIES:
+        raise KeyError(name)
+    module_name = FAMILIES[name]
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        if error.name == module_name:
+            raise ConversionError(f"family {name!r} is registered but its converter module {module_name} is not available") from error
+        raise
+
+
+def family_for(name: str):
+    """The Family object of a registered family name."""
+    return family_module(name).FAMILY
+
+
+def detect_family(src: str | os.PathLike, *, reverse: bool = False) -> tuple[str, str]:
+    """(family name, why): from the GGUF header, Meta's layout, or config.json's model_type (an hf_tiny
+    model_type with reverse=True names the family that converts it back)."""
+    from .gguf_files import gguf_architecture
+    from .readers import load_config_json
+
+    src = Path(src)
+    if not src.exists():
+        raise ConversionError(f"source {src} does not exist")
+    gguf = _lone_gguf(src)
+    if gguf is not None:
+        architecture = gguf_architecture(gguf)
+        for name in FAMILIES:
+            if architecture in family_for(name).gguf_architectures:
+                return name, f"GGUF architecture {architecture!r}"
+        known = sorted({a for name in FAMILIES for a in family_for(name).gguf_architectures})
+        raise ConversionError(f"{gguf}: no converter reads GGUF architecture {architecture!r}; known: {', '.join(known)}")
+    if src.is_dir() and (src / "params.json").is_file() and any(src.glob("consolidated.*.pth")):
+        return "llama", "Meta consolidated layout (params.json + consolidated.*.pth)"
+    raw = load_config_json(src)
+    model_type = raw.get("model_type")
+    if isinstance(model_type, str) and model_type.startswith("hf_tiny"):
+        if not reverse:
+            raise ConversionError(
+                f"{src} is already an hf_tiny folder (model_type={model_type!r}); pass --reverse to convert it back"
+            )
+        if model_type == "hf_tiny_seq2seq":
+            name = "t5" if raw.get("position_embedding_type") == "relative" else "bart"
+            return name, f"model_type {model_type!r} with position_embedding_type {raw.get('position_embedding_type')!r}"
+        if model_type in REVERSE_FAMILIES:
+            return REVERSE_FAMILIES[model_type], f"model_type {model_type!r}"
+    elif reverse:
+        raise ConversionError(f"--reverse converts an hf_tiny folder back; {src} has model_type={model_type!r}")
+    for name in FAMILIES:
+        family = family_for(name)
+        if family.detected and model_type in family.model_types:
+            return name, f"model_type {model_type!r}"
+    known = sorted({t for name in FAMILIES for t in family_for(name).model_types})
+    raise ConversionError(
+        f"{src}: no converter reads model_type={model_type!r} (config.json); known model types: {', '.join(known)}"
+    )
+
+
+def _lone_gguf(src: Path) -> Path | None:
+    if src.is_file():
+        return src if src.suffix == ".gguf" else None
+    if (src / "config.json").is_file():
+        return None
+    ggufs = sorted(src.glob("*.gguf"))
+    if len(ggufs) > 1:
+        raise ConversionError(f"{src} holds {len(ggufs)} GGUF files ({', '.join(p.name for p in ggufs)}); pass the one to convert")
+    return ggufs[0] if ggufs else None

@@ -1,0 +1,47 @@
+"""dtype handling of converted tensors: parsing --dtype, casting without silent overflow."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from .errors import ConversionError
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
+    """'float32' | 'bfloat16' | 'float16' (or a torch.dtype, or None) -> torch.dtype (or None)."""
+    if name is None or isinstance(name, torch.dtype):
+        if isinstance(name, torch.dtype) and name not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {name}")
+        return name
+    if name not in _DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, got {name!r}")
+    return _DTYPES[name]
+
+
+def cast_floating(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Casts floating-point tensors to dtype (None: unchanged); integer/bool tensors keep their dtype.
+
+    A cast that turns finite values into inf (|value| above the dtype's largest number, e.g. 65504 in float16) is
+    an error naming the dtype and the first such tensor: such a model would compute NaN."""
+    if dtype is None:
+        return dict(state_dict)
+    cast = {}
+    for key, value in state_dict.items():
+        if not value.is_floating_point():
+            cast[key] = value
+            continue
+        cast[key] = value.to(dtype)
+        if dtype.itemsize < value.dtype.itemsize or torch.finfo(dtype).max < torch.finfo(value.dtype).max:
+            overflow = torch.isinf(cast[key]) & torch.isfinite(value)
+            if bool(overflow.any()):
+                largest = float(value[overflow].abs().max())
+                raise ConversionError(
+                    f"--dtype {str(dtype).removeprefix('torch.')}: tensor {key} holds {largest:.6g}, beyond the largest "
+                    f"{str(dtype).removeprefix('torch.')} number ({torch.finfo(dtype).max:.6g}); the cast would make it "
+                    "inf. Convert to float32 or bfloat16 instead"
+                )
+    return cast

@@ -1,0 +1,275 @@
+"""Writing converted folders: atomically, with tied copies handled, tokenizer and sentence-transformers files
+carried over, and (reverse direction) an official folder that transformers loads cleanly."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import torch
+
+from .errors import ConversionError
+from .keymap import check_shapes, expected_shapes
+from .readers import SAFETENSORS_FILE
+
+def save_state_dict_safetensors(
+    state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike, *, metadata: Mapping[str, str] | None = None
+) -> None:
+    """Saves tensors with safetensors; tensors sharing memory (tied weights, views) are stored as copies."""
+    from safetensors.torch import save_file
+
+    seen_storages: set[tuple[int, str]] = set()
+    prepared: dict[str, torch.Tensor] = {}
+    for key, tensor in state_dict.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"state_dict[{key!r}] is a {type(tensor).__name__}, not a tensor")
+        if tensor.device.type == "meta":
+            raise ValueError(f"state_dict[{key!r}] is on the meta device (no data to save)")
+        tensor = tensor.detach()
+        storage = (tensor.untyped_storage().data_ptr(), str(tensor.device))
+        if storage in seen_storages:  # safetensors refuses two names over one storage (ties, chunks of a fusion)
+            tensor = tensor.clone(memory_format=torch.contiguous_format)
+        else:
+            seen_storages.add(storage)
+        prepared[key] = tensor.to("cpu").contiguous()
+    save_file(prepared, str(path), metadata={"format": "pt", **(metadata or {})})
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swaps two paths (Linux renameat2 RENAME_EXCHANGE); False where unsupported."""
+    from hf_tiny.io_utils import exchange_paths
+
+    return exchange_paths(a, b)
+
+
+@contextlib.contextmanager
+def atomic_output_dir(
+    dst: str | os.PathLike, *, force: bool = False, src: str | os.PathLike | None = None
+) -> Iterator[Path]:
+    """Yields a fresh temp folder beside dst; on success it becomes dst, on any failure dst is untouched.
+
+    An existing dst is an error unless force=True, raised before any work. With force the old dst is
+    swapped out atomically (renameat2 exchange; two renames where unsupported) and then deleted. A run killed
+    mid-write leaves only a `.DST.tmp-PID-XXXX` folder beside dst, which the next run removes.
+    src (optional): the checkpoint being converted; a dst that is src or contains it is refused, since
+    replacing it would delete the source.
+    The mechanism is hf_tiny.io_utils.atomic_directory (shared with save_pretrained); imported here lazily so
+    that this module stays importable without the model package.
+    """
+    from hf_tiny.io_utils import atomic_directory, clean_stale_temporaries
+
+    dst = Path(dst).absolute()
+    if dst.is_symlink():  # the folder the link points to is replaced; the link stays (see atomic_directory)
+        dst = Path(os.path.realpath(dst))
+    if src is not None:
+        source = Path(src).resolve()
+        if dst.resolve() == source or dst.resolve() in source.parents:
+            raise ConversionError(f"destination {dst} is (or contains) the source {src}; choose another destination")
+    try:
+        clean_stale_temporaries(dst)  # first: it may put back a destination a killed --force swap had moved aside
+    except OSError as error:
+        raise ConversionError(f"cannot clean stale temporary folders beside {dst}: {error}") from error
+    if dst.exists() and not force:
+        raise ConversionError(f"destination {dst} already exists; pass --force to replace it")
+    if dst.exists() and not dst.is_dir():
+        raise ConversionError(f"destination {dst} exists and is not a folder; remove it or choose another path")
+    stage = "create"  # -> "write" (the caller's block) -> "swap"
+    try:
+        with atomic_directory(dst, replace=force, exchange=_exchange) as tmp:
+            stage = "write"
+            yield tmp
+            stage = "swap"
+    except OSError as error:
+        if stage == "create":
+            raise ConversionError(f"cannot create an output folder beside {dst}: {error}") from error
+        if stage == "swap" and isinstance(error, FileExistsError):
+            raise ConversionError(f"destination {dst} appeared while converting; pass --force to replace it") from error
+        raise
+
+
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.txt",
+    "vocab.json",
+    "merges.txt",
+    "spiece.model",
+    "tokenizer.model",
+    "sentencepiece.bpe.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    # not a tokenizer file, but it belongs with the converted model just the same
+    "generation_config.json",
+)
+
+
+# A sentence-transformers model is a folder like any other plus these files and the module folders that
+# modules.json names (1_Pooling/, 2_Normalize/, ...). Without them SentenceTransformer(folder) falls back to plain
+# mean pooling with no normalisation and max_seq_length 512: other embeddings, silently.
+SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json", "config_sentence_transformers.json")
+
+
+def copy_tokenizer_files(src_dir: str | os.PathLike, dst_dir: str | os.PathLike) -> list[str]:
+    """Copies the TOKENIZER_FILES present in src_dir into dst_dir, and the sentence-transformers files with the
+    module folders of modules.json; returns the names copied."""
+    src_dir, dst_dir = Path(src_dir), Path(dst_dir)
+    if not src_dir.is_dir():
+        raise ConversionError(f"tokenizer source {src_dir} is not a folder")
+    copied = []
+    for name in TOKENIZER_FILES + SENTENCE_TRANSFORMERS_FILES:
+        if (src_dir / name).is_file():
+            shutil.copyfile(src_dir / name, dst_dir / name)
+            copied.append(name)
+    for folder in _sentence_transformers_module_folders(src_dir):
+        shutil.copytree(src_dir / folder, dst_dir / folder)
+        copied.append(folder + "/")
+    return copied
+
+
+def _sentence_transformers_module_folders(src_dir: Path) -> list[str]:
+    """The module folders modules.json names (its entry of path "" is the model itself, converted here)."""
+    modules_path = src_dir / "modules.json"
+    if not modules_path.is_file():
+        return []
+    try:
+        modules = json.loads(modules_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConversionError(f"cannot read {modules_path}: {error}") from error
+    if not isinstance(modules, list) or not all(isinstance(m, dict) for m in modules):
+        raise ConversionError(f"{modules_path} must hold a list of module objects (sentence-transformers' format)")
+    folders = []
+    for module in modules:
+        folder = module.get("path", "")
+        if not isinstance(folder, str):
+            raise ConversionError(f"{modules_path}: module path {folder!r} is not a string")
+        if not folder:
+            continue
+        resolved = (src_dir / folder).resolve()
+        if src_dir.resolve() not in resolved.parents:
+            raise ConversionError(f"{modules_path}: module path {folder!r} points outside {src_dir}")
+        if resolved.is_dir():  # a module without files (Normalize) may have no folder at all
+            folders.append(folder)
+    return folders
+
+
+def write_official_folder(
+    tmp: Path,
+    official_class,
+    official_config,
+    state: dict,
+    src: str | os.PathLike,
+    *,
+    keep_stored_tied_copies: bool = False,
+) -> None:
+    """Writes a reverse conversion's official folder into tmp: config.json, model.safetensors (the tensors
+    official_class expects, shapes checked on a meta-device instance; tied copies stored once, as save_pretrained
+    does) and the tokenizer files of src. keep_stored_tied_copies: a tied copy that `state` holds is written
+    too (transformers 5 unties e.g. a T5 head whose stored copy differs). Tensors the class recomputes
+    (`_keys_to_ignore_on_save`, e.g. Marian's sinusoidal tables) are not expected, as save_pretrained skips them.
+    Ends by loading the folder with official_class: any missing or unexpected key fails the conversion."""
+    with torch.device("meta"):
+        reference = official_class(official_config)
+    expected = expected_shapes(reference)
+    for tied_copy in reference.get_expanded_tied_weights_keys(all_submodels=True):
+        if not (keep_stored_tied_copies and tied_copy in state):
+            expected.pop(tied_copy, None)
+            state.pop(tied_copy, None)
+    for recomputed in reference._keys_to_ignore_on_save or ():
+        expected.pop(recomputed, None)
+    check_shapes(state, expected)
+    official_config.save_pretrained(str(tmp))
+    save_state_dict_safetensors(state, Path(tmp) / SAFETENSORS_FILE)
+    copy_tokenizer_files(src, tmp)
+    load_cleanly(official_class, tmp, f"the written {official_class.__name__} folder")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Tied copies
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def drop_tied_copies(state: Mapping[str, torch.Tensor], canonical: str, copies, *, src, hint: str = "") -> dict:
+    """A checkpoint may store one tied table several times: each stored copy must equal `canonical` and is
+    dropped (hf_tiny stores it once). hint: what to do if the copy really differs."""
+    state = dict(state)
+    if canonical not in state:
+        if any(copy in state for copy in copies):
+            raise ConversionError(f"{src}: missing tensor {canonical}")
+        return state
+    for key in copies:
+        if key in state:
+            if state[key].shape != state[canonical].shape or not torch.equal(state[key], state[canonical]):
+                raise ConversionError(f"{src}: {key} differs from {canonical}, but they are tied{hint}")
+            state.pop(key)
+    return state
+
+
+def stores_tied_copy(state: Mapping[str, torch.Tensor], canonical: str, copy: str) -> bool:
+    """True when a checkpoint's `copy` is absent or bit-equal to `canonical` (the head counts as tied)."""
+    if copy not in state:
+        return True
+    original = state.get(canonical)
+    return original is not None and state[copy].shape == original.shape and torch.equal(state[copy], original)
+
+
+def tie_map(model_class, config) -> dict[str, str]:
+    """{tied copy: source} of an hf_tiny model class with this config (built on the meta device)."""
+    with torch.device("meta"):
+        model = model_class(config)
+    return model.get_expanded_tied_weights_keys(all_submodels=True)
+
+
+def with_tied_copies(state: Mapping[str, torch.Tensor], model_class, config) -> dict:
+    """hf_tiny folders store tied weights once: put the copies back so a key map sees every name."""
+    state = dict(state)
+    for copy, source in tie_map(model_class, config).items():
+        if copy not in state and source in state:
+            state[copy] = state[source]
+    return state
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# hf_tiny folders
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def write_hf_tiny_folder(tmp: Path, model_class, config, state: dict[str, torch.Tensor]) -> None:
+    """config.json (with its auto_map), model.safetensors and the modeling code: the tensors are checked against
+    the class's own (meta-device) state dict first, so a wrong map fails before anything is written."""
+    with torch.device("meta"):
+        model = model_class(config)
+    check_shapes(state, expected_shapes(model))
+    model.load_state_dict(state, strict=True, assign=True)
+    model.tie_weights()
+    model.save_pretrained(tmp)
+
+
+def load_cleanly(model_class, path: Path, what: str, **kwargs):
+    """from_pretrained that fails unless every stored tensor was found and used."""
+    model, info = model_class.from_pretrained(str(path), output_loading_info=True, **kwargs)
+    problems = {k: sorted(v) for k, v in info.items() if k != "error_msgs" and v}
+    if problems or info.get("error_msgs"):
+        raise ConversionError(f"{what} does not load cleanly: {problems or info['error_msgs']}")
+    return model
+
+
+def write_generation_config(tmp: Path, config, official_config=None) -> None:
+    """generation_config.json: the source's (copied with the tokenizer files) or one derived from the official
+    config, as transformers derives it; special ids it leaves unset are filled from the hf_tiny config (T5
+    configs often omit decoder_start_token_id, which is the pad token there)."""
+    from transformers import GenerationConfig
+
+    if (tmp / "generation_config.json").is_file():
+        generation = GenerationConfig.from_pretrained(str(tmp))
+    else:
+        generation = GenerationConfig.from_model_config(official_config if official_config is not None else config)
+    for field in ("decoder_start_token_id", "pad_token_id", "eos_token_id", "bos_token_id"):
+        if getattr(generation, field, None) is None and getattr(config, field, None) is not None:
+            setattr(generation, field, getattr(config, field))
+    generation.save_pretrained(tmp)
