@@ -24,11 +24,10 @@ from .layers import RMSNorm, TransformerBlock
 from .masks import AttentionMask, packed_causal_mask, segment_ids_from_cu_seq_lens, segment_ids_from_position_ids, self_attention_mask
 from .modeling_base import HfTinyPreTrainedModel
 from .rope import RotaryEmbedding
+from .forward_utils import LayerOutputs, check_token_inputs, format_output, output_flags
 from .validation import (
     check_attention_mask,
     check_cache_matches,
-    check_input_ids,
-    check_inputs_embeds,
     check_labels,
     check_sequence_labels,
 )
@@ -227,20 +226,14 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
     ) -> Union[BaseModelOutputWithPast, tuple]:
         _check_extra_kwargs(type(self).__name__, kwargs, PACKING_KWARGS)
         config = self.config
-        output_attentions = config.output_attentions if output_attentions is None else output_attentions
-        output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
-        return_dict = config.return_dict if return_dict is None else return_dict
+        flags = output_flags(config, output_attentions, output_hidden_states, return_dict)
         use_cache = config.use_cache if use_cache is None else use_cache
         if self.gradient_checkpointing and self.training:
             use_cache = False  # the recomputation in backward would write the cache a second time
 
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids or inputs_embeds")
+        check_token_inputs(config, input_ids, inputs_embeds)
         if input_ids is not None:
-            check_input_ids(input_ids, vocab_size=config.vocab_size)
             inputs_embeds = self.embed_tokens(input_ids)
-        else:
-            check_inputs_embeds(inputs_embeds, hidden_size=config.hidden_size)
         if past_key_values is not None and not isinstance(past_key_values, Cache):
             raise TypeError(
                 f"past_key_values must be a transformers Cache (e.g. DynamicCache), got {type(past_key_values).__name__}"
@@ -277,11 +270,9 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         position_embeddings = (cos.unsqueeze(1), sin.unsqueeze(1))  # broadcast over heads once, not per layer
 
         hidden_states = inputs_embeds
-        all_hidden_states = () if output_hidden_states else None
-        all_attentions = () if output_attentions else None
+        collected = LayerOutputs(flags)
         for layer in self.layers:
-            if output_hidden_states:
-                all_hidden_states += (hidden_states,)
+            collected.add_hidden(hidden_states)
             hidden_states, attn_weights, _ = layer(
                 hidden_states,
                 mask.mask,
@@ -289,21 +280,19 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
                 is_causal=mask.is_causal,
                 segment_ids=mask.segment_ids,
                 past_key_values=past_key_values,
-                output_attentions=output_attentions,
+                output_attentions=flags.attentions,
             )
-            if output_attentions:
-                all_attentions += (attn_weights,)
+            collected.add_attentions(attn_weights)
         hidden_states = self.norm(hidden_states)
-        if output_hidden_states:
-            all_hidden_states += (hidden_states,)
+        collected.add_hidden(hidden_states)
 
         output = BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
             past_key_values=past_key_values,
-            hidden_states=all_hidden_states,
-            attentions=all_attentions,
+            hidden_states=collected.hidden_states,
+            attentions=collected.attentions,
         )
-        return output if return_dict else output.to_tuple()
+        return format_output(output, flags)
 
 
 def _absolute_position_mask(
@@ -377,7 +366,6 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         N positions (0 = all; generate passes 1), or for the given position indices."""
         extras = _check_extra_kwargs(type(self).__name__, kwargs, LOSS_KWARGS + PACKING_KWARGS)
         loss_kwargs = {k: v for k, v in extras.items() if k in LOSS_KWARGS}
-        return_dict = self.config.return_dict if return_dict is None else return_dict
         outputs = self._decode(
             input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, output_attentions,
             output_hidden_states, **{k: v for k, v in extras.items() if k in PACKING_KWARGS},
@@ -404,7 +392,7 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
-        return output if return_dict else output.to_tuple()
+        return format_output(output, self.config.return_dict if return_dict is None else return_dict)
 
 
 class TinyCausalForSequenceClassification(TinyCausalPreTrainedModel):
@@ -435,7 +423,6 @@ class TinyCausalForSequenceClassification(TinyCausalPreTrainedModel):
         **kwargs,
     ) -> Union[SequenceClassifierOutputWithPast, tuple]:
         packing = _check_extra_kwargs(type(self).__name__, kwargs, PACKING_KWARGS)
-        return_dict = self.config.return_dict if return_dict is None else return_dict
         outputs = self._decode(
             input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, output_attentions,
             output_hidden_states, **packing,
@@ -470,7 +457,7 @@ class TinyCausalForSequenceClassification(TinyCausalPreTrainedModel):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
-        return output if return_dict else output.to_tuple()
+        return format_output(output, self.config.return_dict if return_dict is None else return_dict)
 
 
 __all__ = [

@@ -30,11 +30,10 @@ from .configuration_encoder import TinyEncoderConfig
 from .layers import TransformerBlock
 from .masks import self_attention_mask
 from .modeling_base import HfTinyPreTrainedModel
+from .forward_utils import LayerOutputs, check_token_inputs, format_output, output_flags
 from .validation import (
     check_answer_positions,
-    check_inputs_embeds,
     check_attention_mask,
-    check_input_ids,
     check_labels,
     check_sequence_labels,
     check_sequence_length,
@@ -68,8 +67,7 @@ class TinyEncoderPreTrainedModel(HfTinyPreTrainedModel):
 
     def _format_output(self, output: ModelOutput, return_dict: Optional[bool]) -> Union[ModelOutput, tuple]:
         """The output as a ModelOutput, or as a tuple when return_dict (default: config.return_dict) is False."""
-        return_dict = self.config.return_dict if return_dict is None else return_dict
-        return output if return_dict else output.to_tuple()
+        return format_output(output, self.config.return_dict if return_dict is None else return_dict)
 
     def _encode(
         self, input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions, output_hidden_states
@@ -116,14 +114,7 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
 
     def _check_inputs(self, input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids) -> tuple[int, int]:
         config = self.config
-        if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids or inputs_embeds")
-        if input_ids is not None:
-            check_input_ids(input_ids, vocab_size=config.vocab_size)
-            shape = tuple(input_ids.shape)
-        else:
-            check_inputs_embeds(inputs_embeds, hidden_size=config.hidden_size)
-            shape = tuple(inputs_embeds.shape[:2])
+        shape = check_token_inputs(config, input_ids, inputs_embeds)
         if position_ids is None:
             check_sequence_length(shape[1], limit=config.max_position_embeddings, field="input sequence length")
         else:
@@ -164,15 +155,7 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
     ) -> Union[BaseModelOutputWithPooling, tuple]:
-        config = self.config
-        output_attentions = config.output_attentions if output_attentions is None else output_attentions
-        output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
-        if output_attentions and config._attn_implementation != "eager":
-            raise ValueError(
-                f"output_attentions=True needs the attention weights, which attn_implementation="
-                f"{config._attn_implementation!r} does not compute; load the model with attn_implementation='eager' "
-                "or call model.set_attn_implementation('eager') first"
-            )
+        flags = output_flags(self.config, output_attentions, output_hidden_states, return_dict)
         batch, seq_len = self._check_inputs(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids)
 
         hidden_states = self.embed(input_ids, token_type_ids, position_ids, inputs_embeds)
@@ -180,23 +163,21 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
             attention_mask, batch_size=batch, query_length=seq_len, key_length=seq_len, causal=False,
             device=hidden_states.device,
         )
-        all_hidden_states = (hidden_states,) if output_hidden_states else None
-        all_attentions = () if output_attentions else None
+        collected = LayerOutputs(flags)
+        collected.add_hidden(hidden_states)
         for layer in self.layers:
             # Hidden states positionally: gradient checkpointing (GradientCheckpointingLayer) needs it.
-            hidden_states, attention_weights, _ = layer(hidden_states, mask.mask, is_causal=mask.is_causal, output_attentions=output_attentions)
-            if output_hidden_states:
-                all_hidden_states += (hidden_states,)
-            if output_attentions:
-                all_attentions += (attention_weights,)
+            hidden_states, attention_weights, _ = layer(hidden_states, mask.mask, is_causal=mask.is_causal, output_attentions=flags.attentions)
+            collected.add_hidden(hidden_states)
+            collected.add_attentions(attention_weights)
 
         output = BaseModelOutputWithPooling(
             last_hidden_state=hidden_states,
             pooler_output=self.pooler(hidden_states) if self.pooler is not None else None,
-            hidden_states=all_hidden_states,
-            attentions=all_attentions,
+            hidden_states=collected.hidden_states,
+            attentions=collected.attentions,
         )
-        return self._format_output(output, return_dict)
+        return format_output(output, flags)
 
 
 class TinyEncoderMaskedLMHead(nn.Module):

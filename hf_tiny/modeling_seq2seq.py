@@ -29,7 +29,8 @@ from .configuration_seq2seq import TinySeq2SeqConfig
 from .layers import TransformerBlock, build_norm
 from .masks import AttentionMask, cross_attention_mask, self_attention_mask, with_position_bias
 from .modeling_base import HfTinyPreTrainedModel
-from .validation import check_attention_mask, check_input_ids, check_inputs_embeds, check_labels, check_sequence_length
+from .forward_utils import LayerOutputs, OutputFlags, check_token_inputs, format_output, output_flags
+from .validation import check_attention_mask, check_labels, check_sequence_length
 
 
 def shift_tokens_right(labels: torch.Tensor, pad_token_id: Optional[int], decoder_start_token_id: Optional[int]):
@@ -112,23 +113,22 @@ class TinySeq2SeqStack(nn.Module):
         padding_idx = config.pad_token_id if config.use_padding_idx else None
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden, padding_idx=padding_idx)
         self.embed_scale = math.sqrt(hidden) if config.scale_embedding else 1.0
-        if config.type_vocab_size > 0:
-            self.token_type_embeddings = nn.Embedding(config.type_vocab_size, hidden)
+        # Optional parts exist or are None (each style has a fixed set; see TinySeq2SeqConfig.STYLES).
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, hidden) if config.type_vocab_size > 0 else None
+        self.embed_positions = None
+        self.relative_attention_bias = None
         if config.position_embedding_type == "learned":
             self.embed_positions = nn.Embedding(config.max_position_embeddings + config.position_offset, hidden)
         elif config.position_embedding_type == "sinusoidal":
             self.embed_positions = SinusoidalPositions(config.max_position_embeddings, hidden)
         else:
-            self.relative_attention_bias = nn.Embedding(
-                config.relative_attention_num_buckets, config.block_spec(decoder=is_decoder).num_attention_heads
-            )
-        if config.embedding_norm:
-            self.embedding_norm = build_norm(config.norm_type, hidden, config.layer_norm_eps)
+            spec = config.block_spec(decoder=is_decoder)
+            self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets, spec.num_attention_heads)
+        self.embedding_norm = build_norm(config.norm_type, hidden, config.layer_norm_eps) if config.embedding_norm else None
         num_layers = config.num_decoder_layers if is_decoder else config.num_hidden_layers
         spec = config.block_spec(decoder=is_decoder)
         self.layers = nn.ModuleList([TransformerBlock(config, spec, layer_idx) for layer_idx in range(num_layers)])
-        if config.final_norm:
-            self.norm = build_norm(config.norm_type, hidden, config.layer_norm_eps)
+        self.norm = build_norm(config.norm_type, hidden, config.layer_norm_eps) if config.final_norm else None
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def embed(self, input_ids, inputs_embeds, past_length: int) -> torch.Tensor:
@@ -136,9 +136,9 @@ class TinySeq2SeqStack(nn.Module):
             # like BART, the sqrt(d) scale belongs to the token lookup; caller-given embeddings are used as they are
             inputs_embeds = self.embed_tokens(input_ids) * self.embed_scale
         hidden_states = inputs_embeds
-        if hasattr(self, "token_type_embeddings"):
+        if self.token_type_embeddings is not None:
             hidden_states = hidden_states + self.token_type_embeddings.weight[0]
-        if hasattr(self, "embed_positions"):
+        if self.embed_positions is not None:
             seq_len = hidden_states.shape[1]
             check_sequence_length(
                 past_length + seq_len,
@@ -149,7 +149,7 @@ class TinySeq2SeqStack(nn.Module):
             if isinstance(self.embed_positions, nn.Embedding):
                 position_ids = position_ids + self.config.position_offset
             hidden_states = hidden_states + self.embed_positions(position_ids)[None]
-        if hasattr(self, "embedding_norm"):
+        if self.embedding_norm is not None:
             hidden_states = self.embedding_norm(hidden_states)
         return self.dropout(hidden_states)
 
@@ -177,17 +177,8 @@ class TinySeq2SeqStack(nn.Module):
         output_hidden_states: bool = False,
         return_dict: bool = True,
     ):
-        name = "decoder_input_ids" if self.is_decoder else "input_ids"
-        if (input_ids is None) == (inputs_embeds is None):
-            embeds_name = "decoder_inputs_embeds" if self.is_decoder else "inputs_embeds"
-            raise ValueError(f"pass exactly one of {name} and {embeds_name}")
-        if input_ids is not None:
-            check_input_ids(input_ids, vocab_size=self.config.vocab_size, field=name)
-            batch, seq_len = input_ids.shape
-        else:
-            check_inputs_embeds(inputs_embeds, hidden_size=self.config.hidden_size,
-                                field="decoder_inputs_embeds" if self.is_decoder else "inputs_embeds")
-            batch, seq_len = inputs_embeds.shape[:2]
+        names = ("decoder_input_ids", "decoder_inputs_embeds") if self.is_decoder else ("input_ids", "inputs_embeds")
+        batch, seq_len = check_token_inputs(self.config, input_ids, inputs_embeds, names=names)
         if self.is_decoder and encoder_hidden_states is None:
             raise ValueError("the decoder needs encoder_hidden_states (the encoder's last_hidden_state)")
         if not self.is_decoder and past_key_values is not None:
@@ -208,7 +199,7 @@ class TinySeq2SeqStack(nn.Module):
             causal=self.is_decoder,
             device=device,
         )
-        if hasattr(self, "relative_attention_bias"):
+        if self.relative_attention_bias is not None:
             bias = self.position_bias(seq_len, key_length, past_length, device)
             self_mask = with_position_bias(self_mask, bias, hidden_states.dtype)
         cross_mask: Optional[AttentionMask] = None
@@ -220,12 +211,9 @@ class TinySeq2SeqStack(nn.Module):
             )
             cross_mask = cross_attention_mask(encoder_attention_mask, query_length=seq_len)
 
-        all_hidden = () if output_hidden_states else None
-        all_self = () if output_attentions else None
-        all_cross = () if output_attentions and self.is_decoder else None
+        collected = LayerOutputs(OutputFlags(output_attentions, output_hidden_states, return_dict), cross_attentions=self.is_decoder)
         for layer in self.layers:
-            if output_hidden_states:
-                all_hidden += (hidden_states,)
+            collected.add_hidden(hidden_states)
             # encoder states are positional so that gradient checkpointing propagates their gradients
             hidden_states, self_weights, cross_weights = layer(
                 hidden_states,
@@ -237,29 +225,28 @@ class TinySeq2SeqStack(nn.Module):
                 past_key_values=past_key_values,
                 output_attentions=output_attentions,
             )
-            if output_attentions:
-                all_self += (self_weights,)
-                if self.is_decoder:
-                    all_cross += (cross_weights,)
-        if hasattr(self, "norm"):
+            collected.add_attentions(self_weights, cross_weights)
+        if self.norm is not None:
             hidden_states = self.dropout(self.norm(hidden_states))
-        if output_hidden_states:
-            all_hidden += (hidden_states,)
+        collected.add_hidden(hidden_states)
 
         if self.is_decoder:
             output = BaseModelOutputWithPastAndCrossAttentions(
                 last_hidden_state=hidden_states,
                 past_key_values=past_key_values,
-                hidden_states=all_hidden,
-                attentions=all_self,
-                cross_attentions=all_cross,
+                hidden_states=collected.hidden_states,
+                attentions=collected.attentions,
+                cross_attentions=collected.cross_attentions,
             )
         else:
-            output = BaseModelOutput(last_hidden_state=hidden_states, hidden_states=all_hidden, attentions=all_self)
-        return output if return_dict else output.to_tuple()
+            output = BaseModelOutput(
+                last_hidden_state=hidden_states, hidden_states=collected.hidden_states, attentions=collected.attentions
+            )
+        return format_output(output, return_dict)
 
 
 class TinySeq2SeqPreTrainedModel(HfTinyPreTrainedModel):
+    _has_lm_head = False  # True for the LM class: its tied head enters the tie map
     config_class = TinySeq2SeqConfig
     config: TinySeq2SeqConfig
     _no_split_modules = ["TransformerBlock"]
@@ -276,7 +263,7 @@ class TinySeq2SeqPreTrainedModel(HfTinyPreTrainedModel):
         if self.config.share_encoder_decoder_embeddings:
             mapping[decoder_embedding] = shared
             decoder_embedding = shared
-        if hasattr(self, "lm_head") and self.config.tie_word_embeddings:
+        if self._has_lm_head and self.config.tie_word_embeddings:
             mapping["lm_head.weight"] = decoder_embedding
         return mapping
 
@@ -285,12 +272,12 @@ class TinySeq2SeqPreTrainedModel(HfTinyPreTrainedModel):
         # input embeddings are always the `shared` table, whatever the head does.
         if all_submodels:
             return super().get_expanded_tied_weights_keys(all_submodels=True)
-        return self._tie_map("model." if hasattr(self, "lm_head") else "")
+        return self._tie_map("model." if self._has_lm_head else "")
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
-        if isinstance(module, TinySeq2SeqForConditionalGeneration) and hasattr(module, "final_logits_bias"):
+        if isinstance(module, TinySeq2SeqForConditionalGeneration) and module.final_logits_bias is not None:
             module.final_logits_bias.zero_()
 
 
@@ -365,11 +352,8 @@ class TinySeq2SeqModel(TinySeq2SeqPreTrainedModel):
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
     ):
-        output_attentions = bool(output_attentions) if output_attentions is not None else self.config.output_attentions
-        output_hidden_states = (
-            bool(output_hidden_states) if output_hidden_states is not None else self.config.output_hidden_states
-        )
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
+        flags = output_flags(self.config, output_attentions, output_hidden_states, return_dict)
+        output_attentions, output_hidden_states = flags.attentions, flags.hidden_states
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
         if decoder_input_ids is None and decoder_inputs_embeds is None:
             raise ValueError(
@@ -421,10 +405,11 @@ class TinySeq2SeqModel(TinySeq2SeqPreTrainedModel):
             encoder_hidden_states=encoder_outputs.hidden_states,
             encoder_attentions=encoder_outputs.attentions,
         )
-        return output if return_dict else output.to_tuple()
+        return format_output(output, flags)
 
 
 class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, GenerationMixin):
+    _has_lm_head = True
     _tied_weights_keys = {
         "model.encoder.embed_tokens.weight": "model.shared.weight",
         "model.decoder.embed_tokens.weight": "model.shared.weight",
@@ -437,11 +422,9 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
     def __init__(self, config: TinySeq2SeqConfig):
         super().__init__(config)
         self.model = TinySeq2SeqModel(config)
-        if config.lm_head_transform:
-            self.lm_head_transform = LMHeadTransform(config)
+        self.lm_head_transform = LMHeadTransform(config) if config.lm_head_transform else None
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
-        if config.final_logits_bias:
-            self.register_buffer("final_logits_bias", torch.zeros(1, config.vocab_size))
+        self.register_buffer("final_logits_bias", torch.zeros(1, config.vocab_size) if config.final_logits_bias else None)
         self.post_init()
 
     def _validate_generated_length(self, generation_config, input_ids_length, *args, **kwargs):
@@ -495,7 +478,7 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
         self.lm_head.out_features = size
         if self.lm_head.bias is not None and self.lm_head.bias.shape[0] != size:
             self.lm_head.bias = nn.Parameter(self._resized_vector(self.lm_head.bias.data, size))
-        if hasattr(self, "final_logits_bias"):
+        if self.final_logits_bias is not None:
             self.register_buffer("final_logits_bias", self._resized_vector(self.final_logits_bias[0], size)[None])
         return embeddings
 
@@ -531,7 +514,6 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
         """labels: [batch, target_length] token ids, -100 = ignored. Without decoder inputs they are shifted right
         (decoder_start_token_id first) into decoder_input_ids. num_items_in_batch (given by Trainer under gradient
         accumulation): the loss is summed and divided by it instead of averaged over this batch."""
-        return_dict = return_dict if return_dict is not None else self.config.return_dict
         if labels is not None:
             if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
                 raise ValueError(f"labels must be a 2-D tensor [batch, target_length], got {getattr(labels, 'shape', labels)!r}")
@@ -563,10 +545,10 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
             hidden_states = hidden_states[:, -logits_to_keep:]
         if self.config.scale_decoder_outputs:
             hidden_states = hidden_states * (self.config.hidden_size**-0.5)
-        if hasattr(self, "lm_head_transform"):
+        if self.lm_head_transform is not None:
             hidden_states = self.lm_head_transform(hidden_states)
         logits = self.lm_head(hidden_states)
-        if hasattr(self, "final_logits_bias"):
+        if self.final_logits_bias is not None:
             logits = logits + self.final_logits_bias.to(logits.device)
 
         loss = None
@@ -592,7 +574,7 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
             encoder_hidden_states=outputs.encoder_hidden_states,
             encoder_attentions=outputs.encoder_attentions,
         )
-        return output if return_dict else output.to_tuple()
+        return format_output(output, self.config.return_dict if return_dict is None else return_dict)
 
 
 __all__ = [

@@ -42,7 +42,7 @@ def make_model(variant: str, seed: int = 0, **overrides) -> TinySeq2SeqForCondit
         for name, param in model.named_parameters():
             if "norm" in name:
                 param.normal_(1.0 if name.endswith("weight") else 0.0, 0.2)
-        if hasattr(model, "final_logits_bias"):
+        if model.final_logits_bias is not None:
             model.final_logits_bias.normal_(0.0, 0.5)
     return model.eval()
 
@@ -318,7 +318,7 @@ def test_resize_token_embeddings_resizes_every_table():
         model.resize_token_embeddings(52)
         assert model.model.decoder.embed_tokens.weight.shape[0] == 52 and model.lm_head.weight.shape[0] == 52
         assert model.lm_head.weight is model.model.decoder.embed_tokens.weight
-        if hasattr(model, "final_logits_bias"):
+        if model.final_logits_bias is not None:
             assert model.final_logits_bias.shape == (1, 52)
         input_ids, attention_mask = encoder_batch(model.config)
         logits = model(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_ids(model.config)).logits
