@@ -53,10 +53,16 @@ def _read_value(handle, kind: int):
         return _read_string(handle)
     if kind == _ARRAY:
         element_kind, length = struct.unpack("<IQ", handle.read(12))
-        if element_kind in _SCALAR_FORMATS:  # skip without decoding: tokenizer arrays are large
+        # skipped without decoding (the tokenizer's arrays hold the whole vocabulary); nothing here reads them
+        if element_kind in _SCALAR_FORMATS:
             handle.seek(length * struct.calcsize("<" + _SCALAR_FORMATS[element_kind]), os.SEEK_CUR)
-            return None
-        return [_read_value(handle, element_kind) for _ in range(length)]
+        elif element_kind == _STRING:
+            for _ in range(length):
+                handle.seek(struct.unpack("<Q", handle.read(8))[0], os.SEEK_CUR)
+        else:
+            for _ in range(length):
+                _read_value(handle, element_kind)
+        return None
     if kind not in _SCALAR_FORMATS:
         raise struct.error(f"unknown metadata value type {kind}")
     fmt = "<" + _SCALAR_FORMATS[kind]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .errors import ConversionError
 from .pipeline import Family, Plan, Source
-from .writer import copy_tokenizer_files, write_generation_config
+from .writer import write_generation_config
 
 
 def stack_depths(config) -> dict[str, int]:
@@ -48,8 +48,8 @@ class Seq2SeqFamily(Family):
     keep_source_generation_config = True
 
     def write_side_files(self, source: Source, plan: Plan, tmp: Path) -> str:
-        copied = copy_tokenizer_files(source.folder, tmp)
+        note = super().write_side_files(source, plan, tmp)
         if not self.keep_source_generation_config:
             (tmp / "generation_config.json").unlink(missing_ok=True)
         write_generation_config(tmp, plan.config, plan.official_config)
-        return f"copied from the source ({', '.join(copied)})" if copied else "none in the source folder"
+        return note
