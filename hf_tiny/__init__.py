@@ -3,23 +3,27 @@
 Importing hf_tiny registers every config and model class with the transformers Auto classes.
 """
 
-from .attention import ATTENTION_BACKENDS, get_attention_backend
-
-__version__ = "0.1.0"
-
-# Families register themselves below (one import block each).
-
-# --- encoder family (BERT-style) ---
 from transformers import (
     AutoConfig,
     AutoModel,
+    AutoModelForCausalLM,
     AutoModelForMaskedLM,
     AutoModelForQuestionAnswering,
+    AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
 )
 
+from .attention import ATTENTION_BACKENDS, get_attention_backend
+from .configuration_causal import TinyCausalConfig
 from .configuration_encoder import TinyEncoderConfig
+from .configuration_seq2seq import TinySeq2SeqConfig
+from .modeling_causal import (
+    TinyCausalForCausalLM,
+    TinyCausalForSequenceClassification,
+    TinyCausalModel,
+    TinyCausalPreTrainedModel,
+)
 from .modeling_encoder import (
     TinyEncoderForMaskedLM,
     TinyEncoderForQuestionAnswering,
@@ -28,54 +32,39 @@ from .modeling_encoder import (
     TinyEncoderModel,
     TinyEncoderPreTrainedModel,
 )
-
-AutoConfig.register(TinyEncoderConfig.model_type, TinyEncoderConfig, exist_ok=True)
-TinyEncoderConfig.register_for_auto_class()  # save_pretrained then writes auto_map and ships the code
-for _auto_class, _model_class in (
-    (AutoModel, TinyEncoderModel),
-    (AutoModelForMaskedLM, TinyEncoderForMaskedLM),
-    (AutoModelForSequenceClassification, TinyEncoderForSequenceClassification),
-    (AutoModelForTokenClassification, TinyEncoderForTokenClassification),
-    (AutoModelForQuestionAnswering, TinyEncoderForQuestionAnswering),
-):
-    _auto_class.register(TinyEncoderConfig, _model_class, exist_ok=True)
-    _model_class.register_for_auto_class(_auto_class.__name__)
-del _auto_class, _model_class
-
-# --- seq2seq family (encoder-decoder: BART / T5 / BERT warm start) ---
-from transformers import AutoConfig, AutoModel, AutoModelForSeq2SeqLM
-
-from .configuration_seq2seq import TinySeq2SeqConfig
 from .modeling_seq2seq import TinySeq2SeqForConditionalGeneration, TinySeq2SeqModel, TinySeq2SeqPreTrainedModel
 
-AutoConfig.register(TinySeq2SeqConfig.model_type, TinySeq2SeqConfig, exist_ok=True)
-TinySeq2SeqConfig.register_for_auto_class()
-for _auto_class, _model_class in (
-    (AutoModel, TinySeq2SeqModel),
-    (AutoModelForSeq2SeqLM, TinySeq2SeqForConditionalGeneration),
-):
-    _auto_class.register(TinySeq2SeqConfig, _model_class, exist_ok=True)
-    _model_class.register_for_auto_class(_auto_class.__name__)
-del _auto_class, _model_class
+__version__ = "0.1.0"
 
-# --- causal LM family (Llama-style) ---
-from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
+# Each family: its config and, per Auto class, the model class it loads.
+AUTO_CLASSES = {
+    TinyEncoderConfig: {
+        AutoModel: TinyEncoderModel,
+        AutoModelForMaskedLM: TinyEncoderForMaskedLM,
+        AutoModelForSequenceClassification: TinyEncoderForSequenceClassification,
+        AutoModelForTokenClassification: TinyEncoderForTokenClassification,
+        AutoModelForQuestionAnswering: TinyEncoderForQuestionAnswering,
+    },
+    TinySeq2SeqConfig: {
+        AutoModel: TinySeq2SeqModel,
+        AutoModelForSeq2SeqLM: TinySeq2SeqForConditionalGeneration,
+    },
+    TinyCausalConfig: {
+        AutoModel: TinyCausalModel,
+        AutoModelForCausalLM: TinyCausalForCausalLM,
+        AutoModelForSequenceClassification: TinyCausalForSequenceClassification,
+    },
+}
 
-from .configuration_causal import TinyCausalConfig
-from .modeling_causal import (
-    TinyCausalForCausalLM,
-    TinyCausalForSequenceClassification,
-    TinyCausalModel,
-    TinyCausalPreTrainedModel,
-)
 
-AutoConfig.register(TinyCausalConfig.model_type, TinyCausalConfig, exist_ok=True)
-TinyCausalConfig.register_for_auto_class()
-for _auto_class, _model_class in (
-    (AutoModel, TinyCausalModel),
-    (AutoModelForCausalLM, TinyCausalForCausalLM),
-    (AutoModelForSequenceClassification, TinyCausalForSequenceClassification),
-):
-    _auto_class.register(TinyCausalConfig, _model_class, exist_ok=True)
-    _model_class.register_for_auto_class(_auto_class.__name__)
-del _auto_class, _model_class
+def _register_with_auto_classes() -> None:
+    """register_for_auto_class makes save_pretrained write auto_map and ship the code with the weights."""
+    for config_class, models in AUTO_CLASSES.items():
+        AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
+        config_class.register_for_auto_class()
+        for auto_class, model_class in models.items():
+            auto_class.register(config_class, model_class, exist_ok=True)
+            model_class.register_for_auto_class(auto_class.__name__)
+
+
+_register_with_auto_classes()

@@ -6,15 +6,8 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from .rope import standardize_rope_parameters
-from .validation import (
-    check_choice,
-    check_divisible,
-    check_finite_fields,
-    check_positive,
-    check_positive_number,
-    check_probability,
-    init_arguments,
-)
+from .validation import check_choice, check_divisible, check_finite_fields, check_positive, check_positive_number
+from .validation import check_probability, check_token_ids, init_arguments, store_init_fields
 
 
 class TinyCausalConfig(PretrainedConfig):
@@ -102,40 +95,18 @@ class TinyCausalConfig(PretrainedConfig):
         check_positive_number(owner, rms_norm_eps=rms_norm_eps, initializer_range=initializer_range)
         if sliding_window is not None:
             check_positive(owner, sliding_window=sliding_window)
-        for name, value in (("pad_token_id", pad_token_id), ("bos_token_id", bos_token_id)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size):
-                raise ValueError(f"{owner}: {name} must be None or a token id in [0, {vocab_size}), got {value!r}")
+        check_token_ids(owner, vocab_size, pad_token_id=pad_token_id, bos_token_id=bos_token_id)
 
         # Legacy spellings (Llama 2 era config.json files): rope_scaling + rope_theta beside it.
         legacy_scaling = kwargs.pop("rope_scaling", None)
         legacy_theta = kwargs.pop("rope_theta", None)
         if rope_parameters is None and legacy_scaling is not None:
             rope_parameters = legacy_scaling
-        self.rope_parameters = standardize_rope_parameters(
+        rope_parameters = standardize_rope_parameters(
             rope_parameters, max_position_embeddings=max_position_embeddings, rope_theta=legacy_theta, owner=owner
         )
 
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.intermediate_size = intermediate_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_key_value_heads
-        self.head_dim = head_dim
-        self.hidden_act = hidden_act
-        self.max_position_embeddings = max_position_embeddings
-        self.initializer_range = initializer_range
-        self.rms_norm_eps = rms_norm_eps
-        self.attention_bias = attention_bias
-        self.attention_output_bias = attention_output_bias
-        self.attention_dropout = attention_dropout
-        self.mlp_bias = mlp_bias
-        self.sliding_window = sliding_window
-        self.tie_word_embeddings = tie_word_embeddings
-        self.pad_token_id = pad_token_id
-        self.bos_token_id = bos_token_id
-        self.eos_token_id = eos_token_id
-        self.use_cache = use_cache
+        store_init_fields(self, TinyCausalConfig.__init__, locals())
         super().__init__(**kwargs)
 
     def block_spec(self):

@@ -5,16 +5,8 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from .validation import (
-    check_choice,
-    check_divisible,
-    check_finite_fields,
-    check_positive,
-    check_positive_number,
-    check_probability,
-    check_unsupported_field,
-    init_arguments,
-)
+from .validation import check_choice, check_divisible, check_finite_fields, check_positive, check_positive_number
+from .validation import check_probability, check_token_ids, check_unsupported_field, init_arguments, store_init_fields
 
 
 class TinyEncoderConfig(PretrainedConfig):
@@ -80,27 +72,9 @@ class TinyEncoderConfig(PretrainedConfig):
         if classifier_dropout is not None:
             check_probability(owner, classifier_dropout=classifier_dropout)
         check_positive_number(owner, layer_norm_eps=layer_norm_eps, initializer_range=initializer_range)
-        if pad_token_id is not None and (
-            isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int) or not 0 <= pad_token_id < vocab_size
-        ):
-            raise ValueError(f"{owner}: pad_token_id must be None or a token id in [0, {vocab_size}), got {pad_token_id!r}")
+        check_token_ids(owner, vocab_size, pad_token_id=pad_token_id)
 
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_attention_heads = num_attention_heads
-        self.intermediate_size = intermediate_size
-        self.hidden_act = hidden_act
-        self.hidden_dropout = hidden_dropout
-        self.attention_dropout = attention_dropout
-        self.max_position_embeddings = max_position_embeddings
-        self.type_vocab_size = type_vocab_size
-        self.layer_norm_eps = layer_norm_eps
-        self.initializer_range = initializer_range
-        self.pad_token_id = pad_token_id
-        self.classifier_dropout = classifier_dropout
-        self.attention_bias = attention_bias
-        self.tie_word_embeddings = tie_word_embeddings
+        store_init_fields(self, TinyEncoderConfig.__init__, locals())
         super().__init__(**kwargs)
 
     def block_spec(self):

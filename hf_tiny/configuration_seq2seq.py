@@ -24,16 +24,8 @@ from typing import Optional
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from .validation import (
-    check_choice,
-    check_divisible,
-    check_finite_fields,
-    check_positive,
-    check_positive_number,
-    check_probability,
-    check_unsupported_field,
-    init_arguments,
-)
+from .validation import check_bool, check_choice, check_divisible, check_finite_fields, check_positive, check_positive_number
+from .validation import check_probability, check_token_ids, check_unsupported_field, init_arguments, store_init_fields
 
 NORM_PLACEMENTS = ("pre", "post")
 NORM_TYPES = ("layernorm", "rmsnorm")
@@ -63,19 +55,6 @@ STYLES = {
                  "share_encoder_decoder_embeddings": False, "lm_head_transform": True, "lm_head_bias": True,
                  "final_logits_bias": False},
 }
-
-
-def _check_bool(owner: str, **fields) -> None:
-    for name, value in fields.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{owner}: {name} must be True or False, got {value!r}")
-
-
-def _check_token_id(owner: str, name: str, value, vocab_size: int) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size:
-        raise ValueError(f"{owner}: {name} must be None or a token id in [0, {vocab_size}), got {value!r}")
 
 
 class TinySeq2SeqConfig(PretrainedConfig):
@@ -158,8 +137,6 @@ class TinySeq2SeqConfig(PretrainedConfig):
         eos_token_id: Optional[int] = 2,
         decoder_start_token_id: Optional[int] = 2,
         use_cache: bool = True,
-        encoder_hidden_size: Optional[int] = None,
-        decoder_hidden_size: Optional[int] = None,
         decoder_attention_heads: Optional[int] = None,
         decoder_head_dim: Optional[int] = None,
         decoder_intermediate_size: Optional[int] = None,
@@ -182,6 +159,9 @@ class TinySeq2SeqConfig(PretrainedConfig):
             num_decoder_layers=num_decoder_layers,
             max_position_embeddings=max_position_embeddings,
         )
+        # Accepted (BART-era configs name them) but not stored: they must equal hidden_size.
+        encoder_hidden_size = kwargs.pop("encoder_hidden_size", None)
+        decoder_hidden_size = kwargs.pop("decoder_hidden_size", None)
         for name, width in (("encoder_hidden_size", encoder_hidden_size), ("decoder_hidden_size", decoder_hidden_size)):
             if width is not None and width != hidden_size:
                 raise ValueError(
@@ -244,7 +224,7 @@ class TinySeq2SeqConfig(PretrainedConfig):
         )
         if position_embedding_type == "sinusoidal" and hidden_size % 2:
             raise ValueError(f"{owner}: sinusoidal positions need an even hidden_size, got {hidden_size}")
-        _check_bool(
+        check_bool(
             owner,
             mlp_gated=mlp_gated,
             mlp_bias=mlp_bias,
@@ -261,60 +241,14 @@ class TinySeq2SeqConfig(PretrainedConfig):
             final_logits_bias=final_logits_bias,
             use_cache=use_cache,
         )
-        for name, value in (
-            ("pad_token_id", pad_token_id),
-            ("bos_token_id", bos_token_id),
-            ("eos_token_id", eos_token_id),
-            ("decoder_start_token_id", decoder_start_token_id),
-        ):
-            _check_token_id(owner, name, value, vocab_size)
+        check_token_ids(
+            owner, vocab_size, pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+            decoder_start_token_id=decoder_start_token_id,
+        )
         if use_padding_idx and pad_token_id is None:
             raise ValueError(f"{owner}: use_padding_idx=True needs a pad_token_id, got pad_token_id=None")
 
-        self.vocab_size = vocab_size
-        self.hidden_size = hidden_size
-        self.num_attention_heads = num_attention_heads
-        self.num_key_value_heads = num_key_value_heads
-        self.head_dim = head_dim
-        self.intermediate_size = intermediate_size
-        self.decoder_attention_heads = decoder_attention_heads
-        self.decoder_head_dim = decoder_head_dim
-        self.decoder_intermediate_size = decoder_intermediate_size
-        self.num_hidden_layers = num_hidden_layers
-        self.num_decoder_layers = num_decoder_layers
-        self.hidden_act = hidden_act
-        self.max_position_embeddings = max_position_embeddings
-        self.layer_norm_eps = layer_norm_eps
-        self.initializer_range = initializer_range
-        self.attention_dropout = attention_dropout
-        self.hidden_dropout = hidden_dropout
-        self.activation_dropout = activation_dropout
-        self.norm_placement = norm_placement
-        self.norm_type = norm_type
-        self.position_embedding_type = position_embedding_type
-        self.position_offset = position_offset
-        self.relative_attention_num_buckets = relative_attention_num_buckets
-        self.relative_attention_max_distance = relative_attention_max_distance
-        self.type_vocab_size = type_vocab_size
-        self.mlp_gated = mlp_gated
-        self.mlp_bias = mlp_bias
-        self.attention_bias = attention_bias
-        self.scale_embedding = scale_embedding
-        self.attention_scale = attention_scale
-        self.embedding_norm = embedding_norm
-        self.final_norm = final_norm
-        self.use_padding_idx = use_padding_idx
-        self.share_encoder_decoder_embeddings = share_encoder_decoder_embeddings
-        self.tie_word_embeddings = tie_word_embeddings
-        self.scale_decoder_outputs = scale_decoder_outputs
-        self.lm_head_transform = lm_head_transform
-        self.lm_head_bias = lm_head_bias
-        self.final_logits_bias = final_logits_bias
-        self.pad_token_id = pad_token_id
-        self.bos_token_id = bos_token_id
-        self.eos_token_id = eos_token_id
-        self.decoder_start_token_id = decoder_start_token_id
-        self.use_cache = use_cache
+        store_init_fields(self, TinySeq2SeqConfig.__init__, locals())
         kwargs.pop("is_encoder_decoder", None)
         super().__init__(is_encoder_decoder=True, **kwargs)
 

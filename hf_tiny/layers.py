@@ -11,7 +11,7 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, EncoderDecoderCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .attention import check_flash_can_run, get_attention_backend
+from .attention import get_attention_backend
 from .masks import AttentionMask
 from .rope import apply_rotary
 
@@ -181,10 +181,7 @@ class Attention(nn.Module):
         kv_input = key_value_states if self.is_cross_attention else hidden_states
         key, value = self._cached_kv(kv_input, past_key_values, position_embeddings)
 
-        implementation = self.config._attn_implementation
-        backend = get_attention_backend(implementation)
-        if implementation == "flash_attention_2":
-            check_flash_can_run(query.device, query.dtype)
+        backend = get_attention_backend(self.config._attn_implementation)  # checks its device / dtype itself
         mask, is_causal, segment_ids = attention_mask if attention_mask is not None else (None, False, None)
         out, weights = backend(
             query,

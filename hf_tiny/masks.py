@@ -21,6 +21,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .attention import causal_bool_mask
+from .validation import is_compiling
 
 
 class AttentionMask(NamedTuple):
@@ -29,14 +30,9 @@ class AttentionMask(NamedTuple):
     segment_ids: Optional[torch.Tensor] = None  # packed rows only: [B, S] sequence index of each token
 
 
-def _is_compiling() -> bool:
-    compiler = getattr(torch, "compiler", None)
-    return bool(compiler is not None and compiler.is_compiling())
-
-
 def _has_padding(attention_mask: torch.Tensor) -> bool:
     # A data-dependent check; under torch.compile we always build the mask instead of branching on data.
-    return _is_compiling() or not bool(attention_mask.all())
+    return is_compiling() or not bool(attention_mask.all())
 
 
 # An additive mask value at or below this is "masked": exp(-1e4) is 0 in every dtype (the oldest convention,
@@ -56,7 +52,7 @@ def ready_4d_mask(attention_mask: torch.Tensor, *, query_length: int, key_length
         return attention_mask
     if attention_mask.is_floating_point():
         attend = attention_mask == 0
-        if not _is_compiling():
+        if not is_compiling():
             ambiguous = ~attend & (attention_mask > _MASKED_AT_OR_BELOW)
             if bool(ambiguous.any()):
                 raise ValueError(
@@ -199,7 +195,7 @@ def segment_ids_from_position_ids(position_ids: torch.Tensor) -> Optional[torch.
     Under torch.compile the ids are always returned (no data-dependent branch)."""
     first = position_ids[:, :1] - 1
     segment_ids = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
-    if not _is_compiling() and not bool(segment_ids[:, -1].any()):
+    if not is_compiling() and not bool(segment_ids[:, -1].any()):
         return None
     return segment_ids
 
@@ -216,7 +212,7 @@ def segment_ids_from_cu_seq_lens(
         raise ValueError(
             f"{field} describes sequences packed into one row; the input has batch_size={batch_size} (expected 1)"
         )
-    if not _is_compiling():
+    if not is_compiling():
         values = cu_seq_lens.tolist()
         if len(values) < 2 or values[0] != 0 or values[-1] != length or any(b <= a for a, b in zip(values, values[1:])):
             raise ValueError(
@@ -235,3 +231,35 @@ def packed_causal_mask(segment_ids: torch.Tensor, *, sliding_window: Optional[in
         mask = mask & (rows - torch.arange(seq, device=segment_ids.device)[None, :] < sliding_window)
     same_sequence = segment_ids[:, :, None] == segment_ids[:, None, :]
     return AttentionMask((mask[None] & same_sequence)[:, None], True, segment_ids)
+
+
+def static_cache_mask(
+    attention_mask: Optional[torch.Tensor],
+    past_length,
+    key_offset,
+    key_length: int,
+    batch_size: int,
+    query_length: int,
+    window: Optional[int],
+    device: torch.device,
+) -> AttentionMask:
+    """Causal bool mask [B, 1, Sq, key_length] for caches whose keys are not simply the last keys (static caches).
+
+    Key slot j holds absolute position key_offset + j; query i sits at absolute position past_length + i. Slots
+    not filled yet lie after the newest position, so causality masks them. Written with tensor ops only
+    (past_length may be a 0-d tensor), so it compiles without graph breaks.
+    """
+    query_pos = (torch.arange(query_length, device=device) + past_length)[:, None]
+    key_pos = (torch.arange(key_length, device=device) + key_offset)[None, :]
+    mask = key_pos <= query_pos
+    if window is not None:
+        mask = mask & (key_pos > query_pos - window)
+    mask = mask[None, None].expand(batch_size, 1, query_length, key_length)
+    if attention_mask is not None:
+        valid = attention_mask.to(device=device, dtype=torch.bool)
+        known = valid.shape[-1]
+        slot = key_pos[0].clamp(max=known - 1)
+        key_valid = valid[:, slot] & (key_pos[0] < known)[None, :]
+        query_valid = valid[:, (query_pos[:, 0]).clamp(max=known - 1)]
+        mask = mask & key_valid[:, None, None, :] & query_valid[:, None, :, None]
+    return AttentionMask(mask, True)

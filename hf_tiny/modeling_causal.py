@@ -21,7 +21,7 @@ from transformers.modeling_outputs import (
 
 from .configuration_causal import TinyCausalConfig
 from .layers import RMSNorm, TransformerBlock
-from .masks import AttentionMask, packed_causal_mask, segment_ids_from_cu_seq_lens, segment_ids_from_position_ids, self_attention_mask
+from .masks import AttentionMask, packed_causal_mask, static_cache_mask, segment_ids_from_cu_seq_lens, segment_ids_from_position_ids, self_attention_mask
 from .modeling_base import HfTinyPreTrainedModel
 from .rope import RotaryEmbedding
 from .forward_utils import LayerOutputs, check_token_inputs, format_output, output_flags
@@ -30,6 +30,7 @@ from .validation import (
     check_cache_matches,
     check_labels,
     check_sequence_labels,
+    is_compiling,
 )
 
 # Keyword arguments forward() takes besides its named ones. Anything else is an error: silently ignoring, say,
@@ -47,10 +48,6 @@ def _check_extra_kwargs(owner: str, kwargs: dict, allowed: tuple) -> dict:
     if unknown:
         raise TypeError(f"{owner}.forward() got unexpected keyword argument(s) {unknown}; accepted extras: {list(allowed)}")
     return {k: v for k, v in kwargs.items() if k in allowed}
-
-
-def _compiling() -> bool:
-    return torch.compiler.is_compiling()
 
 
 class TinyCausalPreTrainedModel(HfTinyPreTrainedModel):
@@ -120,7 +117,7 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
                 f"position_ids has shape {tuple(position_ids.shape)} but the input needs [{batch_size}, {query_length}] "
                 f"(or [1, {query_length}])"
             )
-        if not _compiling() and position_ids.numel() and int(position_ids.min()) < 0:
+        if not is_compiling() and position_ids.numel() and int(position_ids.min()) < 0:
             raise ValueError(f"position_ids must be >= 0; got {int(position_ids.min())}")
         return position_ids
 
@@ -148,7 +145,7 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
                 field="cu_seq_lens_q" if cu_q is not None else "cu_seq_lens_k",
             )
         static = past_key_values is not None and getattr(past_key_values, "is_compileable", False)
-        if not position_ids_given or attention_mask is not None or static or (not _compiling() and int(past_length)):
+        if not position_ids_given or attention_mask is not None or static or (not is_compiling() and int(past_length)):
             return None
         return segment_ids_from_position_ids(position_ids.expand(batch_size, -1))
 
@@ -202,11 +199,8 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
                 sliding_window=window,
                 device=device,
             )
-        return AttentionMask(
-            _absolute_position_mask(
-                attention_mask, past_length, key_offset, key_length, batch_size, query_length, window, device
-            ),
-            True,
+        return static_cache_mask(
+            attention_mask, past_length, key_offset, key_length, batch_size, query_length, window, device
         )
 
     # ------------------------------------------------------------------------------------------------------------
@@ -244,12 +238,12 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         batch_size, query_length = inputs_embeds.shape[:2]
         device = inputs_embeds.device
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        if past_key_values is not None and not _compiling():
+        if past_key_values is not None and not is_compiling():
             check_cache_matches(
                 past_key_values, batch_size=batch_size, num_key_value_heads=config.num_key_value_heads,
                 head_dim=config.head_dim,
             )
-        if attention_mask is not None and not _compiling() and (
+        if attention_mask is not None and not is_compiling() and (
             not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4
         ):
             check_attention_mask(attention_mask, expected_shape=(batch_size, int(past_length) + query_length))
@@ -293,38 +287,6 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
             attentions=collected.attentions,
         )
         return format_output(output, flags)
-
-
-def _absolute_position_mask(
-    attention_mask: Optional[torch.Tensor],
-    past_length,
-    key_offset,
-    key_length: int,
-    batch_size: int,
-    query_length: int,
-    window: Optional[int],
-    device: torch.device,
-) -> torch.Tensor:
-    """Bool mask [B, 1, Sq, key_length] for caches whose keys are not simply the last keys (static caches).
-
-    Key slot j holds absolute position key_offset + j; query i sits at absolute position past_length + i. Slots
-    not filled yet lie after the newest position, so causality masks them. Written with tensor ops only
-    (past_length may be a 0-d tensor), so it compiles without graph breaks.
-    """
-    query_pos = (torch.arange(query_length, device=device) + past_length)[:, None]
-    key_pos = (torch.arange(key_length, device=device) + key_offset)[None, :]
-    mask = key_pos <= query_pos
-    if window is not None:
-        mask = mask & (key_pos > query_pos - window)
-    mask = mask[None, None].expand(batch_size, 1, query_length, key_length)
-    if attention_mask is not None:
-        valid = attention_mask.to(device=device, dtype=torch.bool)
-        known = valid.shape[-1]
-        slot = key_pos[0].clamp(max=known - 1)
-        key_valid = valid[:, slot] & (key_pos[0] < known)[None, :]
-        query_valid = valid[:, (query_pos[:, 0]).clamp(max=known - 1)]
-        mask = mask & key_valid[:, None, None, :] & query_valid[:, None, :, None]
-    return mask
 
 
 class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):

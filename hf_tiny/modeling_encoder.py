@@ -37,6 +37,7 @@ from .validation import (
     check_labels,
     check_sequence_labels,
     check_sequence_length,
+    is_compiling,
     sequence_problem_type,
 )
 
@@ -50,7 +51,7 @@ def _check_index_tensor(tensor: torch.Tensor, *, field: str, limit: int, limit_n
     batch, seq_len = shape
     if tensor.dim() != 2 or tensor.shape[1] != seq_len or tensor.shape[0] not in (1, batch):
         raise ValueError(f"{field} has shape {tuple(tensor.shape)} but the input needs ({batch}, {seq_len}) or (1, {seq_len})")
-    if tensor.numel() == 0 or torch.compiler.is_compiling():
+    if tensor.numel() == 0 or is_compiling():
         return
     low, high = int(tensor.min()), int(tensor.max())
     if low < 0 or high >= limit:
@@ -78,6 +79,28 @@ class TinyEncoderPreTrainedModel(HfTinyPreTrainedModel):
             inputs_embeds=inputs_embeds, output_attentions=output_attentions,
             output_hidden_states=output_hidden_states, return_dict=True,
         )
+
+
+class TinyEncoderWithLabelsHead(TinyEncoderPreTrainedModel):
+    """The heads trained on one `labels` tensor (MLM, sequence and token classification): forward runs the encoder
+    (self.model) and hands its output to the subclass's `_head(outputs, labels)`, which returns the ModelOutput."""
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        token_type_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        output_attentions: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+    ) -> Union[ModelOutput, tuple]:
+        outputs = self._encode(
+            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions, output_hidden_states
+        )
+        return self._format_output(self._head(outputs, labels), return_dict)
 
 
 class TinyEncoderPooler(nn.Module):
@@ -194,7 +217,7 @@ class TinyEncoderMaskedLMHead(nn.Module):
         return self.decoder(self.layer_norm(self.act_fn(self.dense(hidden_states))))
 
 
-class TinyEncoderForMaskedLM(TinyEncoderPreTrainedModel):
+class TinyEncoderForMaskedLM(TinyEncoderWithLabelsHead):
     _tied_weights_keys = {"lm_head.decoder.weight": "model.embed_tokens.weight"}
     # Tensor parallelism splits the (tied) word embeddings by vocabulary row; the decoder must then be split the same
     # way and gather its logits (tests/test_distributed.py)
@@ -212,29 +235,14 @@ class TinyEncoderForMaskedLM(TinyEncoderPreTrainedModel):
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head.decoder = new_embeddings
 
-    def forward(
-        self,
-        input_ids: Optional[torch.Tensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        token_type_ids: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.Tensor] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
-        output_attentions: Optional[bool] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
-    ) -> Union[MaskedLMOutput, tuple]:
-        outputs = self._encode(
-            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions, output_hidden_states
-        )
+    def _head(self, outputs: BaseModelOutputWithPooling, labels: Optional[torch.Tensor]) -> MaskedLMOutput:
         logits = self.lm_head(outputs.last_hidden_state)
         loss = None
         if labels is not None:
             # Positions labelled -100 (not masked) are ignored.
             check_labels(labels, num_classes=self.config.vocab_size, expected_shape=tuple(logits.shape[:2]))
             loss = CrossEntropyLoss()(logits.view(-1, self.config.vocab_size), labels.view(-1).to(logits.device))
-        output = MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
-        return self._format_output(output, return_dict)
+        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
 
 def _classifier_dropout(config: TinyEncoderConfig) -> nn.Dropout:
@@ -242,7 +250,7 @@ def _classifier_dropout(config: TinyEncoderConfig) -> nn.Dropout:
     return nn.Dropout(config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout)
 
 
-class TinyEncoderForSequenceClassification(TinyEncoderPreTrainedModel):
+class TinyEncoderForSequenceClassification(TinyEncoderWithLabelsHead):
     """Pooled output -> dropout -> linear. The loss follows config.problem_type as in BERT: "regression" (MSE),
     "single_label_classification" (cross-entropy) or "multi_label_classification" (BCE with logits); when unset
     it is inferred from num_labels and the labels' dtype on the first call, and stored in the config."""
@@ -276,30 +284,15 @@ class TinyEncoderForSequenceClassification(TinyEncoderPreTrainedModel):
             "'single_label_classification', 'multi_label_classification'"
         )
 
-    def forward(
-        self,
-        input_ids: Optional[torch.Tensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        token_type_ids: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.Tensor] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
-        output_attentions: Optional[bool] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
-    ) -> Union[SequenceClassifierOutput, tuple]:
-        outputs = self._encode(
-            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions, output_hidden_states
-        )
+    def _head(self, outputs: BaseModelOutputWithPooling, labels: Optional[torch.Tensor]) -> SequenceClassifierOutput:
         logits = self.classifier(self.dropout(outputs.pooler_output))
         loss = self._loss(logits, labels) if labels is not None else None
-        output = SequenceClassifierOutput(
+        return SequenceClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
-        return self._format_output(output, return_dict)
 
 
-class TinyEncoderForTokenClassification(TinyEncoderPreTrainedModel):
+class TinyEncoderForTokenClassification(TinyEncoderWithLabelsHead):
     def __init__(self, config: TinyEncoderConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
@@ -308,31 +301,16 @@ class TinyEncoderForTokenClassification(TinyEncoderPreTrainedModel):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
-    def forward(
-        self,
-        input_ids: Optional[torch.Tensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        token_type_ids: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.Tensor] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
-        output_attentions: Optional[bool] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
-    ) -> Union[TokenClassifierOutput, tuple]:
-        outputs = self._encode(
-            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions, output_hidden_states
-        )
+    def _head(self, outputs: BaseModelOutputWithPooling, labels: Optional[torch.Tensor]) -> TokenClassifierOutput:
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
         loss = None
         if labels is not None:
             # Tokens labelled -100 (padding, continuation word pieces) are ignored.
             check_labels(labels, num_classes=self.num_labels, expected_shape=tuple(logits.shape[:2]))
             loss = CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.view(-1).to(logits.device))
-        output = TokenClassifierOutput(
+        return TokenClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
         )
-        return self._format_output(output, return_dict)
 
 
 class TinyEncoderForQuestionAnswering(TinyEncoderPreTrainedModel):

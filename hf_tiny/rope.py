@@ -19,6 +19,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from .validation import is_compiling
+
 DEFAULT_ROPE_THETA = 10000.0
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 # Fields each rope type needs besides rope_type / rope_theta (transformers' `_validate_<type>_rope_parameters`).
@@ -330,7 +332,7 @@ class RotaryEmbedding(nn.Module):
             self._dynamic_update(position_ids, x.device)
         if (
             self._table_positions
-            and not torch.compiler.is_compiling()
+            and not is_compiling()
             and int(position_ids.max()) < self._table_positions
         ):
             cos_table, sin_table = self._tables(x.device)

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import inspect
 import math
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
+
+
+def is_compiling() -> bool:
+    """True while torch.compile traces: data-dependent checks and branches are skipped then."""
+    return torch.compiler.is_compiling()
 
 
 def check_positive(owner: str, **fields) -> None:
@@ -45,6 +51,27 @@ def check_finite_fields(owner: str, fields: dict) -> None:
         found = _non_finite(value, name)
         if found is not None:
             raise ValueError(f"{owner}: {found[0]} must be a finite number, got {found[1]!r}")
+
+
+def check_bool(owner: str, **fields) -> None:
+    for name, value in fields.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{owner}: {name} must be True or False, got {value!r}")
+
+
+def check_token_ids(owner: str, vocab_size: int, **token_ids) -> None:
+    """Special token ids (pad, bos, eos, decoder start): None or an id in [0, vocab_size)."""
+    for name, value in token_ids.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size):
+            raise ValueError(f"{owner}: {name} must be None or a token id in [0, {vocab_size}), got {value!r}")
+
+
+def store_init_fields(config, init: Callable, arguments: dict) -> None:
+    """Sets every named parameter of the config's `init` from `arguments` (its locals() once defaults are
+    resolved), so a config's field list is written once: in its signature."""
+    for name in inspect.signature(init).parameters:
+        if name not in ("self", "kwargs"):
+            setattr(config, name, arguments[name])
 
 
 def init_arguments(arguments: dict) -> dict:
@@ -88,7 +115,7 @@ def check_input_ids(input_ids: torch.Tensor, *, vocab_size: int, field: str = "i
         raise ValueError(f"{field} holds empty sequences (shape {tuple(input_ids.shape)}); pass at least one token")
     if input_ids.numel() == 0:
         return
-    if torch.compiler.is_compiling():
+    if is_compiling():
         return  # data-dependent checks would break the graph; eager runs already checked the same code path
     low, high = int(input_ids.min()), int(input_ids.max())
     if low < 0 or high >= vocab_size:
@@ -149,7 +176,7 @@ def check_attention_mask(
         )
     if attention_mask.is_complex():
         raise TypeError(f"{field} must be bool, integer or float 0/1, got dtype {attention_mask.dtype}")
-    if attention_mask.dtype == torch.bool or attention_mask.numel() == 0 or torch.compiler.is_compiling():
+    if attention_mask.dtype == torch.bool or attention_mask.numel() == 0 or is_compiling():
         return
     not_binary = (attention_mask != 0) & (attention_mask != 1)
     if bool(not_binary.any()):
@@ -174,7 +201,7 @@ def check_labels(
         raise TypeError(f"{field} must hold integer class ids, got dtype {labels.dtype}")
     if expected_shape is not None and tuple(labels.shape) != tuple(expected_shape):
         raise ValueError(f"{field} has shape {tuple(labels.shape)} but the input needs {tuple(expected_shape)}")
-    if labels.numel() == 0 or torch.compiler.is_compiling():
+    if labels.numel() == 0 or is_compiling():
         return
     invalid = (labels != ignore_index) & ((labels < 0) | (labels >= num_classes))
     if bool(invalid.any()):

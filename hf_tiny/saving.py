@@ -1,0 +1,90 @@
+"""save_pretrained / push_to_hub of every hf_tiny model: atomic saves, and the model card that travels with them."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import shutil
+from pathlib import Path
+
+from transformers import PreTrainedModel
+
+from .hub import CARD_FILE, carry_model_card, check_repo_id, source_card
+from .io_utils import atomic_directory, link_or_copy_tree
+
+
+class AtomicSaveAndCardMixin:
+    """Mixed in before PreTrainedModel (super() is PreTrainedModel's save / push)."""
+
+    # Hub: the model card of a converted checkpoint (README.md with its measured parity numbers) travels with
+    # save_pretrained / push_to_hub; see hf_tiny/hub.py.
+    #
+    # save_pretrained is atomic: transformers writes into a temp folder beside save_directory, which then replaces
+    # it in one rename (hf_tiny/io_utils.py), so a save killed midway leaves the previous folder as it was. What a
+    # plain save into the folder would keep (tokenizer files, Trainer checkpoints, ...) is carried over.
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        arguments = inspect.signature(PreTrainedModel.save_pretrained).bind(self, save_directory, *args, **kwargs)
+        arguments.apply_defaults()
+        options = arguments.arguments
+        if not _can_save_atomically(save_directory, options):
+            result = super().save_pretrained(save_directory, *args, **kwargs)
+            if options.get("is_main_process", True) and os.path.isdir(save_directory):
+                carry_model_card(self, save_directory)
+            return result
+        destination = Path(os.path.realpath(save_directory))
+        with atomic_directory(destination, replace=True) as tmp:
+            result = super().save_pretrained(tmp, *args, **kwargs)
+            _carry_over_previous_folder(self, destination, tmp, os.fspath(save_directory), options.get("variant"))
+        return result
+
+    def push_to_hub(self, repo_id=None, *args, **kwargs):
+        return super().push_to_hub(check_repo_id(repo_id), *args, **kwargs)
+
+    def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
+        # transformers has just written its generic README.md here (after save_pretrained): put our card back,
+        # pointed at the repo, before the upload.
+        carry_model_card(self, working_dir, model_id=repo_id)
+        return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
+
+
+def _can_save_atomically(save_directory, options: dict) -> bool:
+    """The cases where save_pretrained writes in place, as transformers does: other ranks of a distributed save
+    (only the main process writes), push_to_hub=True (the repo id defaults to the folder's name), distributed
+    checkpoints (every rank writes), a path that is a file (transformers reports it), and a folder holding the
+    working directory (it cannot be renamed away from under the process)."""
+    if not options.get("is_main_process", True) or options.get("push_to_hub") or options.get("distributed_checkpoint"):
+        return False
+    if os.path.isfile(save_directory):
+        return False
+    destination = Path(os.path.realpath(save_directory))
+    cwd = Path(os.path.realpath(os.getcwd()))
+    return destination != cwd and destination not in cwd.parents
+
+
+def _is_stale_shard(name: str, variant) -> bool:
+    """Weight shards transformers' save_pretrained deletes from a folder it saves into (when not rewritten)."""
+    prefix = "model" if variant is None else f"model.{variant}"
+    stem = name.replace(".bin", "").replace(".safetensors", "")
+    return name.startswith(prefix) and re.fullmatch(r"(.*?)-\d{5}-of-\d{5}", stem) is not None
+
+
+def _carry_over_previous_folder(model, destination: Path, tmp: Path, save_directory: str, variant) -> None:
+    """Completes the new folder tmp before it replaces destination: our model card (hf_tiny/hub.py), then every
+    entry of the previous destination this save did not write, except stale weight shards. Entries are
+    hard-linked, never written through, so the previous folder stays intact until the swap."""
+    previous_card = destination / CARD_FILE
+    new_card = tmp / CARD_FILE
+    if previous_card.is_file() and not new_card.exists():
+        shutil.copy2(previous_card, new_card)  # a copy: carry_model_card may rewrite it (keeping its tags)
+    found = source_card(model)
+    saving_over_own_folder = found is not None and found[0].resolve() == previous_card.resolve()
+    if not saving_over_own_folder:  # there the card is already in place, unchanged
+        carry_model_card(model, tmp, model_id=save_directory)
+    if not destination.is_dir():
+        return
+    for entry in destination.iterdir():
+        target = tmp / entry.name
+        if os.path.lexists(target) or (entry.is_file() and _is_stale_shard(entry.name, variant)):
+            continue
+        link_or_copy_tree(entry, target)
