@@ -1,40 +1,43 @@
-"""BERT (transformers `model_type: bert`) <-> hf_tiny encoder (`model_type: hf_tiny_encoder`).
+"""BERT-style encoder checkpoints (transformers `model_type: bert`, `roberta`) <-> hf_tiny encoder
+(`model_type: hf_tiny_encoder`).
 
-    python -m conversion [bert] SRC DST              official BERT folder -> hf_tiny folder
-    python -m conversion [bert] SRC DST --reverse    hf_tiny encoder folder -> official BERT folder
+    python -m conversion [bert|roberta] SRC DST              official folder -> hf_tiny folder
+    python -m conversion [bert|roberta] SRC DST --reverse    hf_tiny encoder folder -> official folder
 
-Head models prefix the encoder with `bert.`; a bare BertModel has no prefix. Every official tensor maps 1:1 to
-an hf_tiny tensor (no reshaping); the MLM decoder is tied to the word embeddings unless the config unties it.
+A checkpoint is an encoder plus the parts its class holds (pooler, MLM head, next-sentence head, classifier,
+QA head). Head classes prefix the encoder's tensors (`bert.`); a bare BertModel state dict has no prefix. The
+target class is the one config.json names (else guessed from the tensors); parts of the checkpoint that class
+lacks are dropped with a note naming the tensors, as transformers' from_pretrained drops them (e.g. the
+next-sentence head of the original BERT checkpoints, whose config names BertForMaskedLM). Every tensor maps 1:1
+(no reshaping); the MLM decoder is tied to the word embeddings unless the config unties it.
+
+A variant (BERT, RoBERTa) is a table: its class-name prefix, its tensor names per part, its config fields.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import ConversionError
+from .errors import ConversionError, list_names
 from .keymap import KeyMap, Rule, join, layer_rules
 from .pipeline import Family, Plan, ReversePlan, Source, entry_points
 from .readers import official_config
 from .writer import drop_tied_copies
 
-# official class -> (hf_tiny class, Auto class, pipeline tag, has pooler)
-ARCHITECTURES = {
-    "BertModel": ("TinyEncoderModel", "AutoModel", "feature-extraction", True),
-    "BertForMaskedLM": ("TinyEncoderForMaskedLM", "AutoModelForMaskedLM", "fill-mask", False),
-    "BertForSequenceClassification": (
-        "TinyEncoderForSequenceClassification", "AutoModelForSequenceClassification", "text-classification", True,
-    ),
-    "BertForTokenClassification": (
-        "TinyEncoderForTokenClassification", "AutoModelForTokenClassification", "token-classification", False,
-    ),
-    "BertForQuestionAnswering": (
-        "TinyEncoderForQuestionAnswering", "AutoModelForQuestionAnswering", "question-answering", False,
-    ),
+# official class suffix -> (hf_tiny class, Auto class, pipeline tag)
+CLASSES = {
+    "Model": ("TinyEncoderModel", "AutoModel", "feature-extraction"),
+    "ForPreTraining": ("TinyEncoderForPreTraining", "AutoModelForPreTraining", "fill-mask"),
+    "ForMaskedLM": ("TinyEncoderForMaskedLM", "AutoModelForMaskedLM", "fill-mask"),
+    "ForSequenceClassification": ("TinyEncoderForSequenceClassification", "AutoModelForSequenceClassification", "text-classification"),
+    "ForTokenClassification": ("TinyEncoderForTokenClassification", "AutoModelForTokenClassification", "token-classification"),
+    "ForQuestionAnswering": ("TinyEncoderForQuestionAnswering", "AutoModelForQuestionAnswering", "question-answering"),
 }
-OFFICIAL_BY_OURS = {ours: official for official, (ours, *_rest) in ARCHITECTURES.items()}
+SUFFIX_BY_OURS = {ours: suffix for suffix, (ours, *_rest) in CLASSES.items()}
 
-# BERT config field -> TinyEncoderConfig field (label maps and problem_type pass through PretrainedConfig).
+# Official config field -> TinyEncoderConfig field (label maps and problem_type pass through PretrainedConfig).
 CONFIG_FIELDS = {
     "vocab_size": "vocab_size",
     "hidden_size": "hidden_size",
@@ -70,145 +73,239 @@ LAYER_MODULES = {
 }
 EMBEDDING_MODULES = {"embeddings.LayerNorm": "embed_norm"}
 EMBEDDING_TABLES = {"embeddings.position_embeddings": "embed_positions", "embeddings.token_type_embeddings": "embed_token_types"}
-HEAD_MODULES = {
-    "BertForMaskedLM": {"cls.predictions.transform.dense": "lm_head.dense", "cls.predictions.transform.LayerNorm": "lm_head.layer_norm"},
-    "BertForSequenceClassification": {"classifier": "classifier"},
-    "BertForTokenClassification": {"classifier": "classifier"},
-    "BertForQuestionAnswering": {"qa_outputs": "qa_outputs"},
-}
+WORD_EMBEDDINGS = "embeddings.word_embeddings.weight"
 # Buffers some official checkpoints carry; the model recomputes them.
-IGNORED_BUFFERS = (r"(bert\.)?embeddings\.position_ids", r"(bert\.)?embeddings\.token_type_ids")
+IGNORED_BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids")
 UNTIED_HINT = "; set tie_word_embeddings=false in config.json if the checkpoint really has an untied decoder"
 
 
-def key_map(architecture: str, *, tied: bool = True) -> KeyMap:
+@dataclass(frozen=True)
+class MaskedLMNames:
+    """Official names of an MLM head: its transform modules, the decoder (tied to the word embeddings) and the
+    output bias, which official code ties to `decoder.bias` (a stored copy is dropped on reading)."""
+
+    modules: dict[str, str]
+    decoder: str
+    bias: str
+
+
+@dataclass(frozen=True)
+class EncoderVariant:
+    model_type: str
+    class_prefix: str  # "Bert": BertModel, BertForMaskedLM, ...
+    base_prefix: str  # the encoder's tensor prefix in head checkpoints
+    masked_lm: MaskedLMNames
+    # part -> {official module: hf_tiny module}; "pooler" lives inside the encoder (under base_prefix), the
+    # others at the top level of the checkpoint
+    parts: dict[str, dict[str, str]]
+    class_parts: dict[str, tuple[str, ...]]  # official class suffix -> parts it holds besides the encoder
+    fixed_config: dict = field(default_factory=dict)  # hf_tiny config fields the variant implies
+
+    def official_class(self, suffix: str) -> str:
+        return self.class_prefix + suffix
+
+    def suffix_of(self, official_class: str, *, src) -> str:
+        suffix = official_class[len(self.class_prefix):] if official_class.startswith(self.class_prefix) else None
+        if suffix not in self.class_parts:
+            supported = ", ".join(self.official_class(s) for s in self.class_parts)
+            raise ConversionError(f"{src}: architecture {official_class!r} is not supported; supported: {supported}")
+        return suffix
+
+
+BERT = EncoderVariant(
+    model_type="bert",
+    class_prefix="Bert",
+    base_prefix="bert",
+    masked_lm=MaskedLMNames(
+        {"cls.predictions.transform.dense": "lm_head.dense", "cls.predictions.transform.LayerNorm": "lm_head.layer_norm"},
+        decoder="cls.predictions.decoder",
+        bias="cls.predictions.bias",
+    ),
+    parts={
+        "pooler": {"pooler.dense": "pooler.dense"},
+        "next_sentence": {"cls.seq_relationship": "next_sentence"},
+        "classifier": {"classifier": "classifier"},
+        "qa": {"qa_outputs": "qa_outputs"},
+    },
+    class_parts={
+        "Model": ("pooler",),
+        "ForPreTraining": ("pooler", "masked_lm", "next_sentence"),
+        "ForMaskedLM": ("masked_lm",),
+        "ForSequenceClassification": ("pooler", "classifier"),
+        "ForTokenClassification": ("classifier",),
+        "ForQuestionAnswering": ("qa",),
+    },
+    fixed_config={"positions_from_padding": False, "dropout_before_pooler": False},
+)
+
+
+def part_modules(variant: EncoderVariant, part: str) -> dict[str, str]:
+    if part == "masked_lm":
+        return {**variant.masked_lm.modules, variant.masked_lm.decoder: "lm_head.decoder"}
+    return variant.parts[part]
+
+
+def part_keys(variant: EncoderVariant, part: str, state, *, prefixed: bool) -> list[str]:
+    """The tensors of `part` present in a checkpoint."""
+    prefix = variant.base_prefix + "." if part == "pooler" and prefixed else ""
+    names = {f"{prefix}{module}.{param}" for module in part_modules(variant, part) for param in ("weight", "bias")}
+    if part == "masked_lm":
+        names.add(variant.masked_lm.bias)
+    return sorted(k for k in state if k in names)
+
+
+def key_map(variant: EncoderVariant, suffix: str, *, tied: bool = True) -> KeyMap:
     """The official <-> hf_tiny key map of one official class."""
-    if architecture not in ARCHITECTURES:
-        raise ConversionError(f"unsupported BERT architecture {architecture!r}; supported: {', '.join(ARCHITECTURES)}")
-    source, target = ("", "") if architecture == "BertModel" else ("bert", "model")
-    has_pooler = ARCHITECTURES[architecture][3]
-    mlm = architecture == "BertForMaskedLM"
-    words, embed = join(source, "embeddings.word_embeddings.weight"), join(target, "embed_tokens.weight")
-    rules: list = [Rule(words, (embed, "lm_head.decoder.weight")) if mlm and tied else (words, embed)]
+    source, target = ("", "") if suffix == "Model" else (variant.base_prefix, "model")
+    parts = variant.class_parts[suffix]
+    masked_lm = "masked_lm" in parts
+    words, embed = join(source, WORD_EMBEDDINGS), join(target, "embed_tokens.weight")
+    rules: list = [Rule(words, (embed, "lm_head.decoder.weight")) if masked_lm and tied else (words, embed)]
     rules += layer_rules(source, target, EMBEDDING_TABLES, params=("weight",))
     rules += layer_rules(source, target, EMBEDDING_MODULES)
     rules += layer_rules(join(source, "encoder.layer.{i}"), join(target, "layers.{i}"), LAYER_MODULES)
-    if has_pooler:
-        rules += layer_rules(source, target, {"pooler.dense": "pooler.dense"})
-    rules += layer_rules("", "", HEAD_MODULES.get(architecture, {}))
-    ignore = list(IGNORED_BUFFERS)
-    if mlm and tied:  # official BERT ties decoder.bias to predictions.bias; the stored copy is dropped on reading
-        rules.append(("cls.predictions.bias", "lm_head.decoder.bias"))
-    elif mlm:
-        rules += layer_rules("cls.predictions", "lm_head", {"decoder": "decoder"})
-        ignore.append(r"cls\.predictions\.bias")  # untied, the official forward reads decoder.bias only
-    if not has_pooler:
-        ignore.append(r"bert\.pooler\.dense\.(weight|bias)")  # the official class ignores them too
+    ignore = [rf"({variant.base_prefix}\.)?" + buffer.replace(".", r"\.") for buffer in IGNORED_BUFFERS]
+    for part in parts:
+        if part == "pooler":
+            rules += layer_rules(source, target, variant.parts["pooler"])
+        elif part == "masked_lm":
+            names = variant.masked_lm
+            rules += layer_rules("", "", names.modules)
+            if tied:  # the output bias is the decoder's bias (a stored decoder.bias copy is dropped on reading)
+                rules.append((names.bias, "lm_head.decoder.bias"))
+            else:
+                rules += layer_rules("", "", {names.decoder: "lm_head.decoder"})
+                ignore.append(names.bias.replace(".", r"\."))  # untied, the official forward reads decoder.bias only
+        else:
+            rules += layer_rules("", "", variant.parts[part])
     return KeyMap(rules, ignore=ignore)
 
 
-def detect_architecture(bert_config: dict, state: dict, *, src) -> str:
-    """The official class of a checkpoint: config.json `architectures` when it names a supported class, else
-    guessed from the tensor names."""
-    named = bert_config.get("architectures") or []
-    if named:
-        if named[0] not in ARCHITECTURES:
-            raise ConversionError(
-                f"{src}: architecture {named[0]!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
-            )
-        return named[0]
-    keys = set(state)
-    if not any(k.startswith("bert.") for k in keys):
-        return "BertModel"
-    if any(k.startswith("cls.predictions.") for k in keys):
-        return "BertForMaskedLM"
-    if "qa_outputs.weight" in keys:
-        return "BertForQuestionAnswering"
-    if "classifier.weight" in keys:
-        return "BertForSequenceClassification" if "bert.pooler.dense.weight" in keys else "BertForTokenClassification"
+def guess_suffix(variant: EncoderVariant, present: set[str], *, prefixed: bool, src) -> str:
+    """The official class of a checkpoint whose config.json names none, from the parts it holds."""
+    if not prefixed:
+        return "Model"
+    for suffix in ("ForPreTraining", "ForMaskedLM", "ForQuestionAnswering", "ForSequenceClassification", "ForTokenClassification"):
+        if set(variant.class_parts[suffix]) <= present:
+            return suffix
     raise ConversionError(
-        f"{src}: cannot tell which BERT class the checkpoint holds (no `architectures` in config.json and no known "
-        "head tensors); add `architectures` to config.json"
+        f"{src}: cannot tell which {variant.class_prefix} class the checkpoint holds (no `architectures` in "
+        "config.json and no known head tensors); add `architectures` to config.json"
     )
 
 
-def encoder_config_from_bert(bert_config: dict, *, src):
-    """TinyEncoderConfig equivalent to an official BERT config.json; unsupported BERT variants are errors."""
+def choose_class(variant: EncoderVariant, source: Source, notes: list[str]) -> tuple[str, dict]:
+    """(official class suffix, tensors ready for its key map): the class config.json names, or the one the tensors
+    show; parts it lacks dropped with a note; the encoder prefix added or removed as the class stores it."""
+    state, src = source.state, source.path
+    prefixed = any(k.startswith(variant.base_prefix + ".") for k in state)
+    present = {part for part in ("pooler", "masked_lm", *variant.parts) if part_keys(variant, part, state, prefixed=prefixed)}
+    named = (source.raw_config.get("architectures") or [None])[0]
+    suffix = variant.suffix_of(named, src=src) if named else guess_suffix(variant, present, prefixed=prefixed, src=src)
+    heads = set(variant.class_parts[suffix]) - {"pooler"}
+    if heads and not prefixed and not heads & present:
+        notes.append(f"config.json names {named} but the checkpoint is a bare {variant.official_class('Model')} state "
+                     f"dict (no `{variant.base_prefix}.` prefix, no head tensors): converted as "
+                     f"{variant.official_class('Model')}.")
+        suffix = "Model"
+    official = variant.official_class(suffix)
+    for part in sorted(present - set(variant.class_parts[suffix])):
+        dropped = part_keys(variant, part, state, prefixed=prefixed)
+        notes.append(f"Dropped {list_names(dropped)}: {official} has no {part.replace('_', ' ')} part "
+                     "(transformers' from_pretrained drops them too).")
+        state = {k: v for k, v in state.items() if k not in dropped}
+    if suffix == "Model" and prefixed:
+        state = {k.removeprefix(variant.base_prefix + "."): v for k, v in state.items()}
+    return suffix, state
+
+
+def encoder_config_from_official(variant: EncoderVariant, raw_config: dict, *, src):
+    """TinyEncoderConfig equivalent to an official config.json; unsupported options are errors."""
     from hf_tiny import TinyEncoderConfig
 
-    bert = official_config({**bert_config, "model_type": "bert"}, src=src)
-    position_type = getattr(bert, "position_embedding_type", None) or "absolute"
+    official = official_config({**raw_config, "model_type": variant.model_type}, src=src)
+    position_type = getattr(official, "position_embedding_type", None) or "absolute"
     if position_type != "absolute":
         raise ConversionError(
             f"{src}: position_embedding_type={position_type!r} is not supported (hf_tiny encoders use learned "
             "absolute positions only)"
         )
     for flag in ("is_decoder", "add_cross_attention"):
-        if getattr(bert, flag, False):
-            raise ConversionError(f"{src}: {flag}=True (a BERT decoder) is not supported; hf_tiny encoders are bidirectional")
-    values = {ours: getattr(bert, official) for official, ours in CONFIG_FIELDS.items()}
+        if getattr(official, flag, False):
+            raise ConversionError(f"{src}: {flag}=True (a decoder) is not supported; hf_tiny encoders are bidirectional")
+    values = {ours: getattr(official, name) for name, ours in CONFIG_FIELDS.items()}
     if values["id2label"] is None:
         values.pop("id2label")
         values.pop("label2id")
     try:
-        return TinyEncoderConfig(**values)
+        return TinyEncoderConfig(**values, **variant.fixed_config)
     except (TypeError, ValueError) as error:
-        raise ConversionError(f"{src}: this BERT config has no hf_tiny equivalent: {error}") from error
+        raise ConversionError(f"{src}: this {variant.model_type} config has no hf_tiny equivalent: {error}") from error
 
 
-def bert_config_from_encoder(config, architecture: str):
-    from transformers import BertConfig
+def official_config_from_encoder(variant: EncoderVariant, config, official_class: str):
+    from transformers import AutoConfig
 
-    values = {official: getattr(config, ours) for official, ours in CONFIG_FIELDS.items()}
+    mismatched = [f"{k}={getattr(config, k)!r}" for k, v in variant.fixed_config.items() if getattr(config, k) != v]
+    if mismatched:
+        raise ConversionError(f"this hf_tiny encoder is not a {variant.model_type} model: {', '.join(mismatched)}")
+    values = {name: getattr(config, ours) for name, ours in CONFIG_FIELDS.items()}
     if values["id2label"] is None:
         values.pop("id2label")
         values.pop("label2id")
-    return BertConfig(**values, architectures=[architecture], position_embedding_type="absolute")
+    return AutoConfig.for_model(variant.model_type, **values, architectures=[official_class], position_embedding_type="absolute")
 
 
-def mapped_bert(source: Source) -> tuple[str, object, dict]:
-    """(official class, hf_tiny config, tensors with stored tied copies dropped) of a BERT source: shared by
-    `bert` and `bert2seq`, which reads its source as strictly."""
-    architecture = detect_architecture(source.raw_config, source.state, src=source.path)
-    config = encoder_config_from_bert(source.raw_config, src=source.path)
-    state = source.state
-    if architecture == "BertForMaskedLM" and config.tie_word_embeddings:
-        state = drop_tied_copies(state, "bert.embeddings.word_embeddings.weight", ["cls.predictions.decoder.weight"],
-                                 src=source.path, hint=UNTIED_HINT)
-        state = drop_tied_copies(state, "cls.predictions.bias", ["cls.predictions.decoder.bias"], src=source.path)
-    return architecture, config, state
+class EncoderFamily(Family):
+    """A BERT-style encoder variant; subclasses set `variant` and the descriptive attributes."""
 
-
-class BertFamily(Family):
-    name = "bert"
-    model_types = ("bert",)
+    variant: EncoderVariant = BERT
     config_class = "TinyEncoderConfig"
-    classes = {ours: (auto, tag) for ours, auto, tag, _ in ARCHITECTURES.values()}
+    classes = {ours: (auto, tag) for ours, auto, tag in CLASSES.values()}
     default_class = "TinyEncoderModel"
     modality = "encoder"
-    card_family = "hf_tiny_encoder (BERT-style encoder)"
-    tags = ("bert", "encoder")
+
+    def read(self, src: Path) -> Source:
+        return self.read_hf_folder(src, allow_missing_model_type=True)
 
     def plan(self, source: Source) -> Plan:
-        architecture, config, state = mapped_bert(source)
-        if not ARCHITECTURES[architecture][3]:
-            unused = sorted(k for k in state if k.startswith("bert.pooler."))
-            if unused:
-                print(f"note: ignoring {', '.join(unused)}: {architecture} has no pooler (transformers ignores them "
-                      "too)", file=sys.stderr)
-        source.description = f"the official `{architecture}` checkpoint `{source.path.resolve().name}`"
-        return Plan(config, ARCHITECTURES[architecture][0], architecture,
-                    key_map(architecture, tied=config.tie_word_embeddings), config.num_hidden_layers, state)
+        variant, notes = self.variant, list(source.notes)
+        suffix, state = choose_class(variant, source, notes)
+        config = encoder_config_from_official(variant, source.raw_config, src=source.path)
+        tied = config.tie_word_embeddings
+        if "masked_lm" in variant.class_parts[suffix] and tied:
+            prefix = "" if suffix == "Model" else variant.base_prefix + "."
+            names = variant.masked_lm
+            state = drop_tied_copies(state, prefix + WORD_EMBEDDINGS, [names.decoder + ".weight"], src=source.path,
+                                     hint=UNTIED_HINT)
+            state = drop_tied_copies(state, names.bias, [names.decoder + ".bias"], src=source.path)
+        for note in notes:
+            print(f"note: {note}", file=sys.stderr)
+        official = variant.official_class(suffix)
+        source.description = f"the official `{official}` checkpoint `{source.path.resolve().name}`"
+        return Plan(config, CLASSES[suffix][0], official, key_map(variant, suffix, tied=tied), config.num_hidden_layers,
+                    state, notes=notes)
 
     def reverse(self, config, our_class: str, src: Path) -> ReversePlan:
-        architecture = OFFICIAL_BY_OURS[our_class]
-        return ReversePlan(architecture, bert_config_from_encoder(config, architecture),
-                           key_map(architecture, tied=config.tie_word_embeddings), config.num_hidden_layers)
+        suffix = SUFFIX_BY_OURS[our_class]
+        official = self.variant.official_class(suffix)
+        return ReversePlan(official, official_config_from_encoder(self.variant, config, official),
+                           key_map(self.variant, suffix, tied=config.tie_word_embeddings), config.num_hidden_layers)
 
     def finish_official_state(self, state: dict, config, plan: ReversePlan) -> dict:
-        if plan.official_class == "BertForMaskedLM" and not config.tie_word_embeddings:
-            state["cls.predictions.bias"] = state["cls.predictions.decoder.bias"].clone()  # read by nothing, expected
+        names = self.variant.masked_lm
+        if names.decoder + ".bias" in state and not config.tie_word_embeddings:
+            state[names.bias] = state[names.decoder + ".bias"].clone()  # read by nothing, expected by the class
         return state
+
+
+class BertFamily(EncoderFamily):
+    name = "bert"
+    model_types = ("bert",)
+    variant = BERT
+    card_family = "hf_tiny_encoder (BERT-style encoder)"
+    tags = ("bert", "encoder")
+    tensor_markers = ("bert.embeddings.word_embeddings.weight",)
 
 
 FAMILY = BertFamily()

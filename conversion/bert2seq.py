@@ -140,12 +140,10 @@ def official_warm_start(src: Path, *, seed: int):
 def check_source_weights(source: Source) -> None:
     """Reads SRC as strictly as `python -m conversion bert` does. transformers' warm start alone would re-initialize
     a missing BERT tensor and skip an unknown one without an error, and reports damaged files in its own terms."""
-    architecture, config, state = bert_conversion.mapped_bert(source)
-    mapped = bert_conversion.key_map(architecture, tied=config.tie_word_embeddings).to_target(
-        state, num_layers=config.num_hidden_layers
-    )
+    plan = bert_conversion.FAMILY.plan(source)
+    mapped = plan.key_map.to_target(plan.state, num_layers=plan.num_layers)
     with torch.device("meta"):
-        body = bert_conversion.FAMILY.hf_tiny_class(bert_conversion.ARCHITECTURES[architecture][0])(config)
+        body = bert_conversion.FAMILY.hf_tiny_class(plan.our_class)(plan.config)
     check_shapes(mapped, expected_shapes(body))
 
 

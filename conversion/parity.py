@@ -126,7 +126,9 @@ def parity_batch(modality: str, config, tokenizer_folder: Path | None = None, *,
     if batch is not None:
         description = f"{len(SAMPLE_TEXTS)} texts of different lengths through the tokenizer, {side}-padded"
     else:
-        length = min(16, config.max_position_embeddings)
+        # RoBERTa-style positions start after the padding row of the position table
+        offset = config.pad_token_id + 1 if getattr(config, "positions_from_padding", False) else 0
+        length = min(16, config.max_position_embeddings - offset)
         batch = _random_padded(config, [length, max(1, length - 5), max(1, length // 4)], length, side, seed)
         description = f"seeded random token ids, {side}-padded batch of lengths {batch['attention_mask'].sum(-1).tolist()}"
     if modality == "causal":
@@ -192,7 +194,10 @@ def _seq2seq_batch(config, seed: int) -> ParityBatch:
 # ----------------------------------------------------------------------------------------------------------------
 
 # Output fields compared, in this order, where the output has them.
-COMPARED_FIELDS = ("last_hidden_state", "pooler_output", "logits", "start_logits", "end_logits")
+COMPARED_FIELDS = (
+    "last_hidden_state", "pooler_output", "logits", "start_logits", "end_logits", "prediction_logits",
+    "seq_relationship_logits",
+)
 
 
 def compared_outputs(output, real_tokens: torch.Tensor | None) -> list[torch.Tensor]:

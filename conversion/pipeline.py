@@ -47,6 +47,7 @@ class Source:
     state: dict[str, torch.Tensor]
     description: str  # for the model card: "the official `BertModel` checkpoint `x`"
     official: Any = None  # an official model already built while reading (e.g. a warm start)
+    notes: list[str] = field(default_factory=list)  # what reading assumed (for stderr and the model card)
 
 
 @dataclass
@@ -89,15 +90,29 @@ class Family:
     keep_stored_tied_copies: bool = False  # reverse: write a tied copy the hf_tiny folder stores (untied heads)
     reversible: bool = True
     detected: bool = True  # False: only by name (e.g. bert2seq reads plain BERT folders, as `bert` does)
+    # tensor names only this family's checkpoints hold: detection of a config.json without model_type
+    tensor_markers: tuple[str, ...] = ()
 
     # --- forward ---
 
     def read(self, src: Path) -> Source:
         """Default: a Hugging Face folder (or a weights file inside one) of one of model_types."""
+        return self.read_hf_folder(src)
+
+    def read_hf_folder(self, src: Path, *, allow_missing_model_type: bool = False) -> Source:
+        """A Hugging Face folder of one of model_types. allow_missing_model_type: a config.json without
+        model_type (written by transformers before it had one) is read as this family, with a note; one that
+        names another model_type is still refused."""
         raw = load_config_json(src)
+        notes = []
+        if allow_missing_model_type and "model_type" not in raw:
+            notes.append(f"config.json has no model_type (written by an old transformers version): read as "
+                         f"{self.model_types[0]!r}, the {self.name} family's model type.")
+            raw = {**raw, "model_type": self.model_types[0]}
         require_model_type(raw, self.model_types, src=src)
         folder = src if src.is_dir() else src.parent
-        return Source(src, folder, "hf", raw, load_checkpoint(src), f"the official checkpoint `{src.resolve().name}`")
+        return Source(src, folder, "hf", raw, load_checkpoint(src), f"the official checkpoint `{src.resolve().name}`",
+                      notes=notes)
 
     def plan(self, source: Source) -> Plan:
         raise NotImplementedError

@@ -51,6 +51,30 @@ def load_checkpoint(src: str | os.PathLike) -> dict[str, torch.Tensor]:
     )
 
 
+def checkpoint_keys(src: str | os.PathLike) -> list[str]:
+    """The tensor names of a checkpoint, read from the safetensors header or shard index where there is one
+    (pickle files are loaded)."""
+    path = Path(src)
+    if path.is_dir():
+        for name in (SAFETENSORS_INDEX, SAFETENSORS_FILE, PYTORCH_INDEX):
+            if (path / name).is_file():
+                return checkpoint_keys(path / name)
+    if path.name.endswith(".index.json"):
+        try:
+            return list(json.loads(path.read_text()).get("weight_map", {}))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as error:
+            raise ConversionError(f"cannot read shard index {path}: {error}") from error
+    if path.name.endswith(".safetensors"):
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(path), framework="pt", device="cpu") as handle:
+                return list(handle.keys())
+        except (SafetensorError, OSError) as error:
+            raise ConversionError(f"{path} is not a valid safetensors file (truncated or corrupt?): {error}") from error
+    return list(load_checkpoint(path))
+
+
 def _load_safetensors(path: Path, expected_keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError, safe_open
 

@@ -11,12 +11,13 @@ from .errors import ConversionError
 # family name -> module defining FAMILY (a pipeline.Family), convert() and, where it exists, convert_back()
 FAMILIES = {
     "bert": "conversion.bert",
+    "roberta": "conversion.roberta",
     "llama": "conversion.llama",
     "bart": "conversion.bart",
     "t5": "conversion.t5",
     "bert2seq": "conversion.bert2seq",
 }
-# hf_tiny model_type -> the family that converts it back (seq2seq: decided by its position embedding type)
+# hf_tiny model_type -> the family that converts it back (encoder and seq2seq: decided by a variant field)
 REVERSE_FAMILIES = {"hf_tiny_encoder": "bert", "hf_tiny_causal": "llama"}
 
 
@@ -63,6 +64,8 @@ def detect_family(src: str | os.PathLike, *, reverse: bool = False) -> tuple[str
             raise ConversionError(
                 f"{src} is already an hf_tiny folder (model_type={model_type!r}); pass --reverse to convert it back"
             )
+        if model_type == "hf_tiny_encoder" and raw.get("positions_from_padding"):
+            return "roberta", f"model_type {model_type!r} with positions_from_padding=True"
         if model_type == "hf_tiny_seq2seq":
             name = "t5" if raw.get("position_embedding_type") == "relative" else "bart"
             return name, f"model_type {model_type!r} with position_embedding_type {raw.get('position_embedding_type')!r}"
@@ -70,6 +73,8 @@ def detect_family(src: str | os.PathLike, *, reverse: bool = False) -> tuple[str
             return REVERSE_FAMILIES[model_type], f"model_type {model_type!r}"
     elif reverse:
         raise ConversionError(f"--reverse converts an hf_tiny folder back; {src} has model_type={model_type!r}")
+    if model_type is None:
+        return _family_from_tensor_names(src)
     for name in FAMILIES:
         family = family_for(name)
         if family.detected and model_type in family.model_types:
@@ -77,6 +82,23 @@ def detect_family(src: str | os.PathLike, *, reverse: bool = False) -> tuple[str
     known = sorted({t for name in FAMILIES for t in family_for(name).model_types})
     raise ConversionError(
         f"{src}: no converter reads model_type={model_type!r} (config.json); known model types: {', '.join(known)}"
+    )
+
+
+def _family_from_tensor_names(src: Path) -> tuple[str, str]:
+    """A config.json without model_type (old transformers versions wrote none): the family whose marker tensors
+    the checkpoint holds."""
+    from .readers import checkpoint_keys
+
+    keys = set(checkpoint_keys(src))
+    for name in FAMILIES:
+        family = family_for(name)
+        found = [marker for marker in family.tensor_markers if marker in keys]
+        if family.detected and found:
+            return name, f"config.json has no model_type; the checkpoint holds {found[0]}"
+    raise ConversionError(
+        f"{src}: config.json has no model_type and no tensor name tells the family (a bare encoder state dict has the "
+        "same names in BERT and RoBERTa); name the family: python -m conversion FAMILY SRC DST"
     )
 
 

@@ -8,6 +8,7 @@ from transformers import (
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForMaskedLM,
+    AutoModelForPreTraining,
     AutoModelForQuestionAnswering,
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
@@ -26,6 +27,7 @@ from .modeling_causal import (
 )
 from .modeling_encoder import (
     TinyEncoderForMaskedLM,
+    TinyEncoderForPreTraining,
     TinyEncoderForQuestionAnswering,
     TinyEncoderForSequenceClassification,
     TinyEncoderForTokenClassification,
@@ -41,6 +43,7 @@ AUTO_CLASSES = {
     TinyEncoderConfig: {
         AutoModel: TinyEncoderModel,
         AutoModelForMaskedLM: TinyEncoderForMaskedLM,
+        AutoModelForPreTraining: TinyEncoderForPreTraining,
         AutoModelForSequenceClassification: TinyEncoderForSequenceClassification,
         AutoModelForTokenClassification: TinyEncoderForTokenClassification,
         AutoModelForQuestionAnswering: TinyEncoderForQuestionAnswering,

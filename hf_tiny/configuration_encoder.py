@@ -5,7 +5,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from .validation import check_choice, check_divisible, check_finite_fields, check_positive, check_positive_number
+from .validation import check_bool, check_choice, check_divisible, check_finite_fields, check_positive, check_positive_number
 from .validation import check_probability, check_token_ids, check_unsupported_field, init_arguments, store_init_fields
 
 
@@ -14,6 +14,13 @@ class TinyEncoderConfig(PretrainedConfig):
     N blocks of (self-attention, GELU feed-forward), optional tanh pooler. The field names are the transformers
     standard ones; `hidden_dropout` / `attention_dropout` are BERT's `hidden_dropout_prob` /
     `attention_probs_dropout_prob`.
+
+    Variant fields (each needed by a real checkpoint family):
+        positions_from_padding: RoBERTa's position ids: each token's position counts the non-padding tokens up
+            to it, starting at pad_token_id + 1; padding tokens take position pad_token_id (the padding row of
+            embed_positions). Sequences may then be max_position_embeddings - pad_token_id - 1 tokens long.
+        dropout_before_pooler: sequence classification applies dropout to the first token's hidden state before
+            the pooler's dense layer too (RoBERTa's classification head: dropout, dense, tanh, dropout, out_proj).
     """
 
     model_type = "hf_tiny_encoder"
@@ -48,6 +55,8 @@ class TinyEncoderConfig(PretrainedConfig):
         classifier_dropout: float | None = None,
         attention_bias: bool = True,
         tie_word_embeddings: bool = True,
+        positions_from_padding: bool = False,
+        dropout_before_pooler: bool = False,
         **kwargs,
     ):
         owner = type(self).__name__
@@ -73,6 +82,15 @@ class TinyEncoderConfig(PretrainedConfig):
             check_probability(owner, classifier_dropout=classifier_dropout)
         check_positive_number(owner, layer_norm_eps=layer_norm_eps, initializer_range=initializer_range)
         check_token_ids(owner, vocab_size, pad_token_id=pad_token_id)
+        check_bool(owner, positions_from_padding=positions_from_padding, dropout_before_pooler=dropout_before_pooler)
+        if positions_from_padding:
+            if pad_token_id is None:
+                raise ValueError(f"{owner}: positions_from_padding=True needs a pad_token_id, got pad_token_id=None")
+            if max_position_embeddings <= pad_token_id + 1:
+                raise ValueError(
+                    f"{owner}: positions_from_padding=True numbers positions from pad_token_id + 1 = {pad_token_id + 1}, "
+                    f"so max_position_embeddings={max_position_embeddings} leaves no room for a single token"
+                )
 
         store_init_fields(self, TinyEncoderConfig.__init__, locals())
         super().__init__(**kwargs)

@@ -11,6 +11,7 @@ norm after attention in post-LN) and model.layers.N.post_attention_layernorm (th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
@@ -120,7 +121,8 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         super().__init__(config)
         hidden = config.hidden_size
         self.embed_tokens = nn.Embedding(config.vocab_size, hidden, padding_idx=config.pad_token_id)
-        self.embed_positions = nn.Embedding(config.max_position_embeddings, hidden)
+        position_padding = config.pad_token_id if config.positions_from_padding else None
+        self.embed_positions = nn.Embedding(config.max_position_embeddings, hidden, padding_idx=position_padding)
         self.embed_token_types = nn.Embedding(config.type_vocab_size, hidden)
         self.embed_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout)
@@ -139,7 +141,7 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         config = self.config
         shape = check_token_inputs(config, input_ids, inputs_embeds)
         if position_ids is None:
-            check_sequence_length(shape[1], limit=config.max_position_embeddings, field="input sequence length")
+            check_sequence_length(shape[1], limit=self.max_sequence_length, field="input sequence length")
         else:
             _check_index_tensor(
                 position_ids, field="position_ids", limit=config.max_position_embeddings,
@@ -153,6 +155,23 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         check_attention_mask(attention_mask, expected_shape=shape)
         return shape
 
+    @property
+    def max_sequence_length(self) -> int:
+        """The longest input the position table covers (RoBERTa-style positions start after the padding row)."""
+        config = self.config
+        return config.max_position_embeddings - (config.pad_token_id + 1 if config.positions_from_padding else 0)
+
+    def default_position_ids(self, input_ids: Optional[torch.Tensor], seq_len: int, device) -> torch.Tensor:
+        """0, 1, 2, ... (BERT); with positions_from_padding (RoBERTa), pad_token_id + 1, + 2, ... counting
+        non-padding tokens only, padding at pad_token_id; from embeddings alone the tokens count as real."""
+        if not self.config.positions_from_padding:
+            return torch.arange(seq_len, device=device)[None, :]
+        pad = self.config.pad_token_id
+        if input_ids is None:
+            return torch.arange(pad + 1, seq_len + pad + 1, device=device)[None, :]
+        real = input_ids.ne(pad).long()
+        return torch.cumsum(real, dim=1) * real + pad
+
     def embed(self, input_ids=None, token_type_ids=None, position_ids=None, inputs_embeds=None) -> torch.Tensor:
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
@@ -161,7 +180,7 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         if token_type_ids is None:
             token_type_ids = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
         if position_ids is None:
-            position_ids = torch.arange(seq_len, device=device)[None, :]
+            position_ids = self.default_position_ids(input_ids, seq_len, device)
         # Same summation order as BERT (words + types, then positions): fp32 addition is not associative.
         hidden = inputs_embeds + self.embed_token_types(token_type_ids)
         hidden = hidden + self.embed_positions(position_ids)
@@ -217,6 +236,12 @@ class TinyEncoderMaskedLMHead(nn.Module):
         return self.decoder(self.layer_norm(self.act_fn(self.dense(hidden_states))))
 
 
+def _masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy over the vocabulary; positions labelled -100 (not masked) are ignored."""
+    check_labels(labels, num_classes=logits.shape[-1], expected_shape=tuple(logits.shape[:2]))
+    return CrossEntropyLoss()(logits.view(-1, logits.shape[-1]), labels.view(-1).to(logits.device))
+
+
 class TinyEncoderForMaskedLM(TinyEncoderWithLabelsHead):
     _tied_weights_keys = {"lm_head.decoder.weight": "model.embed_tokens.weight"}
     # Tensor parallelism splits the (tied) word embeddings by vocabulary row; the decoder must then be split the same
@@ -237,12 +262,72 @@ class TinyEncoderForMaskedLM(TinyEncoderWithLabelsHead):
 
     def _head(self, outputs: BaseModelOutputWithPooling, labels: Optional[torch.Tensor]) -> MaskedLMOutput:
         logits = self.lm_head(outputs.last_hidden_state)
-        loss = None
-        if labels is not None:
-            # Positions labelled -100 (not masked) are ignored.
-            check_labels(labels, num_classes=self.config.vocab_size, expected_shape=tuple(logits.shape[:2]))
-            loss = CrossEntropyLoss()(logits.view(-1, self.config.vocab_size), labels.view(-1).to(logits.device))
+        loss = _masked_lm_loss(logits, labels) if labels is not None else None
         return MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+
+
+@dataclass
+class TinyEncoderForPreTrainingOutput(ModelOutput):
+    """BERT pretraining outputs: the MLM logits and the next-sentence logits (0: B follows A, 1: B is random)."""
+
+    loss: Optional[torch.Tensor] = None
+    prediction_logits: Optional[torch.Tensor] = None
+    seq_relationship_logits: Optional[torch.Tensor] = None
+    hidden_states: Optional[tuple[torch.Tensor, ...]] = None
+    attentions: Optional[tuple[torch.Tensor, ...]] = None
+
+
+class TinyEncoderForPreTraining(TinyEncoderPreTrainedModel):
+    """BERT's pretraining model: the MLM head on every token and the next-sentence head on the pooled output.
+    The loss (when both labels and next_sentence_label are given) is the sum of the two cross-entropies."""
+
+    _tied_weights_keys = {"lm_head.decoder.weight": "model.embed_tokens.weight"}
+    _tp_plan = {"lm_head.decoder": "colwise_gather_output"}
+
+    def __init__(self, config: TinyEncoderConfig):
+        super().__init__(config)
+        self.model = TinyEncoderModel(config, add_pooling_layer=True)
+        self.lm_head = TinyEncoderMaskedLMHead(config)
+        self.next_sentence = nn.Linear(config.hidden_size, 2)
+        self.post_init()
+
+    def get_output_embeddings(self) -> nn.Linear:
+        return self.lm_head.decoder
+
+    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
+        self.lm_head.decoder = new_embeddings
+
+    def forward(
+        self,
+        input_ids: Optional[torch.Tensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        token_type_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        next_sentence_label: Optional[torch.Tensor] = None,
+        output_attentions: Optional[bool] = None,
+        output_hidden_states: Optional[bool] = None,
+        return_dict: Optional[bool] = None,
+    ) -> Union[TinyEncoderForPreTrainingOutput, tuple]:
+        outputs = self._encode(
+            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions, output_hidden_states
+        )
+        prediction_logits = self.lm_head(outputs.last_hidden_state)
+        seq_relationship_logits = self.next_sentence(outputs.pooler_output)
+        loss = None
+        if labels is not None and next_sentence_label is not None:
+            check_labels(next_sentence_label, num_classes=2, expected_shape=(prediction_logits.shape[0],),
+                         field="next_sentence_label")
+            next_sentence_loss = CrossEntropyLoss()(
+                seq_relationship_logits.view(-1, 2), next_sentence_label.view(-1).to(seq_relationship_logits.device)
+            )
+            loss = _masked_lm_loss(prediction_logits, labels) + next_sentence_loss
+        output = TinyEncoderForPreTrainingOutput(
+            loss=loss, prediction_logits=prediction_logits, seq_relationship_logits=seq_relationship_logits,
+            hidden_states=outputs.hidden_states, attentions=outputs.attentions,
+        )
+        return self._format_output(output, return_dict)
 
 
 def _classifier_dropout(config: TinyEncoderConfig) -> nn.Dropout:
@@ -285,7 +370,10 @@ class TinyEncoderForSequenceClassification(TinyEncoderWithLabelsHead):
         )
 
     def _head(self, outputs: BaseModelOutputWithPooling, labels: Optional[torch.Tensor]) -> SequenceClassifierOutput:
-        logits = self.classifier(self.dropout(outputs.pooler_output))
+        pooled = outputs.pooler_output
+        if self.config.dropout_before_pooler:  # RoBERTa: dropout(h[:, 0]) -> dense -> tanh, then as below
+            pooled = self.model.pooler(self.dropout(outputs.last_hidden_state[:, :1]))
+        logits = self.classifier(self.dropout(pooled))
         loss = self._loss(logits, labels) if labels is not None else None
         return SequenceClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions
@@ -367,6 +455,7 @@ __all__ = [
     "TinyEncoderPreTrainedModel",
     "TinyEncoderModel",
     "TinyEncoderForMaskedLM",
+    "TinyEncoderForPreTraining",
     "TinyEncoderForSequenceClassification",
     "TinyEncoderForTokenClassification",
     "TinyEncoderForQuestionAnswering",

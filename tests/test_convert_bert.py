@@ -123,7 +123,7 @@ def test_parity_with_official_bert(architecture, heads, layers, intermediate, hi
     inputs = padded_batch()
     for backend in CPU_BACKENDS:
         ours = AUTO[architecture].from_pretrained(dst, attn_implementation=backend).eval()
-        assert type(ours).__name__ == bert_conversion.ARCHITECTURES[architecture][0]
+        assert type(ours).__name__ == bert_conversion.CLASSES[architecture.removeprefix("Bert")][0]
         diff = max_diff(official, ours, inputs, architecture)
         assert diff <= FP32_TINY_TOLERANCE, f"{backend}: max |Δ| {diff:.3g}"
     # The card written at conversion time carries the numbers measured then.
@@ -140,7 +140,7 @@ def test_parity_other_heads(architecture, tmp_path):
     # Every Auto class is named in auto_map, so any head loads the folder with trust_remote_code.
     auto_map = json.loads((dst / "config.json").read_text())["auto_map"]
     assert auto_map["AutoConfig"] == "configuration_encoder.TinyEncoderConfig"
-    for official_name, (ours_name, auto_name, _, _) in bert_conversion.ARCHITECTURES.items():
+    for ours_name, auto_name, _ in bert_conversion.CLASSES.values():
         assert auto_map[auto_name] == f"modeling_encoder.{ours_name}"
 
 
@@ -151,7 +151,8 @@ def test_pooler_of_a_head_without_pooler_is_ignored_like_transformers_does(tmp_p
     config = json.loads((src / "config.json").read_text())
     (src / "config.json").write_text(json.dumps({**config, "architectures": ["BertForTokenClassification"]}))
     bert_conversion.convert(src, tmp_path / "dst")
-    assert "note: ignoring bert.pooler.dense.bias, bert.pooler.dense.weight" in capsys.readouterr().err
+    assert ("note: Dropped bert.pooler.dense.bias, bert.pooler.dense.weight: BertForTokenClassification has no pooler"
+            in capsys.readouterr().err)
     token_official = transformers.BertForTokenClassification.from_pretrained(src).eval()
     ours = AutoModelForTokenClassification.from_pretrained(tmp_path / "dst").eval()
     assert max_diff(token_official, ours, padded_batch(), "BertForTokenClassification") <= FP32_TINY_TOLERANCE
@@ -463,8 +464,12 @@ BAD_CHECKPOINTS = {
     ),
     "decoder": (lambda src: _edit_config(src, is_decoder=True), "is_decoder=True"),
     "unsupported head": (
+        lambda src: _edit_config(src, architectures=["BertForMultipleChoice"]),
+        "architecture 'BertForMultipleChoice' is not supported",
+    ),
+    "named head lacks tensors": (
         lambda src: _edit_config(src, architectures=["BertForPreTraining"]),
-        "architecture 'BertForPreTraining' is not supported",
+        r"missing source tensors: bert\.pooler\.dense\.bias, bert\.pooler\.dense\.weight, cls\.seq_relationship\.bias",
     ),
     "untied copy differs": (
         lambda src: _edit_weights(src, lambda t: t.update({"cls.predictions.decoder.weight": torch.zeros(VOCAB, 32)})),

@@ -1,0 +1,54 @@
+"""RoBERTa (transformers `model_type: roberta`) <-> hf_tiny encoder: the BERT table with RoBERTa's names.
+
+    python -m conversion [roberta] SRC DST              official RoBERTa folder -> hf_tiny folder
+    python -m conversion [roberta] SRC DST --reverse    hf_tiny encoder folder (positions_from_padding) -> RoBERTa
+
+What differs from BERT: positions numbered from pad_token_id + 1 and derived from the input ids
+(`positions_from_padding`), the MLM head named `lm_head.*`, and the sequence-classification head
+`classifier.dense` -> tanh -> `classifier.out_proj` on the first token, which is the pooler + classifier of
+hf_tiny with one more dropout before the dense layer (`dropout_before_pooler`).
+"""
+
+from __future__ import annotations
+
+from .bert import EncoderFamily, EncoderVariant, MaskedLMNames
+from .pipeline import entry_points
+
+ROBERTA = EncoderVariant(
+    model_type="roberta",
+    class_prefix="Roberta",
+    base_prefix="roberta",
+    masked_lm=MaskedLMNames(
+        {"lm_head.dense": "lm_head.dense", "lm_head.layer_norm": "lm_head.layer_norm"},
+        decoder="lm_head.decoder",
+        bias="lm_head.bias",
+    ),
+    parts={
+        "pooler": {"pooler.dense": "pooler.dense"},
+        "classification_head": {"classifier.dense": "model.pooler.dense", "classifier.out_proj": "classifier"},
+        "classifier": {"classifier": "classifier"},
+        "qa": {"qa_outputs": "qa_outputs"},
+    },
+    class_parts={
+        "Model": ("pooler",),
+        "ForMaskedLM": ("masked_lm",),
+        "ForSequenceClassification": ("classification_head",),
+        "ForTokenClassification": ("classifier",),
+        "ForQuestionAnswering": ("qa",),
+    },
+    fixed_config={"positions_from_padding": True, "dropout_before_pooler": True},
+)
+
+
+class RobertaFamily(EncoderFamily):
+    name = "roberta"
+    model_types = ("roberta",)
+    variant = ROBERTA
+    classes = {ours: auto_tag for ours, auto_tag in EncoderFamily.classes.items() if ours != "TinyEncoderForPreTraining"}
+    card_family = "hf_tiny_encoder (BERT-style encoder, RoBERTa positions)"
+    tags = ("roberta", "encoder")
+    tensor_markers = ("roberta.embeddings.word_embeddings.weight",)
+
+
+FAMILY = RobertaFamily()
+convert, convert_back = entry_points(FAMILY)

@@ -1,0 +1,353 @@
+"""Encoder checkpoints as they are published: BERT with its pretraining heads (MLM + next-sentence), configs
+without model_type, legacy pickles and bare state dicts, and RoBERTa.
+
+Each parity test builds an official model with large random weights, saves it with save_pretrained, converts
+it with the production converter and compares both on a padded batch at the real tokens; the reference values
+come from official transformers only.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForPreTraining, BertConfig, RobertaConfig
+
+import hf_tiny
+from conversion import ConversionError
+from conversion import bert as bert_conversion
+from conversion import roberta as roberta_conversion
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 97
+PAD = 1  # RoBERTa's pad id; its positions start at PAD + 1
+TOLERANCE = 1e-5
+SHAPES = [(2, 1, 37, 32), (4, 2, 64, 32), (8, 3, 48, 64)]  # (heads, layers, intermediate, hidden)
+ROBERTA_CLASSES = [
+    "RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification", "RobertaForTokenClassification",
+    "RobertaForQuestionAnswering",
+]
+
+
+def _randomize(model):
+    """Every bias and norm moved off its init, so a mis-mapped tensor changes the outputs."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.copy_(0.2 * torch.randn_like(param))
+            elif "LayerNorm" in name or "layer_norm" in name:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+    return model.eval()
+
+
+def official_bert(architecture="BertForPreTraining", *, heads=4, layers=2, intermediate=64, hidden=32, seed=0, **fields):
+    config = BertConfig(
+        vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        intermediate_size=intermediate, max_position_embeddings=40, type_vocab_size=2, initializer_range=0.25, **fields,
+    )
+    torch.manual_seed(seed)
+    return _randomize(getattr(transformers, architecture)(config))
+
+
+def official_roberta(architecture, *, heads=4, layers=2, intermediate=64, hidden=32, seed=0, **fields):
+    fields = {"num_labels": 2 if architecture.endswith("QuestionAnswering") else 3, **fields}
+    config = RobertaConfig(
+        vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
+        intermediate_size=intermediate, max_position_embeddings=40, type_vocab_size=1, initializer_range=0.25,
+        pad_token_id=PAD, bos_token_id=0, eos_token_id=2, **fields,
+    )
+    torch.manual_seed(seed)
+    return _randomize(getattr(transformers, architecture)(config))
+
+
+def padded_batch(seq_len=12, seed=1, token_types=True):
+    """Right-padded rows of lengths seq_len, seq_len - 4, 3; padding holds PAD (RoBERTa's positions read it)."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, VOCAB, (3, seq_len), generator=generator)
+    attention_mask = torch.zeros(3, seq_len, dtype=torch.long)
+    for row, length in enumerate([seq_len, seq_len - 4, 3]):
+        attention_mask[row, :length] = 1
+    batch = {"input_ids": input_ids.masked_fill(attention_mask == 0, PAD), "attention_mask": attention_mask}
+    if token_types:
+        batch["token_type_ids"] = (torch.arange(seq_len) >= seq_len // 2).long().expand(3, -1).contiguous()
+    return batch
+
+
+COMPARED = ("last_hidden_state", "pooler_output", "logits", "start_logits", "end_logits", "prediction_logits",
+            "seq_relationship_logits")
+
+
+def max_diff(official, ours, batch) -> float:
+    """max |Δ| over every output both models return, per-token outputs at real tokens only."""
+    with torch.no_grad():
+        expected, got = official(**batch), ours(**batch)
+    real = batch["attention_mask"].bool()
+    worst, compared = 0.0, 0
+    for field in COMPARED:
+        a, b = getattr(expected, field, None), getattr(got, field, None)
+        if a is None:
+            continue
+        assert b is not None, f"ours has no {field}"
+        if a.dim() >= 2 and tuple(a.shape[:2]) == tuple(real.shape):
+            a, b = a[real], b[real]
+        worst, compared = max(worst, (a - b).abs().max().item()), compared + 1
+    assert compared, "no output compared"
+    return worst
+
+
+def save(model, folder: Path, **config_changes) -> Path:
+    model.save_pretrained(folder)
+    if config_changes:
+        config = json.loads((folder / "config.json").read_text())
+        for key, value in config_changes.items():
+            if value is None:
+                config.pop(key, None)
+            else:
+                config[key] = value
+        (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+# --- BERT pretraining checkpoints ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("heads, layers, intermediate, hidden", SHAPES)
+def test_pretraining_checkpoint_converts_with_both_heads(heads, layers, intermediate, hidden, tmp_path):
+    official = official_bert(heads=heads, layers=layers, intermediate=intermediate, hidden=hidden)
+    src = save(official, tmp_path / "src")
+    report = bert_conversion.convert(src, tmp_path / "dst")
+    assert (report["architecture"], report["hf_tiny_class"]) == ("BertForPreTraining", "TinyEncoderForPreTraining")
+    ours = AutoModelForPreTraining.from_pretrained(tmp_path / "dst").eval()
+    assert isinstance(ours, hf_tiny.TinyEncoderForPreTraining)
+    for seed in (1, 2):
+        assert max_diff(official, ours, padded_batch(seed=seed)) <= TOLERANCE
+    # Negative control: the next-sentence head's two rows swapped must be rejected by the same comparison.
+    with torch.no_grad():
+        ours.next_sentence.weight.copy_(ours.next_sentence.weight.flip(0))
+    assert max_diff(official, ours, padded_batch()) > 1e-2
+
+
+def test_pretraining_loss_matches_official(tmp_path):
+    official = official_bert()
+    bert_conversion.convert(save(official, tmp_path / "src"), tmp_path / "dst")
+    ours = AutoModelForPreTraining.from_pretrained(tmp_path / "dst").eval()
+    batch = padded_batch()
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    labels[:, ::2] = -100
+    next_sentence_label = torch.tensor([0, 1, 1])
+    expected = official(**batch, labels=labels, next_sentence_label=next_sentence_label).loss
+    got = ours(**batch, labels=labels, next_sentence_label=next_sentence_label).loss
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    assert ours(**batch, labels=labels).loss is None  # as official: the loss needs both label tensors
+    with pytest.raises(ValueError, match="next_sentence_label contains 2, outside \\[0, 2\\)"):
+        ours(**batch, labels=labels, next_sentence_label=torch.tensor([0, 2, 1]))
+
+
+def test_pretraining_checkpoint_round_trip_keeps_the_next_sentence_head_bit_exact(tmp_path):
+    official = official_bert()
+    src = save(official, tmp_path / "src")
+    bert_conversion.convert(src, tmp_path / "ours")
+    report = bert_conversion.convert_back(tmp_path / "ours", tmp_path / "back")
+    assert report["architecture"] == "BertForPreTraining"
+    before, after = load_file(src / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    for key in ("cls.seq_relationship.weight", "cls.seq_relationship.bias", "bert.pooler.dense.weight"):
+        assert torch.equal(before[key], after[key]), key
+    reloaded = transformers.BertForPreTraining.from_pretrained(tmp_path / "back").eval()
+    for name, tensor in official.state_dict().items():
+        assert torch.equal(tensor, reloaded.state_dict()[name]), name
+
+
+def test_original_bert_checkpoint_named_masked_lm_drops_the_next_sentence_head_with_a_note(tmp_path, capsys):
+    """The original BERT checkpoints: BertForPreTraining weights, config.json naming BertForMaskedLM."""
+    src = save(official_bert(), tmp_path / "src", architectures=["BertForMaskedLM"])
+    report = bert_conversion.convert(src, tmp_path / "dst")
+    assert report["hf_tiny_class"] == "TinyEncoderForMaskedLM"
+    err = capsys.readouterr().err
+    assert "Dropped cls.seq_relationship.bias, cls.seq_relationship.weight: BertForMaskedLM has no next sentence" in err
+    assert "Dropped bert.pooler.dense.bias, bert.pooler.dense.weight: BertForMaskedLM has no pooler" in err
+    assert "cls.seq_relationship.bias" in (tmp_path / "dst" / "README.md").read_text()
+    official = transformers.BertForMaskedLM.from_pretrained(src).eval()  # official loading drops the same tensors
+    ours = AutoModelForMaskedLM.from_pretrained(tmp_path / "dst").eval()
+    assert max_diff(official, ours, padded_batch()) <= TOLERANCE
+
+
+def test_pretraining_checkpoint_as_base_model_strips_the_prefix(tmp_path):
+    src = save(official_bert(), tmp_path / "src", architectures=["BertModel"])
+    report = bert_conversion.convert(src, tmp_path / "dst")
+    assert report["hf_tiny_class"] == "TinyEncoderModel"
+    official = transformers.BertModel.from_pretrained(src).eval()
+    assert max_diff(official, AutoModel.from_pretrained(tmp_path / "dst").eval(), padded_batch()) <= TOLERANCE
+
+
+def test_unknown_tensor_beside_the_heads_is_still_an_error(tmp_path):
+    src = save(official_bert(), tmp_path / "src", architectures=["BertForMaskedLM"])
+    state = load_file(src / "model.safetensors")
+    state["cls.extra_head.weight"] = torch.zeros(2, 32)
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match=r"unexpected source tensors .*: cls\.extra_head\.weight"):
+        bert_conversion.convert(src, tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+
+
+# --- old configs, legacy pickles, bare state dicts ----------------------------------------------------------
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "conversion", *map(str, args)], cwd=REPO, capture_output=True, text=True)
+
+
+@pytest.mark.slow
+def test_config_without_model_type_converts_by_name_and_by_tensor_names(tmp_path):
+    official = official_bert("BertForMaskedLM")
+    src = save(official, tmp_path / "src", model_type=None)
+    assert "model_type" not in json.loads((src / "config.json").read_text())
+    named = _cli("bert", src, tmp_path / "named")
+    assert named.returncode == 0, named.stderr
+    assert "config.json has no model_type" in named.stderr
+    detected = _cli(src, tmp_path / "detected")
+    assert detected.returncode == 0, detected.stderr
+    assert "detected family bert (config.json has no model_type; the checkpoint holds bert.embeddings" in detected.stderr
+    for folder in ("named", "detected"):
+        ours = AutoModelForMaskedLM.from_pretrained(tmp_path / folder).eval()
+        assert max_diff(official, ours, padded_batch()) <= TOLERANCE
+    assert "old transformers version" in (tmp_path / "named" / "README.md").read_text()
+
+
+def test_config_without_model_type_is_still_refused_by_another_family(tmp_path):
+    src = save(official_bert("BertForMaskedLM"), tmp_path / "src", model_type=None)
+    with pytest.raises(ConversionError, match="model_type=None"):
+        from conversion import llama as llama_conversion
+
+        llama_conversion.convert(src, tmp_path / "dst")
+
+
+def test_bare_state_dict_without_model_type_asks_for_the_family(tmp_path):
+    from conversion.registry import detect_family
+
+    official = official_bert("BertModel")
+    src = save(official, tmp_path / "src", model_type=None)
+    with pytest.raises(ConversionError, match="name the family: python -m conversion FAMILY SRC DST"):
+        detect_family(src)
+
+
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])
+def test_pytorch_model_bin_in_both_serializations(zipped, tmp_path):
+    official = official_bert("BertForMaskedLM")
+    src = save(official, tmp_path / "src")
+    state = load_file(src / "model.safetensors")
+    (src / "model.safetensors").unlink()
+    torch.save(state, src / "pytorch_model.bin", _use_new_zipfile_serialization=zipped)
+    with open(src / "pytorch_model.bin", "rb") as handle:
+        assert (handle.read(2) == b"PK") == zipped  # the legacy format is not a zip archive
+    bert_conversion.convert(src, tmp_path / "dst")
+    ours = AutoModelForMaskedLM.from_pretrained(tmp_path / "dst").eval()
+    assert max_diff(official, ours, padded_batch()) <= TOLERANCE
+
+
+def test_bare_encoder_state_dict_named_as_a_head_converts_as_the_base_model(tmp_path, capsys):
+    official = official_bert("BertModel")
+    src = save(official, tmp_path / "src", architectures=["BertForMaskedLM"])
+    assert not any(key.startswith("bert.") for key in load_file(src / "model.safetensors"))
+    report = bert_conversion.convert(src, tmp_path / "dst")
+    assert report["hf_tiny_class"] == "TinyEncoderModel"
+    assert "bare BertModel state dict" in capsys.readouterr().err
+    assert max_diff(official, AutoModel.from_pretrained(tmp_path / "dst").eval(), padded_batch()) <= TOLERANCE
+
+
+# --- RoBERTa ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("heads, layers, intermediate, hidden", SHAPES)
+@pytest.mark.parametrize("architecture", ROBERTA_CLASSES)
+def test_roberta_parity(architecture, heads, layers, intermediate, hidden, tmp_path):
+    official = official_roberta(architecture, heads=heads, layers=layers, intermediate=intermediate, hidden=hidden)
+    report = roberta_conversion.convert(save(official, tmp_path / "src"), tmp_path / "dst")
+    assert report["architecture"] == architecture
+    auto = getattr(transformers, "AutoModel" + architecture.removeprefix("Roberta").replace("Model", ""))
+    for backend in ("eager", "sdpa"):
+        ours = auto.from_pretrained(tmp_path / "dst", attn_implementation=backend).eval()
+        assert ours.config.positions_from_padding
+        assert max_diff(official, ours, padded_batch(token_types=False)) <= TOLERANCE, backend
+        # inputs_embeds: positions count every token as real, as official does
+        batch = padded_batch(token_types=False)
+        embeds = {"inputs_embeds": official.get_input_embeddings()(batch["input_ids"]), "attention_mask": batch["attention_mask"]}
+        assert max_diff(official, ours, embeds) <= TOLERANCE, backend
+
+
+def test_roberta_negative_control_bert_positions_are_rejected(tmp_path):
+    official = official_roberta("RobertaModel")
+    roberta_conversion.convert(save(official, tmp_path / "src"), tmp_path / "dst")
+    config = hf_tiny.TinyEncoderConfig.from_pretrained(tmp_path / "dst")
+    config.positions_from_padding = False
+    wrong = AutoModel.from_pretrained(tmp_path / "dst", config=config).eval()
+    assert max_diff(official, wrong, padded_batch(token_types=False)) > 1e-2
+
+
+def test_roberta_classification_head_dropout_placement_matches_official_in_training(tmp_path):
+    """Only the head's dropouts active (encoder dropouts 0): the same seed must give the same logits, which
+    holds only if the dropout before the dense layer sits where RoBERTa's classification head has it."""
+    official = official_roberta(
+        "RobertaForSequenceClassification", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, classifier_dropout=0.4
+    )
+    roberta_conversion.convert(save(official, tmp_path / "src"), tmp_path / "dst")
+    ours = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "dst", attn_implementation="eager")
+    official.train(), ours.train()
+    batch = padded_batch(token_types=False)
+    torch.manual_seed(5)
+    expected = official(**batch).logits
+    torch.manual_seed(5)
+    got = ours(**batch).logits
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    ours.config.dropout_before_pooler = False  # negative control: one dropout fewer
+    torch.manual_seed(5)
+    assert (ours(**batch).logits - expected).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("architecture", ROBERTA_CLASSES)
+def test_roberta_round_trip_is_bit_exact(architecture, tmp_path):
+    official = official_roberta(architecture)
+    src = save(official, tmp_path / "src")
+    roberta_conversion.convert(src, tmp_path / "ours")
+    report = roberta_conversion.convert_back(tmp_path / "ours", tmp_path / "back")
+    assert report["architecture"] == architecture
+    reloaded = getattr(transformers, architecture).from_pretrained(tmp_path / "back").eval()
+    for name, tensor in official.state_dict().items():
+        assert torch.equal(tensor, reloaded.state_dict()[name]), name
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (back["model_type"], back["pad_token_id"], back["type_vocab_size"]) == ("roberta", PAD, 1)
+
+
+@pytest.mark.slow
+def test_roberta_is_detected_both_ways(tmp_path):
+    src = save(official_roberta("RobertaForMaskedLM"), tmp_path / "src")
+    forward = _cli(src, tmp_path / "ours")
+    assert forward.returncode == 0, forward.stderr
+    assert "detected family roberta" in forward.stderr
+    back = _cli(tmp_path / "ours", tmp_path / "back", "--reverse")
+    assert back.returncode == 0, back.stderr
+    assert "detected family roberta (model_type 'hf_tiny_encoder' with positions_from_padding=True)" in back.stderr
+
+
+def test_bert_reverse_refuses_a_roberta_style_encoder(tmp_path):
+    roberta_conversion.convert(save(official_roberta("RobertaModel"), tmp_path / "src"), tmp_path / "ours")
+    with pytest.raises(ConversionError, match="not a bert model: positions_from_padding=True"):
+        bert_conversion.convert_back(tmp_path / "ours", tmp_path / "back")
+
+
+def test_roberta_position_table_without_room_for_the_offset_fails_at_config_construction():
+    with pytest.raises(ValueError, match=r"pad_token_id \+ 1 = 2, so max_position_embeddings=2 leaves no room"):
+        hf_tiny.TinyEncoderConfig(vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                  intermediate_size=8, max_position_embeddings=2, pad_token_id=1, positions_from_padding=True)
+    config = hf_tiny.TinyEncoderConfig(vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
+                                       intermediate_size=8, max_position_embeddings=6, pad_token_id=1,
+                                       positions_from_padding=True)
+    model = hf_tiny.TinyEncoderModel(config)
+    model(torch.ones(1, 4, dtype=torch.long) * 3)  # 4 = 6 - (1 + 1) tokens fit
+    with pytest.raises(ValueError, match="input sequence length"):
+        model(torch.ones(1, 5, dtype=torch.long) * 3)
