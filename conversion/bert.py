@@ -35,7 +35,8 @@ CLASSES = {
     "ForTokenClassification": ("TinyEncoderForTokenClassification", "AutoModelForTokenClassification", "token-classification"),
     "ForQuestionAnswering": ("TinyEncoderForQuestionAnswering", "AutoModelForQuestionAnswering", "question-answering"),
 }
-SUFFIX_BY_OURS = {ours: suffix for suffix, (ours, *_rest) in CLASSES.items()}
+# ELECTRA's ForPreTraining is its discriminator, not BERT's MLM + next-sentence model
+DISCRIMINATOR_CLASS = ("TinyEncoderForReplacedTokenDetection", "AutoModelForPreTraining", "token-classification")
 
 # Official config field -> TinyEncoderConfig field (label maps and problem_type pass through PretrainedConfig).
 CONFIG_FIELDS = {
@@ -100,6 +101,26 @@ class EncoderVariant:
     parts: dict[str, dict[str, str]]
     class_parts: dict[str, tuple[str, ...]]  # official class suffix -> parts it holds besides the encoder
     fixed_config: dict = field(default_factory=dict)  # hf_tiny config fields the variant implies
+    # the encoder's own names (BERT's unless a variant renames them)
+    config_fields: dict[str, str] = field(default_factory=lambda: CONFIG_FIELDS)
+    layer_path: str = "encoder.layer.{i}"
+    layer_modules: dict[str, str] = field(default_factory=lambda: LAYER_MODULES)
+    embedding_modules: dict[str, str] = field(default_factory=lambda: EMBEDDING_MODULES)
+    embedding_tables: dict[str, str] = field(default_factory=lambda: EMBEDDING_TABLES)
+    word_embeddings: str = WORD_EMBEDDINGS
+    embedding_projection: str = ""  # the projection of factorized embeddings to hidden_size (ELECTRA)
+    class_overrides: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # suffix -> CLASSES entry
+
+    def hf_tiny_class(self, suffix: str) -> tuple[str, str, str]:
+        """(hf_tiny class, Auto class, pipeline tag) of an official class suffix."""
+        return self.class_overrides.get(suffix) or CLASSES[suffix]
+
+    def suffix_for(self, our_class: str) -> str:
+        return next(suffix for suffix in self.class_parts if self.hf_tiny_class(suffix)[0] == our_class)
+
+    def family_classes(self) -> dict[str, tuple[str, str]]:
+        """hf_tiny class -> (Auto class, pipeline tag) for Family.classes."""
+        return {ours: (auto, tag) for ours, auto, tag in map(self.hf_tiny_class, self.class_parts)}
 
     def official_class(self, suffix: str) -> str:
         return self.class_prefix + suffix
@@ -135,7 +156,6 @@ BERT = EncoderVariant(
         "ForTokenClassification": ("classifier",),
         "ForQuestionAnswering": ("qa",),
     },
-    fixed_config={"positions_from_padding": False, "dropout_before_pooler": False},
 )
 
 
@@ -154,16 +174,19 @@ def part_keys(variant: EncoderVariant, part: str, state, *, prefixed: bool) -> l
     return sorted(k for k in state if k in names)
 
 
-def key_map(variant: EncoderVariant, suffix: str, *, tied: bool = True) -> KeyMap:
-    """The official <-> hf_tiny key map of one official class."""
+def key_map(variant: EncoderVariant, suffix: str, *, tied: bool = True, projected: bool = False) -> KeyMap:
+    """The official <-> hf_tiny key map of one official class (projected: factorized embeddings with their
+    projection to hidden_size)."""
     source, target = ("", "") if suffix == "Model" else (variant.base_prefix, "model")
     parts = variant.class_parts[suffix]
     masked_lm = "masked_lm" in parts
-    words, embed = join(source, WORD_EMBEDDINGS), join(target, "embed_tokens.weight")
+    words, embed = join(source, variant.word_embeddings), join(target, "embed_tokens.weight")
     rules: list = [Rule(words, (embed, "lm_head.decoder.weight")) if masked_lm and tied else (words, embed)]
-    rules += layer_rules(source, target, EMBEDDING_TABLES, params=("weight",))
-    rules += layer_rules(source, target, EMBEDDING_MODULES)
-    rules += layer_rules(join(source, "encoder.layer.{i}"), join(target, "layers.{i}"), LAYER_MODULES)
+    rules += layer_rules(source, target, variant.embedding_tables, params=("weight",))
+    rules += layer_rules(source, target, variant.embedding_modules)
+    if projected:
+        rules += layer_rules(source, target, {variant.embedding_projection: "embed_projection"})
+    rules += layer_rules(join(source, variant.layer_path), join(target, "layers.{i}"), variant.layer_modules)
     ignore = [rf"({variant.base_prefix}\.)?" + buffer.replace(".", r"\.") for buffer in IGNORED_BUFFERS]
     for part in parts:
         if part == "pooler":
@@ -171,11 +194,15 @@ def key_map(variant: EncoderVariant, suffix: str, *, tied: bool = True) -> KeyMa
         elif part == "masked_lm":
             names = variant.masked_lm
             rules += layer_rules("", "", names.modules)
-            if tied:  # the output bias is the decoder's bias (a stored decoder.bias copy is dropped on reading)
+            own_bias = names.bias == names.decoder + ".bias"  # DistilBERT, ELECTRA: the decoder's bias is the bias
+            if tied or own_bias:
                 rules.append((names.bias, "lm_head.decoder.bias"))
-            else:
-                rules += layer_rules("", "", {names.decoder: "lm_head.decoder"})
-                ignore.append(names.bias.replace(".", r"\."))  # untied, the official forward reads decoder.bias only
+            if not tied:
+                rules.append((names.decoder + ".weight", "lm_head.decoder.weight"))
+            if not tied and not own_bias:
+                # BERT untied: the official forward reads decoder.bias only; predictions.bias is a stale copy
+                rules.append((names.decoder + ".bias", "lm_head.decoder.bias"))
+                ignore.append(names.bias.replace(".", r"\."))
         else:
             rules += layer_rules("", "", variant.parts[part])
     return KeyMap(rules, ignore=ignore)
@@ -199,7 +226,7 @@ def choose_class(variant: EncoderVariant, source: Source, notes: list[str]) -> t
     show; parts it lacks dropped with a note; the encoder prefix added or removed as the class stores it."""
     state, src = source.state, source.path
     prefixed = any(k.startswith(variant.base_prefix + ".") for k in state)
-    present = {part for part in ("pooler", "masked_lm", *variant.parts) if part_keys(variant, part, state, prefixed=prefixed)}
+    present = {part for part in ("masked_lm", *variant.parts) if part_keys(variant, part, state, prefixed=prefixed)}
     named = (source.raw_config.get("architectures") or [None])[0]
     suffix = variant.suffix_of(named, src=src) if named else guess_suffix(variant, present, prefixed=prefixed, src=src)
     heads = set(variant.class_parts[suffix]) - {"pooler"}
@@ -209,8 +236,11 @@ def choose_class(variant: EncoderVariant, source: Source, notes: list[str]) -> t
                      f"{variant.official_class('Model')}.")
         suffix = "Model"
     official = variant.official_class(suffix)
+    kept = {k for part in variant.class_parts[suffix] for k in part_keys(variant, part, state, prefixed=prefixed)}
     for part in sorted(present - set(variant.class_parts[suffix])):
-        dropped = part_keys(variant, part, state, prefixed=prefixed)
+        dropped = [k for k in part_keys(variant, part, state, prefixed=prefixed) if k not in kept]
+        if not dropped:  # a part whose names the target's parts share (DistilBERT's `classifier`)
+            continue
         notes.append(f"Dropped {list_names(dropped)}: {official} has no {part.replace('_', ' ')} part "
                      "(transformers' from_pretrained drops them too).")
         state = {k: v for k, v in state.items() if k not in dropped}
@@ -233,7 +263,7 @@ def encoder_config_from_official(variant: EncoderVariant, raw_config: dict, *, s
     for flag in ("is_decoder", "add_cross_attention"):
         if getattr(official, flag, False):
             raise ConversionError(f"{src}: {flag}=True (a decoder) is not supported; hf_tiny encoders are bidirectional")
-    values = {ours: getattr(official, name) for name, ours in CONFIG_FIELDS.items()}
+    values = {ours: getattr(official, name) for name, ours in variant.config_fields.items()}
     if values["id2label"] is None:
         values.pop("id2label")
         values.pop("label2id")
@@ -244,12 +274,23 @@ def encoder_config_from_official(variant: EncoderVariant, raw_config: dict, *, s
 
 
 def official_config_from_encoder(variant: EncoderVariant, config, official_class: str):
+    """The official config of an hf_tiny encoder; a field the variant has no place for must hold the value the
+    variant implies (its fixed_config, else TinyEncoderConfig's default), or the conversion would lose it."""
+    import inspect
+
     from transformers import AutoConfig
 
-    mismatched = [f"{k}={getattr(config, k)!r}" for k, v in variant.fixed_config.items() if getattr(config, k) != v]
+    implied = {name: param.default for name, param in inspect.signature(type(config).__init__).parameters.items()
+               if param.default is not inspect.Parameter.empty}
+    implied.update(variant.fixed_config)
+    if variant.embedding_projection == "":
+        implied["embedding_size"] = config.hidden_size
+    mapped = set(variant.config_fields.values())
+    mismatched = [f"{k}={getattr(config, k)!r}" for k, v in implied.items()
+                  if k not in mapped and k not in ("pad_token_id",) and hasattr(config, k) and getattr(config, k) != v]
     if mismatched:
         raise ConversionError(f"this hf_tiny encoder is not a {variant.model_type} model: {', '.join(mismatched)}")
-    values = {name: getattr(config, ours) for name, ours in CONFIG_FIELDS.items()}
+    values = {name: getattr(config, ours) for name, ours in variant.config_fields.items()}
     if values["id2label"] is None:
         values.pop("id2label")
         values.pop("label2id")
@@ -261,7 +302,7 @@ class EncoderFamily(Family):
 
     variant: EncoderVariant = BERT
     config_class = "TinyEncoderConfig"
-    classes = {ours: (auto, tag) for ours, auto, tag in CLASSES.values()}
+    classes = BERT.family_classes()
     default_class = "TinyEncoderModel"
     modality = "encoder"
 
@@ -272,30 +313,35 @@ class EncoderFamily(Family):
         variant, notes = self.variant, list(source.notes)
         suffix, state = choose_class(variant, source, notes)
         config = encoder_config_from_official(variant, source.raw_config, src=source.path)
-        tied = config.tie_word_embeddings
+        tied, names = config.tie_word_embeddings, variant.masked_lm
         if "masked_lm" in variant.class_parts[suffix] and tied:
             prefix = "" if suffix == "Model" else variant.base_prefix + "."
-            names = variant.masked_lm
-            state = drop_tied_copies(state, prefix + WORD_EMBEDDINGS, [names.decoder + ".weight"], src=source.path,
-                                     hint=UNTIED_HINT)
+            state = drop_tied_copies(state, prefix + variant.word_embeddings, [names.decoder + ".weight"],
+                                     src=source.path, hint=UNTIED_HINT)
+        if "masked_lm" in variant.class_parts[suffix] and tied and names.bias != names.decoder + ".bias":
+            # BERT ties decoder.bias to predictions.bias: a stored copy must equal it
             state = drop_tied_copies(state, names.bias, [names.decoder + ".bias"], src=source.path)
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
         official = variant.official_class(suffix)
         source.description = f"the official `{official}` checkpoint `{source.path.resolve().name}`"
-        return Plan(config, CLASSES[suffix][0], official, key_map(variant, suffix, tied=tied), config.num_hidden_layers,
+        projected = config.embedding_size != config.hidden_size
+        return Plan(config, variant.hf_tiny_class(suffix)[0], official,
+                    key_map(variant, suffix, tied=tied, projected=projected), config.num_hidden_layers,
                     state, notes=notes)
 
     def reverse(self, config, our_class: str, src: Path) -> ReversePlan:
-        suffix = SUFFIX_BY_OURS[our_class]
+        suffix = self.variant.suffix_for(our_class)
         official = self.variant.official_class(suffix)
+        projected = config.embedding_size != config.hidden_size
         return ReversePlan(official, official_config_from_encoder(self.variant, config, official),
-                           key_map(self.variant, suffix, tied=config.tie_word_embeddings), config.num_hidden_layers)
+                           key_map(self.variant, suffix, tied=config.tie_word_embeddings, projected=projected),
+                           config.num_hidden_layers)
 
     def finish_official_state(self, state: dict, config, plan: ReversePlan) -> dict:
         names = self.variant.masked_lm
-        if names.decoder + ".bias" in state and not config.tie_word_embeddings:
-            state[names.bias] = state[names.decoder + ".bias"].clone()  # read by nothing, expected by the class
+        if names.decoder + ".bias" in state and names.bias not in state:
+            state[names.bias] = state[names.decoder + ".bias"].clone()  # untied BERT: read by nothing, expected
         return state
 
 

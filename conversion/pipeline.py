@@ -146,17 +146,21 @@ class Family:
 
         return getattr(hf_tiny, name)
 
-    def auto_map(self) -> dict[str, str]:
+    def auto_map(self, our_class: str | None = None) -> dict[str, str]:
         """auto_map naming the config and every hf_tiny class of this config, so a converted folder loads with
-        any Auto head and trust_remote_code."""
+        any Auto head and trust_remote_code; where two classes share an Auto class, our_class (the folder's)."""
         import hf_tiny
 
         config_class = self.hf_tiny_class(self.config_class)
         auto_map = {"AutoConfig": _code_path(config_class)}
         for value in vars(hf_tiny).values():
             if isinstance(value, type) and getattr(value, "config_class", None) is config_class:
-                if getattr(value, "_auto_class", None):
+                if getattr(value, "_auto_class", None) and value._auto_class not in auto_map:
                     auto_map[value._auto_class] = _code_path(value)
+        if our_class is not None:
+            ours = self.hf_tiny_class(our_class)
+            if getattr(ours, "_auto_class", None):
+                auto_map[ours._auto_class] = _code_path(ours)
         return auto_map
 
 
@@ -214,12 +218,17 @@ def convert(
 
             plan = family.plan(source)
             progress = sys.stderr.isatty()
-            ours = cast_floating(plan.key_map.to_target(plan.state, num_layers=plan.num_layers, progress=progress), dtype)
+            try:
+                mapped = plan.key_map.to_target(plan.state, num_layers=plan.num_layers, progress=progress)
+            except ConversionError as error:
+                raise ConversionError(f"{src}: the tensors do not fit {plan.official_class} (family {family.name}): "
+                                      f"{error}") from error
+            ours = cast_floating(mapped, dtype)
             stages.next()
 
             our_class = family.hf_tiny_class(plan.our_class)
             plan.config.architectures = [plan.our_class]
-            plan.config.auto_map = family.auto_map()
+            plan.config.auto_map = family.auto_map(plan.our_class)
             write_hf_tiny_folder(tmp, our_class, plan.config, ours)
             tokenizer_note = family.write_side_files(source, plan, tmp)
             stages.next()

@@ -12,6 +12,8 @@ from .errors import ConversionError
 FAMILIES = {
     "bert": "conversion.bert",
     "roberta": "conversion.roberta",
+    "distilbert": "conversion.distilbert",
+    "electra": "conversion.electra",
     "llama": "conversion.llama",
     "bart": "conversion.bart",
     "t5": "conversion.t5",
@@ -66,6 +68,10 @@ def detect_family(src: str | os.PathLike, *, reverse: bool = False) -> tuple[str
             )
         if model_type == "hf_tiny_encoder" and raw.get("positions_from_padding"):
             return "roberta", f"model_type {model_type!r} with positions_from_padding=True"
+        if model_type == "hf_tiny_encoder" and raw.get("pooler_act") == "gelu":
+            return "electra", f"model_type {model_type!r} with pooler_act='gelu'"
+        if model_type == "hf_tiny_encoder" and raw.get("type_vocab_size") == 0:
+            return "distilbert", f"model_type {model_type!r} with type_vocab_size=0"
         if model_type == "hf_tiny_seq2seq":
             name = "t5" if raw.get("position_embedding_type") == "relative" else "bart"
             return name, f"model_type {model_type!r} with position_embedding_type {raw.get('position_embedding_type')!r}"

@@ -44,7 +44,7 @@ class RobertaFamily(EncoderFamily):
     name = "roberta"
     model_types = ("roberta",)
     variant = ROBERTA
-    classes = {ours: auto_tag for ours, auto_tag in EncoderFamily.classes.items() if ours != "TinyEncoderForPreTraining"}
+    classes = ROBERTA.family_classes()
     card_family = "hf_tiny_encoder (BERT-style encoder, RoBERTa positions)"
     tags = ("roberta", "encoder")
     tensor_markers = ("roberta.embeddings.word_embeddings.weight",)

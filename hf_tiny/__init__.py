@@ -29,6 +29,7 @@ from .modeling_encoder import (
     TinyEncoderForMaskedLM,
     TinyEncoderForPreTraining,
     TinyEncoderForQuestionAnswering,
+    TinyEncoderForReplacedTokenDetection,
     TinyEncoderForSequenceClassification,
     TinyEncoderForTokenClassification,
     TinyEncoderModel,
@@ -43,7 +44,8 @@ AUTO_CLASSES = {
     TinyEncoderConfig: {
         AutoModel: TinyEncoderModel,
         AutoModelForMaskedLM: TinyEncoderForMaskedLM,
-        AutoModelForPreTraining: TinyEncoderForPreTraining,
+        # two pretraining models; transformers picks by config.architectures among a tuple
+        AutoModelForPreTraining: (TinyEncoderForPreTraining, TinyEncoderForReplacedTokenDetection),
         AutoModelForSequenceClassification: TinyEncoderForSequenceClassification,
         AutoModelForTokenClassification: TinyEncoderForTokenClassification,
         AutoModelForQuestionAnswering: TinyEncoderForQuestionAnswering,
@@ -65,9 +67,10 @@ def _register_with_auto_classes() -> None:
     for config_class, models in AUTO_CLASSES.items():
         AutoConfig.register(config_class.model_type, config_class, exist_ok=True)
         config_class.register_for_auto_class()
-        for auto_class, model_class in models.items():
-            auto_class.register(config_class, model_class, exist_ok=True)
-            model_class.register_for_auto_class(auto_class.__name__)
+        for auto_class, model_classes in models.items():
+            auto_class.register(config_class, model_classes, exist_ok=True)
+            for model_class in model_classes if isinstance(model_classes, tuple) else (model_classes,):
+                model_class.register_for_auto_class(auto_class.__name__)
 
 
 _register_with_auto_classes()

@@ -21,6 +21,15 @@ class TinyEncoderConfig(PretrainedConfig):
             embed_positions). Sequences may then be max_position_embeddings - pad_token_id - 1 tokens long.
         dropout_before_pooler: sequence classification applies dropout to the first token's hidden state before
             the pooler's dense layer too (RoBERTa's classification head: dropout, dense, tanh, dropout, out_proj).
+        embedding_size: width of the embeddings (ELECTRA, ALBERT), projected to hidden_size after their norm
+            (`embed_projection`); the MLM head maps back to it (None: hidden_size, no projection).
+        add_pooling_layer: whether the base model has a pooler (DistilBERT and ELECTRA have none; the sequence
+            classifier always has one). pooler_act: its activation (BERT tanh, DistilBERT relu, ELECTRA gelu).
+        type_vocab_size: 0 = no token-type embeddings (DistilBERT).
+        sinusoidal_positions: the position table starts as sin/cos (DistilBERT's sinusoidal_pos_embds), written at
+            init; it is trained like any parameter, as in official transformers 5.
+        sequence_classifier_dropout: dropout of the sequence classifier where it differs from classifier_dropout
+            (DistilBERT's seq_classif_dropout); qa_dropout: dropout before the QA outputs (DistilBERT).
     """
 
     model_type = "hf_tiny_encoder"
@@ -57,6 +66,12 @@ class TinyEncoderConfig(PretrainedConfig):
         tie_word_embeddings: bool = True,
         positions_from_padding: bool = False,
         dropout_before_pooler: bool = False,
+        embedding_size: int | None = None,
+        add_pooling_layer: bool = True,
+        pooler_act: str = "tanh",
+        sinusoidal_positions: bool = False,
+        sequence_classifier_dropout: float | None = None,
+        qa_dropout: float = 0.0,
         **kwargs,
     ):
         owner = type(self).__name__
@@ -69,8 +84,19 @@ class TinyEncoderConfig(PretrainedConfig):
             num_attention_heads=num_attention_heads,
             intermediate_size=intermediate_size,
             max_position_embeddings=max_position_embeddings,
-            type_vocab_size=type_vocab_size,
         )
+        if isinstance(type_vocab_size, bool) or not isinstance(type_vocab_size, int) or type_vocab_size < 0:
+            raise ValueError(f"{owner}: type_vocab_size must be an integer >= 0 (0 = no token types), got {type_vocab_size!r}")
+        if embedding_size is None:
+            embedding_size = hidden_size
+        check_positive(owner, embedding_size=embedding_size)
+        check_choice(owner, "pooler_act", pooler_act, sorted(ACT2FN))
+        check_probability(owner, qa_dropout=qa_dropout)
+        if sequence_classifier_dropout is not None:
+            check_probability(owner, sequence_classifier_dropout=sequence_classifier_dropout)
+        check_bool(owner, add_pooling_layer=add_pooling_layer, sinusoidal_positions=sinusoidal_positions)
+        if sinusoidal_positions and embedding_size % 2:
+            raise ValueError(f"{owner}: sinusoidal_positions needs an even embedding_size, got {embedding_size}")
         check_divisible(owner, "hidden_size", hidden_size, "num_attention_heads", num_attention_heads)
         check_choice(owner, "hidden_act", hidden_act, sorted(ACT2FN))
         for field, allowed in (("position_embedding_type", ("absolute",)), ("rope_parameters", (None,)), ("rope_scaling", (None,))):

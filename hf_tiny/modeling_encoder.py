@@ -84,7 +84,8 @@ class TinyEncoderPreTrainedModel(HfTinyPreTrainedModel):
 
 class TinyEncoderWithLabelsHead(TinyEncoderPreTrainedModel):
     """The heads trained on one `labels` tensor (MLM, sequence and token classification): forward runs the encoder
-    (self.model) and hands its output to the subclass's `_head(outputs, labels)`, which returns the ModelOutput."""
+    (self.model) and hands its output to the subclass's `_head(outputs, labels, attention_mask)`, which returns the
+    ModelOutput."""
 
     def forward(
         self,
@@ -101,33 +102,54 @@ class TinyEncoderWithLabelsHead(TinyEncoderPreTrainedModel):
         outputs = self._encode(
             input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions, output_hidden_states
         )
-        return self._format_output(self._head(outputs, labels), return_dict)
+        return self._format_output(self._head(outputs, labels, attention_mask), return_dict)
+
+
+class SinusoidalPositionTable(nn.Embedding):
+    """DistilBERT's sinusoidal position table: row p holds sin(p / 10000^(2i/d)) at even columns 2i and cos at
+    odd columns 2i + 1, written at init (checkpoints store it). It stays a trainable parameter, as official
+    transformers 5 leaves it (after init and after loading), so fine-tuning updates it as official does."""
+
+    @torch.no_grad()
+    def _init_buffers(self) -> None:  # called by _init_weights after the generic Embedding init
+        positions = torch.arange(self.num_embeddings, dtype=torch.float64)[:, None]
+        pairs = torch.arange(0, self.embedding_dim, 2, dtype=torch.float64)
+        angles = positions / torch.pow(10000.0, pairs / self.embedding_dim)
+        table = torch.empty(self.num_embeddings, self.embedding_dim, dtype=torch.float64)
+        table[:, 0::2], table[:, 1::2] = torch.sin(angles), torch.cos(angles)
+        self.weight.copy_(table.to(self.weight.dtype))
 
 
 class TinyEncoderPooler(nn.Module):
-    """BERT's pooler: tanh(dense(hidden state of the first token))."""
+    """BERT's pooler: activation(dense(hidden state of the first token)); tanh in BERT (config.pooler_act)."""
 
     def __init__(self, config: TinyEncoderConfig):
         super().__init__()
         self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.activation = nn.Tanh()
+        self.activation = ACT2FN[config.pooler_act]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.activation(self.dense(hidden_states[:, 0]))
 
 
 class TinyEncoderModel(TinyEncoderPreTrainedModel):
-    def __init__(self, config: TinyEncoderConfig, add_pooling_layer: bool = True):
+    def __init__(self, config: TinyEncoderConfig, add_pooling_layer: Optional[bool] = None):
         super().__init__(config)
-        hidden = config.hidden_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, hidden, padding_idx=config.pad_token_id)
-        position_padding = config.pad_token_id if config.positions_from_padding else None
-        self.embed_positions = nn.Embedding(config.max_position_embeddings, hidden, padding_idx=position_padding)
-        self.embed_token_types = nn.Embedding(config.type_vocab_size, hidden)
-        self.embed_norm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+        width = config.embedding_size
+        self.embed_tokens = nn.Embedding(config.vocab_size, width, padding_idx=config.pad_token_id)
+        if config.sinusoidal_positions:
+            self.embed_positions = SinusoidalPositionTable(config.max_position_embeddings, width)
+        else:
+            position_padding = config.pad_token_id if config.positions_from_padding else None
+            self.embed_positions = nn.Embedding(config.max_position_embeddings, width, padding_idx=position_padding)
+        self.embed_token_types = nn.Embedding(config.type_vocab_size, width) if config.type_vocab_size else None
+        self.embed_norm = nn.LayerNorm(width, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout)
+        self.embed_projection = nn.Linear(width, config.hidden_size) if width != config.hidden_size else None
         spec = config.block_spec()
         self.layers = nn.ModuleList(TransformerBlock(config, spec, i) for i in range(config.num_hidden_layers))
+        if add_pooling_layer is None:
+            add_pooling_layer = config.add_pooling_layer
         self.pooler = TinyEncoderPooler(config) if add_pooling_layer else None
         self.post_init()
 
@@ -147,6 +169,8 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
                 position_ids, field="position_ids", limit=config.max_position_embeddings,
                 limit_name="max_position_embeddings", shape=shape,
             )
+        if token_type_ids is not None and not config.type_vocab_size:
+            raise ValueError("token_type_ids were given, but this encoder has no token types (type_vocab_size=0)")
         if token_type_ids is not None:
             _check_index_tensor(
                 token_type_ids, field="token_type_ids", limit=config.type_vocab_size,
@@ -177,14 +201,17 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         batch, seq_len = inputs_embeds.shape[:2]
         device = inputs_embeds.device
-        if token_type_ids is None:
+        if token_type_ids is None and self.embed_token_types is not None:
             token_type_ids = torch.zeros(batch, seq_len, dtype=torch.long, device=device)
         if position_ids is None:
             position_ids = self.default_position_ids(input_ids, seq_len, device)
         # Same summation order as BERT (words + types, then positions): fp32 addition is not associative.
-        hidden = inputs_embeds + self.embed_token_types(token_type_ids)
+        hidden = inputs_embeds
+        if self.embed_token_types is not None:
+            hidden = hidden + self.embed_token_types(token_type_ids)
         hidden = hidden + self.embed_positions(position_ids)
-        return self.dropout(self.embed_norm(hidden))
+        hidden = self.dropout(self.embed_norm(hidden))
+        return self.embed_projection(hidden) if self.embed_projection is not None else hidden
 
     def forward(
         self,
@@ -223,14 +250,15 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
 
 
 class TinyEncoderMaskedLMHead(nn.Module):
-    """BERT's MLM head: dense -> activation -> LayerNorm -> decoder (tied to the word embeddings, own bias)."""
+    """BERT's MLM head: dense -> activation -> LayerNorm -> decoder (tied to the word embeddings, own bias). With
+    a factorized embedding (embedding_size != hidden_size) the dense layer maps back to the embedding width."""
 
     def __init__(self, config: TinyEncoderConfig):
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dense = nn.Linear(config.hidden_size, config.embedding_size)
         self.act_fn = ACT2FN[config.hidden_act]
-        self.layer_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=True)
+        self.layer_norm = nn.LayerNorm(config.embedding_size, eps=config.layer_norm_eps)
+        self.decoder = nn.Linear(config.embedding_size, config.vocab_size, bias=True)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.decoder(self.layer_norm(self.act_fn(self.dense(hidden_states))))
@@ -242,17 +270,13 @@ def _masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return CrossEntropyLoss()(logits.view(-1, logits.shape[-1]), labels.view(-1).to(logits.device))
 
 
-class TinyEncoderForMaskedLM(TinyEncoderWithLabelsHead):
+class _WithMaskedLMHead:
+    """The output embeddings of a model whose `lm_head` is a TinyEncoderMaskedLMHead."""
+
     _tied_weights_keys = {"lm_head.decoder.weight": "model.embed_tokens.weight"}
     # Tensor parallelism splits the (tied) word embeddings by vocabulary row; the decoder must then be split the same
     # way and gather its logits (tests/test_distributed.py)
     _tp_plan = {"lm_head.decoder": "colwise_gather_output"}
-
-    def __init__(self, config: TinyEncoderConfig):
-        super().__init__(config)
-        self.model = TinyEncoderModel(config, add_pooling_layer=False)
-        self.lm_head = TinyEncoderMaskedLMHead(config)
-        self.post_init()
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head.decoder
@@ -260,7 +284,15 @@ class TinyEncoderForMaskedLM(TinyEncoderWithLabelsHead):
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head.decoder = new_embeddings
 
-    def _head(self, outputs: BaseModelOutputWithPooling, labels: Optional[torch.Tensor]) -> MaskedLMOutput:
+
+class TinyEncoderForMaskedLM(_WithMaskedLMHead, TinyEncoderWithLabelsHead):
+    def __init__(self, config: TinyEncoderConfig):
+        super().__init__(config)
+        self.model = TinyEncoderModel(config, add_pooling_layer=False)
+        self.lm_head = TinyEncoderMaskedLMHead(config)
+        self.post_init()
+
+    def _head(self, outputs, labels, attention_mask) -> MaskedLMOutput:
         logits = self.lm_head(outputs.last_hidden_state)
         loss = _masked_lm_loss(logits, labels) if labels is not None else None
         return MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
@@ -277,12 +309,9 @@ class TinyEncoderForPreTrainingOutput(ModelOutput):
     attentions: Optional[tuple[torch.Tensor, ...]] = None
 
 
-class TinyEncoderForPreTraining(TinyEncoderPreTrainedModel):
+class TinyEncoderForPreTraining(_WithMaskedLMHead, TinyEncoderPreTrainedModel):
     """BERT's pretraining model: the MLM head on every token and the next-sentence head on the pooled output.
     The loss (when both labels and next_sentence_label are given) is the sum of the two cross-entropies."""
-
-    _tied_weights_keys = {"lm_head.decoder.weight": "model.embed_tokens.weight"}
-    _tp_plan = {"lm_head.decoder": "colwise_gather_output"}
 
     def __init__(self, config: TinyEncoderConfig):
         super().__init__(config)
@@ -290,12 +319,6 @@ class TinyEncoderForPreTraining(TinyEncoderPreTrainedModel):
         self.lm_head = TinyEncoderMaskedLMHead(config)
         self.next_sentence = nn.Linear(config.hidden_size, 2)
         self.post_init()
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head.decoder
-
-    def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
-        self.lm_head.decoder = new_embeddings
 
     def forward(
         self,
@@ -330,6 +353,43 @@ class TinyEncoderForPreTraining(TinyEncoderPreTrainedModel):
         return self._format_output(output, return_dict)
 
 
+class TinyEncoderDiscriminatorHead(nn.Module):
+    """ELECTRA's discriminator head: dense -> activation -> one logit per token."""
+
+    def __init__(self, config: TinyEncoderConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.act_fn = ACT2FN[config.hidden_act]
+        self.prediction = nn.Linear(config.hidden_size, 1)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.prediction(self.act_fn(self.dense(hidden_states))).squeeze(-1)
+
+
+class TinyEncoderForReplacedTokenDetection(TinyEncoderWithLabelsHead):
+    """ELECTRA's discriminator: for every token, the logit that it was replaced. labels: [batch, seq], 1 =
+    replaced, 0 = original; the loss is binary cross-entropy over the tokens the attention mask keeps (all tokens
+    without a mask), as official ELECTRA computes it."""
+
+    def __init__(self, config: TinyEncoderConfig):
+        super().__init__(config)
+        self.model = TinyEncoderModel(config, add_pooling_layer=False)
+        self.discriminator = TinyEncoderDiscriminatorHead(config)
+        self.post_init()
+
+    def _head(self, outputs, labels, attention_mask) -> TokenClassifierOutput:
+        logits = self.discriminator(outputs.last_hidden_state)
+        loss = None
+        if labels is not None:
+            check_labels(labels, num_classes=2, expected_shape=tuple(logits.shape))
+            flat_logits, flat_labels = logits.reshape(-1), labels.to(logits.device, logits.dtype).reshape(-1)
+            if attention_mask is not None:
+                kept = attention_mask.to(logits.device).reshape(-1) == 1
+                flat_logits, flat_labels = flat_logits[kept], flat_labels[kept]
+            loss = BCEWithLogitsLoss()(flat_logits, flat_labels)
+        return TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+
+
 def _classifier_dropout(config: TinyEncoderConfig) -> nn.Dropout:
     """The classification heads' dropout: classifier_dropout, or hidden_dropout when unset (as in BERT)."""
     return nn.Dropout(config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout)
@@ -344,7 +404,8 @@ class TinyEncoderForSequenceClassification(TinyEncoderWithLabelsHead):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.model = TinyEncoderModel(config, add_pooling_layer=True)
-        self.dropout = _classifier_dropout(config)
+        rate = config.sequence_classifier_dropout
+        self.dropout = nn.Dropout(rate) if rate is not None else _classifier_dropout(config)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
@@ -369,7 +430,7 @@ class TinyEncoderForSequenceClassification(TinyEncoderWithLabelsHead):
             "'single_label_classification', 'multi_label_classification'"
         )
 
-    def _head(self, outputs: BaseModelOutputWithPooling, labels: Optional[torch.Tensor]) -> SequenceClassifierOutput:
+    def _head(self, outputs, labels, attention_mask) -> SequenceClassifierOutput:
         pooled = outputs.pooler_output
         if self.config.dropout_before_pooler:  # RoBERTa: dropout(h[:, 0]) -> dense -> tanh, then as below
             pooled = self.model.pooler(self.dropout(outputs.last_hidden_state[:, :1]))
@@ -389,7 +450,7 @@ class TinyEncoderForTokenClassification(TinyEncoderWithLabelsHead):
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
-    def _head(self, outputs: BaseModelOutputWithPooling, labels: Optional[torch.Tensor]) -> TokenClassifierOutput:
+    def _head(self, outputs, labels, attention_mask) -> TokenClassifierOutput:
         logits = self.classifier(self.dropout(outputs.last_hidden_state))
         loss = None
         if labels is not None:
@@ -412,6 +473,7 @@ class TinyEncoderForQuestionAnswering(TinyEncoderPreTrainedModel):
             )
         super().__init__(config)
         self.model = TinyEncoderModel(config, add_pooling_layer=False)
+        self.dropout = nn.Dropout(config.qa_dropout)
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
         self.post_init()
 
@@ -431,7 +493,7 @@ class TinyEncoderForQuestionAnswering(TinyEncoderPreTrainedModel):
         outputs = self._encode(
             input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions, output_hidden_states
         )
-        logits = self.qa_outputs(outputs.last_hidden_state)
+        logits = self.qa_outputs(self.dropout(outputs.last_hidden_state))
         start_logits, end_logits = (part.squeeze(-1).contiguous() for part in logits.split(1, dim=-1))
         loss = None
         if start_positions is not None and end_positions is not None:
@@ -456,6 +518,7 @@ __all__ = [
     "TinyEncoderModel",
     "TinyEncoderForMaskedLM",
     "TinyEncoderForPreTraining",
+    "TinyEncoderForReplacedTokenDetection",
     "TinyEncoderForSequenceClassification",
     "TinyEncoderForTokenClassification",
     "TinyEncoderForQuestionAnswering",

@@ -70,7 +70,7 @@ def assert_names(error: BaseException, fragments) -> None:
 FAMILY_CONFIGS = {"encoder": TinyEncoderConfig, "causal": TinyCausalConfig, "seq2seq": TinySeq2SeqConfig}
 POSITIVE_FIELDS = {
     "encoder": ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                "max_position_embeddings", "type_vocab_size"],
+                "max_position_embeddings", "embedding_size"],
     "causal": ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                "intermediate_size", "max_position_embeddings", "head_dim", "sliding_window"],
     "seq2seq": ["vocab_size", "hidden_size", "num_hidden_layers", "num_decoder_layers", "num_attention_heads",
@@ -88,6 +88,9 @@ def config_cases():
                 if (family, field, value) not in ALREADY_TESTED:
                     yield pytest.param(family, {field: value}, ValueError, [field, repr(value)],
                                        id=f"{family}-{field}={value}")
+    for value in (-1, 2.0):  # 0 is valid: no token types (DistilBERT)
+        yield pytest.param("encoder", {"type_vocab_size": value}, ValueError, ["type_vocab_size", repr(value)],
+                           id=f"encoder-type_vocab_size={value}")
     for family in FAMILY_CONFIGS:
         yield pytest.param(family, {"num_attention_heads": 3}, ValueError,
                            ["hidden_size (16)", "num_attention_heads (3)"], id=f"{family}-hidden-not-divisible")

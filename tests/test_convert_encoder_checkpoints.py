@@ -351,3 +351,215 @@ def test_roberta_position_table_without_room_for_the_offset_fails_at_config_cons
     model(torch.ones(1, 4, dtype=torch.long) * 3)  # 4 = 6 - (1 + 1) tokens fit
     with pytest.raises(ValueError, match="input sequence length"):
         model(torch.ones(1, 5, dtype=torch.long) * 3)
+
+
+# --- DistilBERT ------------------------------------------------------------------------------------------------
+
+from conversion import distilbert as distilbert_conversion  # noqa: E402
+from transformers import DistilBertConfig  # noqa: E402
+
+DISTILBERT_CLASSES = [
+    "DistilBertModel", "DistilBertForMaskedLM", "DistilBertForSequenceClassification",
+    "DistilBertForTokenClassification", "DistilBertForQuestionAnswering",
+]
+
+
+def official_distilbert(architecture, *, heads=4, layers=2, intermediate=64, hidden=32, seed=0, **fields):
+    fields = {"num_labels": 2 if architecture.endswith("QuestionAnswering") else 3, **fields}
+    config = DistilBertConfig(
+        vocab_size=VOCAB, dim=hidden, n_layers=layers, n_heads=heads, hidden_dim=intermediate,
+        max_position_embeddings=40, initializer_range=0.25, pad_token_id=0, **fields,
+    )
+    torch.manual_seed(seed)
+    model = getattr(transformers, architecture)(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.copy_(0.2 * torch.randn_like(param))
+            elif "layer_norm" in name or "LayerNorm" in name:
+                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+    return model.eval()
+
+
+def _auto_for(architecture: str, prefix: str):
+    return getattr(transformers, "AutoModel" + architecture.removeprefix(prefix).replace("Model", ""))
+
+
+@pytest.mark.parametrize("heads, layers, intermediate, hidden", SHAPES)
+@pytest.mark.parametrize("architecture", DISTILBERT_CLASSES)
+def test_distilbert_parity(architecture, heads, layers, intermediate, hidden, tmp_path):
+    official = official_distilbert(architecture, heads=heads, layers=layers, intermediate=intermediate, hidden=hidden)
+    report = distilbert_conversion.convert(save(official, tmp_path / "src"), tmp_path / "dst")
+    assert report["architecture"] == architecture
+    for backend in ("eager", "sdpa"):
+        ours = _auto_for(architecture, "DistilBert").from_pretrained(tmp_path / "dst", attn_implementation=backend).eval()
+        base = ours.model if hasattr(ours, "model") else ours
+        assert ours.config.type_vocab_size == 0 and base.embed_token_types is None
+        assert max_diff(official, ours, padded_batch(token_types=False)) <= TOLERANCE, backend
+
+
+def test_distilbert_sinusoidal_positions_convert_and_init_like_official(tmp_path):
+    official = official_distilbert("DistilBertForMaskedLM", sinusoidal_pos_embds=True)
+    distilbert_conversion.convert(save(official, tmp_path / "src"), tmp_path / "dst")
+    ours = AutoModelForMaskedLM.from_pretrained(tmp_path / "dst").eval()
+    assert ours.config.sinusoidal_positions
+    # trainable, as official leaves it after loading
+    reloaded_official = transformers.DistilBertForMaskedLM.from_pretrained(tmp_path / "src")
+    assert ours.model.embed_positions.weight.requires_grad == (
+        reloaded_official.distilbert.embeddings.position_embeddings.weight.requires_grad)
+    assert max_diff(official, ours, padded_batch(token_types=False)) <= TOLERANCE
+    # A model built from the config writes the same fixed table official DistilBERT writes.
+    expected = torch.empty(40, 32)
+    transformers.models.distilbert.modeling_distilbert.create_sinusoidal_embeddings(40, 32, expected)
+    fresh = hf_tiny.TinyEncoderForMaskedLM(ours.config)
+    torch.testing.assert_close(fresh.model.embed_positions.weight, expected, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("architecture", ["DistilBertForSequenceClassification", "DistilBertForQuestionAnswering"])
+def test_distilbert_head_dropouts_match_official_in_training(architecture, tmp_path):
+    """Encoder dropouts 0, head dropouts on: the same seed must give the same outputs (seq_classif_dropout after
+    the ReLU pre-classifier; qa_dropout before the QA outputs)."""
+    official = official_distilbert(architecture, dropout=0.0, attention_dropout=0.0, seq_classif_dropout=0.4, qa_dropout=0.4)
+    distilbert_conversion.convert(save(official, tmp_path / "src"), tmp_path / "dst")
+    ours = _auto_for(architecture, "DistilBert").from_pretrained(tmp_path / "dst", attn_implementation="eager")
+    official.train(), ours.train()
+    batch = padded_batch(token_types=False)
+    torch.manual_seed(3)
+    expected = official(**batch)
+    torch.manual_seed(3)
+    got = ours(**batch)
+    field = "logits" if architecture.endswith("Classification") else "start_logits"
+    torch.testing.assert_close(getattr(got, field), getattr(expected, field), rtol=1e-5, atol=1e-5)
+
+
+def test_distilbert_negative_control_tanh_pooler_is_rejected(tmp_path):
+    official = official_distilbert("DistilBertForSequenceClassification")
+    distilbert_conversion.convert(save(official, tmp_path / "src"), tmp_path / "dst")
+    config = hf_tiny.TinyEncoderConfig.from_pretrained(tmp_path / "dst")
+    config.pooler_act = "tanh"
+    wrong = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "dst", config=config).eval()
+    assert max_diff(official, wrong, padded_batch(token_types=False)) > 1e-2
+
+
+@pytest.mark.parametrize("architecture", DISTILBERT_CLASSES)
+def test_distilbert_round_trip_is_bit_exact(architecture, tmp_path):
+    official = official_distilbert(architecture)
+    distilbert_conversion.convert(save(official, tmp_path / "src"), tmp_path / "ours")
+    report = distilbert_conversion.convert_back(tmp_path / "ours", tmp_path / "back")
+    assert report["architecture"] == architecture
+    reloaded = getattr(transformers, architecture).from_pretrained(tmp_path / "back").eval()
+    for name, tensor in official.state_dict().items():
+        assert torch.equal(tensor, reloaded.state_dict()[name]), name
+
+
+def test_distilbert_refuses_token_types_and_bert_reverse_refuses_it(tmp_path):
+    distilbert_conversion.convert(save(official_distilbert("DistilBertModel"), tmp_path / "src"), tmp_path / "ours")
+    ours = AutoModel.from_pretrained(tmp_path / "ours")
+    batch = padded_batch()
+    with pytest.raises(ValueError, match=r"token_type_ids were given, but this encoder has no token types \(type_vocab_size=0\)"):
+        ours(**batch)
+    with pytest.raises(ConversionError, match="not a bert model: .*type_vocab_size|not a bert model: .*add_pooling_layer=False"):
+        bert_conversion.convert_back(tmp_path / "ours", tmp_path / "back")
+
+
+@pytest.mark.slow
+def test_distilbert_is_detected_both_ways(tmp_path):
+    src = save(official_distilbert("DistilBertForMaskedLM"), tmp_path / "src")
+    forward = _cli(src, tmp_path / "ours")
+    assert forward.returncode == 0, forward.stderr
+    assert "detected family distilbert" in forward.stderr
+    back = _cli(tmp_path / "ours", tmp_path / "back", "--reverse")
+    assert back.returncode == 0, back.stderr
+    assert "detected family distilbert (model_type 'hf_tiny_encoder' with type_vocab_size=0)" in back.stderr
+
+
+# --- ELECTRA ---------------------------------------------------------------------------------------------------
+
+from conversion import electra as electra_conversion  # noqa: E402
+from transformers import ElectraConfig  # noqa: E402
+
+ELECTRA_CLASSES = [
+    "ElectraModel", "ElectraForPreTraining", "ElectraForMaskedLM", "ElectraForSequenceClassification",
+    "ElectraForTokenClassification", "ElectraForQuestionAnswering",
+]
+ELECTRA_AUTO = {"ElectraForPreTraining": AutoModelForPreTraining}
+
+
+def official_electra(architecture, *, heads=4, layers=2, intermediate=64, hidden=32, embedding=16, seed=0, **fields):
+    fields = {"num_labels": 2 if architecture.endswith("QuestionAnswering") else 3, **fields}
+    config = ElectraConfig(
+        vocab_size=VOCAB, embedding_size=embedding, hidden_size=hidden, num_hidden_layers=layers,
+        num_attention_heads=heads, intermediate_size=intermediate, max_position_embeddings=40, type_vocab_size=2,
+        initializer_range=0.25, pad_token_id=0, **fields,
+    )
+    torch.manual_seed(seed)
+    return _randomize(getattr(transformers, architecture)(config))
+
+
+@pytest.mark.parametrize("embedding", [16, 32], ids=["factorized", "same-width"])
+@pytest.mark.parametrize("heads, layers, intermediate, hidden", SHAPES[1:])
+@pytest.mark.parametrize("architecture", ELECTRA_CLASSES)
+def test_electra_parity(architecture, heads, layers, intermediate, hidden, embedding, tmp_path):
+    official = official_electra(architecture, heads=heads, layers=layers, intermediate=intermediate, hidden=hidden,
+                                embedding=embedding)
+    report = electra_conversion.convert(save(official, tmp_path / "src"), tmp_path / "dst")
+    assert report["architecture"] == architecture
+    auto = ELECTRA_AUTO.get(architecture) or _auto_for(architecture, "Electra")
+    for backend in ("eager", "sdpa"):
+        ours = auto.from_pretrained(tmp_path / "dst", attn_implementation=backend).eval()
+        base = ours.model if hasattr(ours, "model") else ours
+        assert (base.embed_projection is not None) == (embedding != hidden)
+        assert max_diff(official, ours, padded_batch()) <= TOLERANCE, backend
+
+
+def test_electra_discriminator_loss_matches_official_and_negative_control(tmp_path):
+    official = official_electra("ElectraForPreTraining")
+    electra_conversion.convert(save(official, tmp_path / "src"), tmp_path / "dst")
+    ours = AutoModelForPreTraining.from_pretrained(tmp_path / "dst").eval()
+    assert isinstance(ours, hf_tiny.TinyEncoderForReplacedTokenDetection)
+    batch = padded_batch()
+    labels = torch.randint(0, 2, batch["input_ids"].shape, generator=torch.Generator().manual_seed(4))
+    torch.testing.assert_close(ours(**batch, labels=labels).loss, official(**batch, labels=labels).loss, rtol=1e-6, atol=1e-6)
+    without_mask = {"input_ids": batch["input_ids"], "token_type_ids": batch["token_type_ids"]}
+    torch.testing.assert_close(ours(**without_mask, labels=labels).loss, official(**without_mask, labels=labels).loss,
+                               rtol=1e-6, atol=1e-6)
+    with torch.no_grad():  # negative control: the embedding projection's bias dropped
+        ours.model.embed_projection.bias.zero_()
+    assert max_diff(official, ours, batch) > 1e-2
+
+
+@pytest.mark.parametrize("architecture", ELECTRA_CLASSES)
+def test_electra_round_trip_is_bit_exact(architecture, tmp_path):
+    official = official_electra(architecture)
+    electra_conversion.convert(save(official, tmp_path / "src"), tmp_path / "ours")
+    report = electra_conversion.convert_back(tmp_path / "ours", tmp_path / "back")
+    assert report["architecture"] == architecture
+    reloaded = getattr(transformers, architecture).from_pretrained(tmp_path / "back").eval()
+    for name, tensor in official.state_dict().items():
+        assert torch.equal(tensor, reloaded.state_dict()[name]), name
+
+
+def test_electra_generator_with_another_activation_is_refused(tmp_path):
+    src = save(official_electra("ElectraForMaskedLM", hidden_act="relu"), tmp_path / "src")
+    with pytest.raises(ConversionError, match="ElectraForMaskedLM with hidden_act='relu' is not supported"):
+        electra_conversion.convert(src, tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.slow
+def test_electra_is_detected_both_ways(tmp_path):
+    src = save(official_electra("ElectraForPreTraining"), tmp_path / "src")
+    forward = _cli(src, tmp_path / "ours")
+    assert forward.returncode == 0, forward.stderr
+    assert "detected family electra" in forward.stderr
+    back = _cli(tmp_path / "ours", tmp_path / "back", "--reverse")
+    assert back.returncode == 0, back.stderr
+    assert "detected family electra" in back.stderr
+
+
+def test_tensors_of_another_variant_name_the_class_tried_and_the_first_misfits(tmp_path):
+    src = save(official_distilbert("DistilBertForMaskedLM"), tmp_path / "src", model_type="bert",
+               architectures=["BertForMaskedLM"])
+    with pytest.raises(ConversionError, match=r"do not fit BertModel \(family bert\): missing source tensors: embeddings\.LayerNorm\.bias.*unexpected source tensors .*: distilbert\.embeddings\.LayerNorm\.bias"):
+        bert_conversion.convert(src, tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()

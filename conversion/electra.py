@@ -1,0 +1,74 @@
+"""ELECTRA (transformers `model_type: electra`) <-> hf_tiny encoder: the BERT table with ELECTRA's names.
+
+    python -m conversion [electra] SRC DST              official ELECTRA folder -> hf_tiny folder
+    python -m conversion [electra] SRC DST --reverse    hf_tiny encoder folder -> official ELECTRA
+
+What differs from BERT: factorized embeddings (`embedding_size`, projected to hidden_size by
+`embeddings_project` -> hf_tiny `embed_projection`), no pooler in the base model, the generator
+(`ElectraForMaskedLM`: dense to embedding_size, GELU, LayerNorm, tied decoder with its own bias), the
+discriminator (`ElectraForPreTraining` -> `TinyEncoderForReplacedTokenDetection`), and the sequence classifier
+dropout -> dense -> GELU -> dropout -> out_proj (hf_tiny's pooler with pooler_act="gelu" and
+dropout_before_pooler).
+"""
+
+from __future__ import annotations
+
+from .bert import CONFIG_FIELDS, DISCRIMINATOR_CLASS, EncoderFamily, EncoderVariant, MaskedLMNames
+from .errors import ConversionError
+from .pipeline import Plan, Source, entry_points
+
+ELECTRA = EncoderVariant(
+    model_type="electra",
+    class_prefix="Electra",
+    base_prefix="electra",
+    masked_lm=MaskedLMNames(
+        {"generator_predictions.dense": "lm_head.dense", "generator_predictions.LayerNorm": "lm_head.layer_norm"},
+        decoder="generator_lm_head",
+        bias="generator_lm_head.bias",
+    ),
+    parts={
+        "discriminator": {
+            "discriminator_predictions.dense": "discriminator.dense",
+            "discriminator_predictions.dense_prediction": "discriminator.prediction",
+        },
+        "classification_head": {"classifier.dense": "model.pooler.dense", "classifier.out_proj": "classifier"},
+        "classifier": {"classifier": "classifier"},
+        "qa": {"qa_outputs": "qa_outputs"},
+    },
+    class_parts={
+        "Model": (),
+        "ForPreTraining": ("discriminator",),
+        "ForMaskedLM": ("masked_lm",),
+        "ForSequenceClassification": ("classification_head",),
+        "ForTokenClassification": ("classifier",),
+        "ForQuestionAnswering": ("qa",),
+    },
+    fixed_config={"add_pooling_layer": False, "pooler_act": "gelu", "dropout_before_pooler": True},
+    config_fields={**CONFIG_FIELDS, "embedding_size": "embedding_size"},
+    embedding_projection="embeddings_project",
+    class_overrides={"ForPreTraining": DISCRIMINATOR_CLASS},
+)
+
+
+class ElectraFamily(EncoderFamily):
+    name = "electra"
+    model_types = ("electra",)
+    variant = ELECTRA
+    classes = ELECTRA.family_classes()
+    card_family = "hf_tiny_encoder (BERT-style encoder, ELECTRA layout)"
+    tags = ("electra", "encoder")
+    tensor_markers = ("electra.embeddings.word_embeddings.weight",)
+
+    def plan(self, source: Source) -> Plan:
+        plan = super().plan(source)
+        if plan.our_class == "TinyEncoderForMaskedLM" and plan.config.hidden_act != "gelu":
+            # the official generator head applies GELU whatever hidden_act says; hf_tiny's MLM head uses hidden_act
+            raise ConversionError(
+                f"{source.path}: ElectraForMaskedLM with hidden_act={plan.config.hidden_act!r} is not supported "
+                "(its generator head always applies 'gelu')"
+            )
+        return plan
+
+
+FAMILY = ElectraFamily()
+convert, convert_back = entry_points(FAMILY)
