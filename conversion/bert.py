@@ -19,6 +19,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Optional
 
 from .errors import ConversionError, list_names
 from .keymap import KeyMap, Rule, join, layer_rules
@@ -108,6 +109,10 @@ class EncoderVariant:
     embedding_modules: dict[str, str] = field(default_factory=lambda: EMBEDDING_MODULES)
     embedding_tables: dict[str, str] = field(default_factory=lambda: EMBEDDING_TABLES)
     word_embeddings: str = WORD_EMBEDDINGS
+    # hf_tiny fields read from an official field another one is mapped from too (ALBERT's classifier_dropout_prob)
+    derived_config: dict[str, str] = field(default_factory=dict)
+    # (official layer prefix, hf_tiny layer prefix) pairs for a config; default: layer_path <-> layers.{i}
+    layer_pairs: Optional[Callable] = None
     embedding_projection: str = ""  # the projection of factorized embeddings to hidden_size (ELECTRA)
     class_overrides: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # suffix -> CLASSES entry
 
@@ -133,6 +138,20 @@ class EncoderVariant:
         return suffix
 
 
+# Parts every variant names alike, and RoBERTa's classification head (ELECTRA's too): dense -> pooler, out_proj
+TASK_PARTS = {"classifier": {"classifier": "classifier"}, "qa": {"qa_outputs": "qa_outputs"}}
+CLASSIFICATION_HEAD = {"classifier.dense": "model.pooler.dense", "classifier.out_proj": "classifier"}
+
+
+def class_parts(*, base_pooler: bool, pretraining: tuple[str, ...] = (), sequence=("pooler", "classifier")) -> dict:
+    """Official class suffix -> the parts it holds besides the encoder (no ForPreTraining without `pretraining`)."""
+    parts = {"Model": ("pooler",) if base_pooler else ()}
+    if pretraining:
+        parts["ForPreTraining"] = pretraining
+    return {**parts, "ForMaskedLM": ("masked_lm",), "ForSequenceClassification": sequence,
+            "ForTokenClassification": ("classifier",), "ForQuestionAnswering": ("qa",)}
+
+
 BERT = EncoderVariant(
     model_type="bert",
     class_prefix="Bert",
@@ -142,20 +161,8 @@ BERT = EncoderVariant(
         decoder="cls.predictions.decoder",
         bias="cls.predictions.bias",
     ),
-    parts={
-        "pooler": {"pooler.dense": "pooler.dense"},
-        "next_sentence": {"cls.seq_relationship": "next_sentence"},
-        "classifier": {"classifier": "classifier"},
-        "qa": {"qa_outputs": "qa_outputs"},
-    },
-    class_parts={
-        "Model": ("pooler",),
-        "ForPreTraining": ("pooler", "masked_lm", "next_sentence"),
-        "ForMaskedLM": ("masked_lm",),
-        "ForSequenceClassification": ("pooler", "classifier"),
-        "ForTokenClassification": ("classifier",),
-        "ForQuestionAnswering": ("qa",),
-    },
+    parts={"pooler": {"pooler.dense": "pooler.dense"}, "next_sentence": {"cls.seq_relationship": "next_sentence"}, **TASK_PARTS},
+    class_parts=class_parts(base_pooler=True, pretraining=("pooler", "masked_lm", "next_sentence")),
 )
 
 
@@ -174,9 +181,10 @@ def part_keys(variant: EncoderVariant, part: str, state, *, prefixed: bool) -> l
     return sorted(k for k in state if k in names)
 
 
-def key_map(variant: EncoderVariant, suffix: str, *, tied: bool = True, projected: bool = False) -> KeyMap:
-    """The official <-> hf_tiny key map of one official class (projected: factorized embeddings with their
-    projection to hidden_size)."""
+def key_map(variant: EncoderVariant, suffix: str, config) -> KeyMap:
+    """The official <-> hf_tiny key map of one official class, for an hf_tiny encoder config (tied decoder,
+    embedding projection, shared layers)."""
+    tied, projected = config.tie_word_embeddings, config.project_embeddings
     source, target = ("", "") if suffix == "Model" else (variant.base_prefix, "model")
     parts = variant.class_parts[suffix]
     masked_lm = "masked_lm" in parts
@@ -186,9 +194,13 @@ def key_map(variant: EncoderVariant, suffix: str, *, tied: bool = True, projecte
     rules += layer_rules(source, target, variant.embedding_modules)
     if projected:
         rules += layer_rules(source, target, {variant.embedding_projection: "embed_projection"})
-    rules += layer_rules(join(source, variant.layer_path), join(target, "layers.{i}"), variant.layer_modules)
+    layers = variant.layer_pairs(config) if variant.layer_pairs else [(variant.layer_path, "layers.{i}")]
+    for official_layer, our_layer in layers:
+        rules += layer_rules(join(source, official_layer), join(target, our_layer), variant.layer_modules)
     ignore = [rf"({variant.base_prefix}\.)?" + buffer.replace(".", r"\.") for buffer in IGNORED_BUFFERS]
     for part in parts:
+        if part == "pooler" and not config.add_pooling_layer:
+            continue
         if part == "pooler":
             rules += layer_rules(source, target, variant.parts["pooler"])
         elif part == "masked_lm":
@@ -264,6 +276,7 @@ def encoder_config_from_official(variant: EncoderVariant, raw_config: dict, *, s
         if getattr(official, flag, False):
             raise ConversionError(f"{src}: {flag}=True (a decoder) is not supported; hf_tiny encoders are bidirectional")
     values = {ours: getattr(official, name) for name, ours in variant.config_fields.items()}
+    values.update({ours: getattr(official, name) for ours, name in variant.derived_config.items()})
     if values["id2label"] is None:
         values.pop("id2label")
         values.pop("label2id")
@@ -274,27 +287,34 @@ def encoder_config_from_official(variant: EncoderVariant, raw_config: dict, *, s
 
 
 def official_config_from_encoder(variant: EncoderVariant, config, official_class: str):
-    """The official config of an hf_tiny encoder; a field the variant has no place for must hold the value the
-    variant implies (its fixed_config, else TinyEncoderConfig's default), or the conversion would lose it."""
+    """The official config of an hf_tiny encoder. It must carry everything: converted back to hf_tiny it must give
+    the same fields, else the config holds something this variant has no place for (an error naming it)."""
     import inspect
 
     from transformers import AutoConfig
 
-    implied = {name: param.default for name, param in inspect.signature(type(config).__init__).parameters.items()
-               if param.default is not inspect.Parameter.empty}
-    implied.update(variant.fixed_config)
-    if variant.embedding_projection == "":
-        implied["embedding_size"] = config.hidden_size
-    mapped = set(variant.config_fields.values())
-    mismatched = [f"{k}={getattr(config, k)!r}" for k, v in implied.items()
-                  if k not in mapped and k not in ("pad_token_id",) and hasattr(config, k) and getattr(config, k) != v]
-    if mismatched:
-        raise ConversionError(f"this hf_tiny encoder is not a {variant.model_type} model: {', '.join(mismatched)}")
     values = {name: getattr(config, ours) for name, ours in variant.config_fields.items()}
     if values["id2label"] is None:
         values.pop("id2label")
         values.pop("label2id")
-    return AutoConfig.for_model(variant.model_type, **values, architectures=[official_class], position_embedding_type="absolute")
+    official = AutoConfig.for_model(variant.model_type, **values, architectures=[official_class])
+    try:
+        again = encoder_config_from_official(variant, official.to_dict(), src=f"the {variant.model_type} config")
+    except ConversionError as error:
+        raise ConversionError(f"this hf_tiny encoder is not a {variant.model_type} model ({error})") from error
+    fields = [name for name in inspect.signature(type(config).__init__).parameters if name not in ("self", "kwargs")]
+    lost = [f"{name}={getattr(config, name)!r}" for name in fields if getattr(config, name) != getattr(again, name)]
+    if lost:
+        raise ConversionError(
+            f"this hf_tiny encoder is not a {variant.model_type} model: {', '.join(lost)} (a {variant.model_type} "
+            "config has no place for it)"
+        )
+    return official
+
+
+def num_blocks(config) -> int:
+    """Blocks of weights: num_hidden_layers, or fewer when layers share them (ALBERT)."""
+    return config.num_hidden_groups * config.inner_group_num
 
 
 class EncoderFamily(Family):
@@ -313,6 +333,13 @@ class EncoderFamily(Family):
         variant, notes = self.variant, list(source.notes)
         suffix, state = choose_class(variant, source, notes)
         config = encoder_config_from_official(variant, source.raw_config, src=source.path)
+        official_kwargs = {}
+        if suffix == "Model" and "pooler" in variant.class_parts["Model"] and not part_keys(variant, "pooler", state, prefixed=False):
+            # e.g. sentence-transformers models saved without one; official loading would make a random pooler
+            notes.append(f"The checkpoint has no pooler tensors: converted without a pooler (add_pooling_layer=False); "
+                         f"parity is measured against {variant.official_class('Model')}(add_pooling_layer=False).")
+            config.add_pooling_layer = False
+            official_kwargs["add_pooling_layer"] = False
         tied, names = config.tie_word_embeddings, variant.masked_lm
         if "masked_lm" in variant.class_parts[suffix] and tied:
             prefix = "" if suffix == "Model" else variant.base_prefix + "."
@@ -325,18 +352,14 @@ class EncoderFamily(Family):
             print(f"note: {note}", file=sys.stderr)
         official = variant.official_class(suffix)
         source.description = f"the official `{official}` checkpoint `{source.path.resolve().name}`"
-        projected = config.embedding_size != config.hidden_size
-        return Plan(config, variant.hf_tiny_class(suffix)[0], official,
-                    key_map(variant, suffix, tied=tied, projected=projected), config.num_hidden_layers,
-                    state, notes=notes)
+        return Plan(config, variant.hf_tiny_class(suffix)[0], official, key_map(variant, suffix, config), num_blocks(config),
+                    state, notes=notes, official_kwargs=official_kwargs)
 
     def reverse(self, config, our_class: str, src: Path) -> ReversePlan:
         suffix = self.variant.suffix_for(our_class)
         official = self.variant.official_class(suffix)
-        projected = config.embedding_size != config.hidden_size
         return ReversePlan(official, official_config_from_encoder(self.variant, config, official),
-                           key_map(self.variant, suffix, tied=config.tie_word_embeddings, projected=projected),
-                           config.num_hidden_layers)
+                           key_map(self.variant, suffix, config), num_blocks(config))
 
     def finish_official_state(self, state: dict, config, plan: ReversePlan) -> dict:
         names = self.variant.masked_lm

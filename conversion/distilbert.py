@@ -11,7 +11,7 @@ position table (`sinusoidal_pos_embds`; the checkpoint stores it, hf_tiny writes
 
 from __future__ import annotations
 
-from .bert import EncoderFamily, EncoderVariant, MaskedLMNames
+from .bert import TASK_PARTS, EncoderFamily, EncoderVariant, MaskedLMNames, class_parts
 from .pipeline import entry_points
 
 CONFIG_FIELDS = {
@@ -54,18 +54,8 @@ DISTILBERT = EncoderVariant(
         decoder="vocab_projector",
         bias="vocab_projector.bias",
     ),
-    parts={
-        "classification_head": {"pre_classifier": "model.pooler.dense", "classifier": "classifier"},
-        "classifier": {"classifier": "classifier"},
-        "qa": {"qa_outputs": "qa_outputs"},
-    },
-    class_parts={
-        "Model": (),
-        "ForMaskedLM": ("masked_lm",),
-        "ForSequenceClassification": ("classification_head",),
-        "ForTokenClassification": ("classifier",),
-        "ForQuestionAnswering": ("qa",),
-    },
+    parts={"classification_head": {"pre_classifier": "model.pooler.dense", "classifier": "classifier"}, **TASK_PARTS},
+    class_parts=class_parts(base_pooler=False, sequence=("classification_head",)),
     fixed_config={
         "type_vocab_size": 0, "layer_norm_eps": 1e-12, "add_pooling_layer": False, "pooler_act": "relu",
         "classifier_dropout": None,

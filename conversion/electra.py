@@ -13,7 +13,10 @@ dropout_before_pooler).
 
 from __future__ import annotations
 
-from .bert import CONFIG_FIELDS, DISCRIMINATOR_CLASS, EncoderFamily, EncoderVariant, MaskedLMNames
+from .bert import (
+    CLASSIFICATION_HEAD, CONFIG_FIELDS, DISCRIMINATOR_CLASS, TASK_PARTS, EncoderFamily, EncoderVariant, MaskedLMNames,
+    class_parts,
+)
 from .errors import ConversionError
 from .pipeline import Plan, Source, entry_points
 
@@ -31,18 +34,10 @@ ELECTRA = EncoderVariant(
             "discriminator_predictions.dense": "discriminator.dense",
             "discriminator_predictions.dense_prediction": "discriminator.prediction",
         },
-        "classification_head": {"classifier.dense": "model.pooler.dense", "classifier.out_proj": "classifier"},
-        "classifier": {"classifier": "classifier"},
-        "qa": {"qa_outputs": "qa_outputs"},
+        "classification_head": CLASSIFICATION_HEAD,
+        **TASK_PARTS,
     },
-    class_parts={
-        "Model": (),
-        "ForPreTraining": ("discriminator",),
-        "ForMaskedLM": ("masked_lm",),
-        "ForSequenceClassification": ("classification_head",),
-        "ForTokenClassification": ("classifier",),
-        "ForQuestionAnswering": ("qa",),
-    },
+    class_parts=class_parts(base_pooler=False, pretraining=("discriminator",), sequence=("classification_head",)),
     fixed_config={"add_pooling_layer": False, "pooler_act": "gelu", "dropout_before_pooler": True},
     config_fields={**CONFIG_FIELDS, "embedding_size": "embedding_size"},
     embedding_projection="embeddings_project",

@@ -200,11 +200,17 @@ COMPARED_FIELDS = (
 )
 
 
+# official output fields hf_tiny names after BERT (ALBERT's sentence-order logits are BERT's next-sentence logits)
+FIELD_ALIASES = {"seq_relationship_logits": "sop_logits"}
+
+
 def compared_outputs(output, real_tokens: torch.Tensor | None) -> list[torch.Tensor]:
     """The outputs parity is measured on, in float32; per-token ones ([batch, seq, ...]) at real tokens only."""
     tensors = []
     for field in COMPARED_FIELDS:
         value = getattr(output, field, None)
+        if value is None and field in FIELD_ALIASES:
+            value = getattr(output, FIELD_ALIASES[field], None)
         if value is None:
             continue
         if real_tokens is not None and value.dim() >= 2 and tuple(value.shape[:2]) == tuple(real_tokens.shape):

@@ -62,6 +62,7 @@ class Plan:
     state: dict[str, torch.Tensor]  # the source tensors ready for key_map (stored tied copies dropped)
     official_config: Any = None  # the transformers config (seq2seq derives generation_config.json from it)
     notes: list[str] = field(default_factory=list)  # lines for the model card
+    official_kwargs: dict = field(default_factory=dict)  # for the official from_pretrained (e.g. add_pooling_layer)
 
 
 @dataclass
@@ -123,7 +124,9 @@ class Family:
             return source.official
         import transformers
 
-        return getattr(transformers, plan.official_class).from_pretrained(str(source.folder), dtype=torch.float32)
+        return getattr(transformers, plan.official_class).from_pretrained(
+            str(source.folder), dtype=torch.float32, **plan.official_kwargs
+        )
 
     def write_side_files(self, source: Source, plan: Plan, tmp: Path) -> str:
         """Tokenizer and the other files that travel with the weights; returns a phrase for the card."""

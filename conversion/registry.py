@@ -14,6 +14,7 @@ FAMILIES = {
     "roberta": "conversion.roberta",
     "distilbert": "conversion.distilbert",
     "electra": "conversion.electra",
+    "albert": "conversion.albert",
     "llama": "conversion.llama",
     "bart": "conversion.bart",
     "t5": "conversion.t5",
@@ -68,6 +69,8 @@ def detect_family(src: str | os.PathLike, *, reverse: bool = False) -> tuple[str
             )
         if model_type == "hf_tiny_encoder" and raw.get("positions_from_padding"):
             return "roberta", f"model_type {model_type!r} with positions_from_padding=True"
+        if model_type == "hf_tiny_encoder" and raw.get("project_embeddings") and raw.get("pooler_act") == "tanh":
+            return "albert", f"model_type {model_type!r} with project_embeddings=True and pooler_act='tanh'"
         if model_type == "hf_tiny_encoder" and raw.get("pooler_act") == "gelu":
             return "electra", f"model_type {model_type!r} with pooler_act='gelu'"
         if model_type == "hf_tiny_encoder" and raw.get("type_vocab_size") == 0:

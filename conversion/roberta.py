@@ -11,7 +11,7 @@ hf_tiny with one more dropout before the dense layer (`dropout_before_pooler`).
 
 from __future__ import annotations
 
-from .bert import EncoderFamily, EncoderVariant, MaskedLMNames
+from .bert import CLASSIFICATION_HEAD, TASK_PARTS, EncoderFamily, EncoderVariant, MaskedLMNames, class_parts
 from .pipeline import entry_points
 
 ROBERTA = EncoderVariant(
@@ -23,19 +23,8 @@ ROBERTA = EncoderVariant(
         decoder="lm_head.decoder",
         bias="lm_head.bias",
     ),
-    parts={
-        "pooler": {"pooler.dense": "pooler.dense"},
-        "classification_head": {"classifier.dense": "model.pooler.dense", "classifier.out_proj": "classifier"},
-        "classifier": {"classifier": "classifier"},
-        "qa": {"qa_outputs": "qa_outputs"},
-    },
-    class_parts={
-        "Model": ("pooler",),
-        "ForMaskedLM": ("masked_lm",),
-        "ForSequenceClassification": ("classification_head",),
-        "ForTokenClassification": ("classifier",),
-        "ForQuestionAnswering": ("qa",),
-    },
+    parts={"pooler": {"pooler.dense": "pooler.dense"}, "classification_head": CLASSIFICATION_HEAD, **TASK_PARTS},
+    class_parts=class_parts(base_pooler=True, sequence=("classification_head",)),
     fixed_config={"positions_from_padding": True, "dropout_before_pooler": True},
 )
 

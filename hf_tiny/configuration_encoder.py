@@ -30,6 +30,14 @@ class TinyEncoderConfig(PretrainedConfig):
             init; it is trained like any parameter, as in official transformers 5.
         sequence_classifier_dropout: dropout of the sequence classifier where it differs from classifier_dropout
             (DistilBERT's seq_classif_dropout); qa_dropout: dropout before the QA outputs (DistilBERT).
+        project_embeddings: a projection embedding_size -> hidden_size after the embeddings (None: when the two
+            differ; ALBERT always has one).
+        num_hidden_groups / inner_group_num: ALBERT's cross-layer parameter sharing. The model runs
+            num_hidden_layers passes; pass i runs group i * num_hidden_groups // num_hidden_layers, a stack of
+            inner_group_num blocks, so there are num_hidden_groups * inner_group_num blocks of weights (None: one
+            group per layer, no sharing). num_hidden_groups must divide num_hidden_layers.
+        next_sentence_dropout: dropout before the next-sentence / sentence-order head (ALBERT's SOP head uses
+            classifier_dropout_prob; BERT has none).
     """
 
     model_type = "hf_tiny_encoder"
@@ -72,6 +80,10 @@ class TinyEncoderConfig(PretrainedConfig):
         sinusoidal_positions: bool = False,
         sequence_classifier_dropout: float | None = None,
         qa_dropout: float = 0.0,
+        project_embeddings: bool | None = None,
+        num_hidden_groups: int | None = None,
+        inner_group_num: int = 1,
+        next_sentence_dropout: float = 0.0,
         **kwargs,
     ):
         owner = type(self).__name__
@@ -95,6 +107,23 @@ class TinyEncoderConfig(PretrainedConfig):
         if sequence_classifier_dropout is not None:
             check_probability(owner, sequence_classifier_dropout=sequence_classifier_dropout)
         check_bool(owner, add_pooling_layer=add_pooling_layer, sinusoidal_positions=sinusoidal_positions)
+        if project_embeddings is None:
+            project_embeddings = embedding_size != hidden_size
+        check_bool(owner, project_embeddings=project_embeddings)
+        if embedding_size != hidden_size and not project_embeddings:
+            raise ValueError(
+                f"{owner}: embedding_size={embedding_size} differs from hidden_size={hidden_size}, which needs "
+                "project_embeddings=True"
+            )
+        if num_hidden_groups is None:
+            num_hidden_groups = num_hidden_layers
+        check_positive(owner, num_hidden_groups=num_hidden_groups, inner_group_num=inner_group_num)
+        if isinstance(num_hidden_layers, int) and num_hidden_layers % num_hidden_groups:
+            raise ValueError(
+                f"{owner}: num_hidden_groups={num_hidden_groups} must divide num_hidden_layers={num_hidden_layers} "
+                "(each group of shared layers runs for the same number of passes)"
+            )
+        check_probability(owner, next_sentence_dropout=next_sentence_dropout)
         if sinusoidal_positions and embedding_size % 2:
             raise ValueError(f"{owner}: sinusoidal_positions needs an even embedding_size, got {embedding_size}")
         check_divisible(owner, "hidden_size", hidden_size, "num_attention_heads", num_attention_heads)

@@ -145,9 +145,10 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         self.embed_token_types = nn.Embedding(config.type_vocab_size, width) if config.type_vocab_size else None
         self.embed_norm = nn.LayerNorm(width, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout)
-        self.embed_projection = nn.Linear(width, config.hidden_size) if width != config.hidden_size else None
+        self.embed_projection = nn.Linear(width, config.hidden_size) if config.project_embeddings else None
         spec = config.block_spec()
-        self.layers = nn.ModuleList(TransformerBlock(config, spec, i) for i in range(config.num_hidden_layers))
+        num_blocks = config.num_hidden_groups * config.inner_group_num  # fewer than the passes when shared (ALBERT)
+        self.layers = nn.ModuleList(TransformerBlock(config, spec, i) for i in range(num_blocks))
         if add_pooling_layer is None:
             add_pooling_layer = config.add_pooling_layer
         self.pooler = TinyEncoderPooler(config) if add_pooling_layer else None
@@ -178,6 +179,15 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
             )
         check_attention_mask(attention_mask, expected_shape=shape)
         return shape
+
+    def layer_passes(self):
+        """The blocks in the order they run: each once, or with ALBERT's sharing num_hidden_layers passes where
+        pass i runs the inner_group_num blocks of group i * num_hidden_groups // num_hidden_layers."""
+        config = self.config
+        per_group = config.inner_group_num
+        for i in range(config.num_hidden_layers):
+            group = i * config.num_hidden_groups // config.num_hidden_layers
+            yield from self.layers[group * per_group : (group + 1) * per_group]
 
     @property
     def max_sequence_length(self) -> int:
@@ -234,7 +244,7 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         )
         collected = LayerOutputs(flags)
         collected.add_hidden(hidden_states)
-        for layer in self.layers:
+        for layer in self.layer_passes():
             # Hidden states positionally: gradient checkpointing (GradientCheckpointingLayer) needs it.
             hidden_states, attention_weights, _ = layer(hidden_states, mask.mask, is_causal=mask.is_causal, output_attentions=flags.attentions)
             collected.add_hidden(hidden_states)
@@ -310,13 +320,16 @@ class TinyEncoderForPreTrainingOutput(ModelOutput):
 
 
 class TinyEncoderForPreTraining(_WithMaskedLMHead, TinyEncoderPreTrainedModel):
-    """BERT's pretraining model: the MLM head on every token and the next-sentence head on the pooled output.
-    The loss (when both labels and next_sentence_label are given) is the sum of the two cross-entropies."""
+    """BERT's pretraining model: the MLM head on every token and the next-sentence head on the pooled output
+    (ALBERT's sentence-order head is the same linear layer, after next_sentence_dropout; its labels go to
+    next_sentence_label). The loss (when both labels and next_sentence_label are given) is the sum of the two
+    cross-entropies."""
 
     def __init__(self, config: TinyEncoderConfig):
         super().__init__(config)
         self.model = TinyEncoderModel(config, add_pooling_layer=True)
         self.lm_head = TinyEncoderMaskedLMHead(config)
+        self.next_sentence_dropout = nn.Dropout(config.next_sentence_dropout)
         self.next_sentence = nn.Linear(config.hidden_size, 2)
         self.post_init()
 
@@ -337,7 +350,7 @@ class TinyEncoderForPreTraining(_WithMaskedLMHead, TinyEncoderPreTrainedModel):
             input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions, output_hidden_states
         )
         prediction_logits = self.lm_head(outputs.last_hidden_state)
-        seq_relationship_logits = self.next_sentence(outputs.pooler_output)
+        seq_relationship_logits = self.next_sentence(self.next_sentence_dropout(outputs.pooler_output))
         loss = None
         if labels is not None and next_sentence_label is not None:
             check_labels(next_sentence_label, num_classes=2, expected_shape=(prediction_logits.shape[0],),

@@ -72,7 +72,7 @@ def test_gguf_and_meta_sources_are_detected(tmp_path):
 def test_detection_refuses_unknown_and_hf_tiny_sources_with_the_reason(sources, tmp_path):
     (tmp_path / "gpt2").mkdir()
     (tmp_path / "gpt2" / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(ConversionError, match=r"no converter reads model_type='gpt2'.*known model types: bart, bert"):
+    with pytest.raises(ConversionError, match=r"no converter reads model_type='gpt2'.*known model types: albert, bart, bert"):
         detect_family(tmp_path / "gpt2")
     with pytest.raises(ConversionError, match="--reverse converts an hf_tiny folder back; .* model_type='bert'"):
         detect_family(sources / "bert", reverse=True)

@@ -80,7 +80,8 @@ def padded_batch(seq_len=12, seed=1, token_types=True):
 
 
 COMPARED = ("last_hidden_state", "pooler_output", "logits", "start_logits", "end_logits", "prediction_logits",
-            "seq_relationship_logits")
+            "seq_relationship_logits", "sop_logits")
+OUR_NAME = {"sop_logits": "seq_relationship_logits"}  # ALBERT's sentence-order logits
 
 
 def max_diff(official, ours, batch) -> float:
@@ -90,7 +91,7 @@ def max_diff(official, ours, batch) -> float:
     real = batch["attention_mask"].bool()
     worst, compared = 0.0, 0
     for field in COMPARED:
-        a, b = getattr(expected, field, None), getattr(got, field, None)
+        a, b = getattr(expected, field, None), getattr(got, OUR_NAME.get(field, field), None)
         if a is None:
             continue
         assert b is not None, f"ours has no {field}"
@@ -563,3 +564,123 @@ def test_tensors_of_another_variant_name_the_class_tried_and_the_first_misfits(t
     with pytest.raises(ConversionError, match=r"do not fit BertModel \(family bert\): missing source tensors: embeddings\.LayerNorm\.bias.*unexpected source tensors .*: distilbert\.embeddings\.LayerNorm\.bias"):
         bert_conversion.convert(src, tmp_path / "dst")
     assert not (tmp_path / "dst").exists()
+
+
+# --- ALBERT ----------------------------------------------------------------------------------------------------
+
+from conversion import albert as albert_conversion  # noqa: E402
+from transformers import AlbertConfig  # noqa: E402
+
+ALBERT_CLASSES = [
+    "AlbertModel", "AlbertForPreTraining", "AlbertForMaskedLM", "AlbertForSequenceClassification",
+    "AlbertForTokenClassification", "AlbertForQuestionAnswering",
+]
+# (layers, groups, inner): all layers shared, two groups, no sharing, two blocks per group
+SHARING = [(4, 1, 1), (4, 2, 1), (3, 3, 1), (4, 2, 2)]
+
+
+def official_albert(architecture, *, layers=4, groups=1, inner=1, heads=4, hidden=32, embedding=16, seed=0, **fields):
+    fields = {"num_labels": 2 if architecture.endswith(("QuestionAnswering", "PreTraining")) else 3, **fields}
+    config = AlbertConfig(
+        vocab_size=VOCAB, embedding_size=embedding, hidden_size=hidden, num_hidden_layers=layers,
+        num_hidden_groups=groups, inner_group_num=inner, num_attention_heads=heads, intermediate_size=48,
+        max_position_embeddings=40, type_vocab_size=2, initializer_range=0.25, **fields,
+    )
+    torch.manual_seed(seed)
+    return _randomize(getattr(transformers, architecture)(config))
+
+
+def _albert_auto(architecture):
+    return AutoModelForPreTraining if architecture == "AlbertForPreTraining" else _auto_for(architecture, "Albert")
+
+
+@pytest.mark.parametrize("layers, groups, inner", SHARING, ids=lambda v: str(v))
+@pytest.mark.parametrize("architecture", ALBERT_CLASSES)
+def test_albert_parity(architecture, layers, groups, inner, tmp_path):
+    official = official_albert(architecture, layers=layers, groups=groups, inner=inner)
+    report = albert_conversion.convert(save(official, tmp_path / "src"), tmp_path / "dst")
+    assert report["architecture"] == architecture
+    for backend in ("eager", "sdpa"):
+        ours = _albert_auto(architecture).from_pretrained(tmp_path / "dst", attn_implementation=backend).eval()
+        base = ours.model if hasattr(ours, "model") else ours
+        assert len(base.layers) == groups * inner  # the weights are shared, not copied
+        assert max_diff(official, ours, padded_batch()) <= TOLERANCE, backend
+    if architecture == "AlbertModel":  # one hidden state per block run, as official records them
+        with torch.no_grad():
+            expected = official(**padded_batch(), output_hidden_states=True).hidden_states
+            got = ours(**padded_batch(), output_hidden_states=True).hidden_states
+        assert len(got) == len(expected) == 1 + layers * inner
+        real = padded_batch()["attention_mask"].bool()
+        assert max((a[real] - b[real]).abs().max().item() for a, b in zip(expected, got)) <= TOLERANCE
+
+
+def test_albert_sentence_order_loss_and_dropout_match_official(tmp_path):
+    official = official_albert("AlbertForPreTraining", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                               classifier_dropout_prob=0.4)
+    albert_conversion.convert(save(official, tmp_path / "src"), tmp_path / "dst")
+    ours = AutoModelForPreTraining.from_pretrained(tmp_path / "dst", attn_implementation="eager")
+    assert ours.config.next_sentence_dropout == 0.4
+    batch = padded_batch()
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    order = torch.tensor([1, 0, 1])
+    official.train(), ours.train()
+    torch.manual_seed(7)
+    expected = official(**batch, labels=labels, sentence_order_label=order)
+    torch.manual_seed(7)
+    got = ours(**batch, labels=labels, next_sentence_label=order)
+    torch.testing.assert_close(got.seq_relationship_logits, expected.sop_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.loss, expected.loss, rtol=1e-5, atol=1e-5)
+
+
+def test_albert_negative_control_unshared_schedule_is_rejected(tmp_path):
+    """The same blocks run as if each group held one pass (no sharing of the schedule) must differ."""
+    official = official_albert("AlbertModel", layers=4, groups=2)
+    albert_conversion.convert(save(official, tmp_path / "src"), tmp_path / "dst")
+    config = hf_tiny.TinyEncoderConfig.from_pretrained(tmp_path / "dst")
+    config.num_hidden_layers = 2  # each of the 2 blocks once instead of twice
+    wrong = AutoModel.from_pretrained(tmp_path / "dst", config=config).eval()
+    assert max_diff(official, wrong, padded_batch()) > 1e-2
+
+
+@pytest.mark.parametrize("architecture", ALBERT_CLASSES)
+def test_albert_round_trip_is_bit_exact(architecture, tmp_path):
+    official = official_albert(architecture, layers=4, groups=2, inner=2)
+    albert_conversion.convert(save(official, tmp_path / "src"), tmp_path / "ours")
+    report = albert_conversion.convert_back(tmp_path / "ours", tmp_path / "back")
+    assert report["architecture"] == architecture
+    reloaded = getattr(transformers, architecture).from_pretrained(tmp_path / "back").eval()
+    for name, tensor in official.state_dict().items():
+        assert torch.equal(tensor, reloaded.state_dict()[name]), name
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (back["num_hidden_groups"], back["inner_group_num"], back["embedding_size"]) == (2, 2, 16)
+
+
+def test_albert_groups_not_dividing_layers_fail_at_config_construction(tmp_path):
+    with pytest.raises(ValueError, match="num_hidden_groups=3 must divide num_hidden_layers=4"):
+        hf_tiny.TinyEncoderConfig(vocab_size=10, hidden_size=8, num_hidden_layers=4, num_attention_heads=2,
+                                  intermediate_size=8, num_hidden_groups=3)
+    src = save(official_albert("AlbertModel"), tmp_path / "src", num_hidden_groups=3)
+    with pytest.raises(ConversionError, match="num_hidden_groups=3 must divide num_hidden_layers=4"):
+        albert_conversion.convert(src, tmp_path / "dst")
+
+
+def test_reverse_refuses_what_the_official_config_cannot_hold(tmp_path):
+    albert_conversion.convert(save(official_albert("AlbertForPreTraining"), tmp_path / "src"), tmp_path / "ours")
+    config = json.loads((tmp_path / "ours" / "config.json").read_text())
+    config["next_sentence_dropout"] = 0.3  # ALBERT reads it from classifier_dropout_prob (0.1 here)
+    (tmp_path / "ours" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConversionError, match=r"not a albert model: next_sentence_dropout=0.3"):
+        albert_conversion.convert_back(tmp_path / "ours", tmp_path / "back")
+    with pytest.raises(ConversionError, match="not a bert model: .*project_embeddings=True"):
+        bert_conversion.convert_back(tmp_path / "ours", tmp_path / "back2")
+
+
+@pytest.mark.slow
+def test_albert_is_detected_both_ways(tmp_path):
+    src = save(official_albert("AlbertForMaskedLM"), tmp_path / "src")
+    forward = _cli(src, tmp_path / "ours")
+    assert forward.returncode == 0, forward.stderr
+    assert "detected family albert" in forward.stderr
+    back = _cli(tmp_path / "ours", tmp_path / "back", "--reverse")
+    assert back.returncode == 0, back.stderr
+    assert "detected family albert" in back.stderr

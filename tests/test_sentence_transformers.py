@@ -89,3 +89,44 @@ def test_converted_folder_is_the_same_sentence_transformer(converted_minilm, rea
     # negative control: the bare encoder with default mean pooling is not normalized
     bare = SentenceTransformer(modules=[ours[0], ours[1]], device="cpu").encode(SENTENCES, convert_to_tensor=True)
     assert (bare @ bare.T - expected_dots).abs().max().item() > 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.real_weights
+def test_roberta_based_sentence_transformer_converts_to_the_same_model(real_minilm_dir, tmp_path):
+    """A RoBERTa-architecture sentence model (tiny random weights, MiniLM's tokenizer and ST modules: pad id 0,
+    so RoBERTa's positions start at 1) converts to the same SentenceTransformer: modules, pooling, normalization."""
+    import shutil
+
+    import transformers
+    from sentence_transformers import SentenceTransformer
+
+    from conversion import roberta
+
+    config = transformers.RobertaConfig(
+        vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=300, type_vocab_size=1, pad_token_id=0, initializer_range=0.2,
+    )
+    torch.manual_seed(0)
+    src = tmp_path / "st_roberta"
+    transformers.RobertaModel(config, add_pooling_layer=False).save_pretrained(src)
+    for entry in real_minilm_dir.iterdir():
+        if entry.name in ("config.json", "model.safetensors") or entry.suffix in (".onnx", ".bin", ".h5", ".ot"):
+            continue
+        if entry.is_dir() and entry.name.startswith(("1_", "2_")):
+            shutil.copytree(entry, src / entry.name)
+        elif entry.is_file():
+            shutil.copy2(entry, src / entry.name)
+    roberta.convert(src, tmp_path / "ours")
+    assert {"modules.json", "sentence_bert_config.json", "1_Pooling"} <= {p.name for p in (tmp_path / "ours").iterdir()}
+
+    original = SentenceTransformer(str(src), device="cpu")
+    ours = SentenceTransformer(str(tmp_path / "ours"), device="cpu")
+    assert isinstance(ours[0].auto_model, hf_tiny.TinyEncoderModel) and ours[0].auto_model.config.positions_from_padding
+    expected = original.encode(SENTENCES, convert_to_tensor=True, batch_size=4)
+    got = ours.encode(SENTENCES, convert_to_tensor=True, batch_size=4)
+    assert (got - expected).abs().max().item() <= 1e-5
+    # negative control: BERT-style positions (from 0) give other embeddings
+    ours[0].auto_model.config.positions_from_padding = False
+    wrong = ours.encode(SENTENCES, convert_to_tensor=True, batch_size=4)
+    assert (wrong - expected).abs().max().item() > 1e-3
