@@ -32,7 +32,7 @@ from .pipeline import Family, Plan, ReversePlan, Source, entry_points
 from .readers import load_checkpoint, official_config, require_model_type
 from .writer import drop_tied_copies
 
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 GGUF_ARCHITECTURE = "llama"
 # hf_tiny class -> (Auto class, pipeline tag, prefix of the base model's tensors)
 OUR_CLASSES = {
@@ -46,7 +46,7 @@ CLASS_BY_SUFFIX = {
     "ForSequenceClassification": "TinyCausalForSequenceClassification",
     "Model": "TinyCausalModel",
 }
-OFFICIAL_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+OFFICIAL_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 
 # Per layer: the Llama names, shared by the official classes and hf_tiny.
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
@@ -105,6 +105,8 @@ def key_map(config, class_name: str = "TinyCausalForCausalLM") -> KeyMap:
             rules.append((f"{layer}mlp.{name}.bias",) * 2)
     for name in LAYER_NORMS:
         rules.append((f"{layer}{name}.weight",) * 2)
+    if config.qk_norm:
+        rules += [(f"{layer}self_attn.q_norm.weight",) * 2, (f"{layer}self_attn.k_norm.weight",) * 2]
     rules.append((f"{p}norm.weight",) * 2)
     if class_name == "TinyCausalForCausalLM" and not config.tie_word_embeddings:
         rules.append(("lm_head.weight", "lm_head.weight"))
@@ -192,15 +194,20 @@ def causal_config_from_official(official, *, src):
         values["mlp_bias"] = official.mlp_bias
     elif model_type == "mistral":
         values["sliding_window"] = official.sliding_window
-    elif model_type == "qwen2":
+    elif model_type in ("qwen2", "qwen3"):
         layer_types = getattr(official, "layer_types", None) or []
         if "sliding_attention" in layer_types:
             raise ConversionError(
-                f"{src}: Qwen2 with use_sliding_window=True (sliding attention on layers >= max_window_layers="
-                f"{official.max_window_layers}) is not supported; hf_tiny applies one sliding_window to every layer"
+                f"{src}: {OFFICIAL_PREFIX[model_type]} with use_sliding_window=True (sliding attention on layers >= "
+                f"max_window_layers={official.max_window_layers}) is not supported; hf_tiny applies one "
+                "sliding_window to every layer"
             )
-        values["attention_bias"] = True  # Qwen2 has biases on q/k/v and none on o_proj
-        values["attention_output_bias"] = False
+        if model_type == "qwen2":
+            values["attention_bias"] = True  # Qwen2 has biases on q/k/v and none on o_proj
+            values["attention_output_bias"] = False
+        else:
+            values["attention_bias"] = official.attention_bias  # Qwen3: on q/k/v/o alike
+            values["qk_norm"] = True
     for label_field in ("id2label", "label2id", "problem_type"):
         value = getattr(official, label_field, None)
         if value is not None:
@@ -246,6 +253,9 @@ def official_config_from_causal(config, official_class: str):
     if family == "mistral":
         values.update(head_dim=config.head_dim, sliding_window=config.sliding_window)
         return transformers.MistralConfig(**values)
+    if family == "qwen3":
+        values.update(head_dim=config.head_dim, attention_bias=config.attention_bias, use_sliding_window=False)
+        return transformers.Qwen3Config(**values)
     if config.head_dim != config.hidden_size // config.num_attention_heads:
         raise ConversionError(
             f"Qwen2 has no head_dim field: head_dim={config.head_dim} must equal hidden_size // num_attention_heads"
@@ -257,6 +267,14 @@ def official_config_from_causal(config, official_class: str):
 def official_family(config) -> str:
     """Which official model type can hold an hf_tiny causal config."""
     out_bias = config.attention_bias if config.attention_output_bias is None else config.attention_output_bias
+    if config.qk_norm:
+        if config.sliding_window is not None or config.mlp_bias or config.attention_bias != out_bias:
+            raise ConversionError(
+                "Qwen3 (qk_norm=True) has no sliding_window, no MLP biases and one attention_bias for q/k/v/o; got "
+                f"sliding_window={config.sliding_window}, mlp_bias={config.mlp_bias}, attention_bias="
+                f"{config.attention_bias}, attention_output_bias={config.attention_output_bias}"
+            )
+        return "qwen3"
     if config.sliding_window is not None:
         if config.attention_bias or out_bias or config.mlp_bias:
             raise ConversionError(

@@ -6,7 +6,7 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from .rope import standardize_rope_parameters
-from .validation import check_choice, check_divisible, check_finite_fields, check_positive, check_positive_number
+from .validation import check_bool, check_choice, check_divisible, check_finite_fields, check_positive, check_positive_number
 from .validation import check_probability, check_token_ids, init_arguments, store_init_fields
 
 
@@ -24,6 +24,8 @@ class TinyCausalConfig(PretrainedConfig):
     - attention_bias: bias of q/k/v (and of o_proj unless attention_output_bias says otherwise; Qwen2 has biases
       on q/k/v only: attention_bias=True, attention_output_bias=False). mlp_bias: biases of the feed-forward.
     - sliding_window: None (full causal attention) or the number of most recent keys each query sees (Mistral).
+    - qk_norm: an RMSNorm over each head's query and key (weights of head_dim, eps rms_norm_eps) before RoPE
+      (Qwen3).
     """
 
     model_type = "hf_tiny_causal"
@@ -62,6 +64,7 @@ class TinyCausalConfig(PretrainedConfig):
         attention_dropout: float = 0.0,
         mlp_bias: bool = False,
         sliding_window: int | None = None,
+        qk_norm: bool = False,
         tie_word_embeddings: bool = False,
         pad_token_id: int | None = None,
         bos_token_id: int | None = 1,
@@ -95,6 +98,7 @@ class TinyCausalConfig(PretrainedConfig):
         check_positive_number(owner, rms_norm_eps=rms_norm_eps, initializer_range=initializer_range)
         if sliding_window is not None:
             check_positive(owner, sliding_window=sliding_window)
+        check_bool(owner, qk_norm=qk_norm)
         check_token_ids(owner, vocab_size, pad_token_id=pad_token_id, bos_token_id=bos_token_id)
 
         # Legacy spellings (Llama 2 era config.json files): rope_scaling + rope_theta beside it.
@@ -120,6 +124,7 @@ class TinyCausalConfig(PretrainedConfig):
             attention_dropout=self.attention_dropout, attention_bias=self.attention_bias,
             attention_output_bias=output_bias, intermediate_size=self.intermediate_size, hidden_act=self.hidden_act,
             mlp_gated=True, mlp_bias=self.mlp_bias, pre_norm=True, norm_type="rmsnorm", norm_eps=self.rms_norm_eps,
+            qk_norm=self.qk_norm,
         )
 
 

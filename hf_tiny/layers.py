@@ -109,6 +109,7 @@ class BlockSpec:
     hidden_dropout: float = 0.0
     activation_dropout: float = 0.0
     cross_attention: bool = False
+    qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3)
 
 
 class Attention(nn.Module):
@@ -133,10 +134,15 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=spec.attention_bias)
         self.v_proj = nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=spec.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=spec.attention_output_bias)
+        self.q_norm = RMSNorm(self.head_dim, spec.norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, spec.norm_eps) if spec.qk_norm else None
 
     def _project_kv(self, states: torch.Tensor):
         shape = (*states.shape[:-1], -1, self.head_dim)
-        key = self.k_proj(states).view(shape).transpose(1, 2)
+        key = self.k_proj(states).view(shape)
+        if self.k_norm is not None:
+            key = self.k_norm(key)
+        key = key.transpose(1, 2)
         value = self.v_proj(states).view(shape).transpose(1, 2)
         return key, value
 
@@ -175,7 +181,10 @@ class Attention(nn.Module):
         if self.is_cross_attention and key_value_states is None:
             raise ValueError(f"cross-attention layer {self.layer_idx} needs encoder hidden states (key_value_states)")
         batch, seq_len = hidden_states.shape[:2]
-        query = self.q_proj(hidden_states).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+        query = self.q_proj(hidden_states).view(batch, seq_len, -1, self.head_dim)
+        if self.q_norm is not None:
+            query = self.q_norm(query)
+        query = query.transpose(1, 2)
         if position_embeddings is not None:
             query = apply_rotary(query, *position_embeddings)
         kv_input = key_value_states if self.is_cross_attention else hidden_states

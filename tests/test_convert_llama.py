@@ -53,6 +53,8 @@ VARIANTS = {
     ),
     "mistral_sliding_window": ("mistral", dict(sliding_window=6, head_dim=8)),
     "qwen2_qkv_bias": ("qwen2", dict(tie_word_embeddings=True)),
+    "qwen3_qk_norm": ("qwen3", dict(head_dim=16)),
+    "qwen3_biases_mha": ("qwen3", dict(head_dim=8, num_key_value_heads=4, attention_bias=True, tie_word_embeddings=True)),
 }
 
 
@@ -96,6 +98,26 @@ def test_negative_control_the_same_comparison_rejects_another_rope(variant, pert
     batch = left_padded_batch(official.config.vocab_size)
     wrong = AutoModelForCausalLM.from_pretrained(dst, **perturbation).eval()
     assert max_diff(real_logits(wrong, batch), real_logits(official, batch)) > 100 * TOLERANCE
+
+
+@pytest.mark.parametrize("variant", ["qwen3_qk_norm", "qwen3_biases_mha"])
+def test_qwen3_greedy_and_beam_tokens_identical_and_qk_norm_negative_control(variant, tmp_path):
+    family, overrides = VARIANTS[variant]
+    official = tiny_official(family, **overrides)
+    dst, result = convert_official(official, tmp_path)
+    assert result["architecture"] == "Qwen3ForCausalLM"
+    ours = AutoModelForCausalLM.from_pretrained(dst).eval()
+    assert ours.config.qk_norm and ours.model.layers[0].self_attn.q_norm is not None
+    batch = left_padded_batch(official.config.vocab_size, lengths=(9, 6, 3), seed=1)
+    settings = dict(attention_mask=batch["attention_mask"], max_new_tokens=10, do_sample=False, pad_token_id=0,
+                    eos_token_id=None)
+    for extra in ({}, {"num_beams": 3}):
+        expected = official.generate(batch["input_ids"], **settings, **extra)
+        assert torch.equal(ours.generate(batch["input_ids"], **settings, **extra), expected), extra
+    # negative control: the same weights without the q/k norms (the norm weights are then unexpected and dropped)
+    wrong = AutoModelForCausalLM.from_pretrained(dst, qk_norm=False).eval()
+    full = left_padded_batch(official.config.vocab_size)
+    assert max_diff(real_logits(wrong, full), real_logits(official, full)) > 100 * TOLERANCE
 
 
 def test_sharded_safetensors_and_bin_sources(tmp_path):
@@ -281,7 +303,9 @@ def test_meta_layout_without_permutation_is_rejected_by_parity(tmp_path, monkeyp
 # ------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("variant", ["tied", "biases", "mistral_sliding_window", "qwen2_qkv_bias", "rope_llama3"])
+@pytest.mark.parametrize(
+    "variant", ["tied", "biases", "mistral_sliding_window", "qwen2_qkv_bias", "rope_llama3", "qwen3_qk_norm", "qwen3_biases_mha"]
+)
 def test_convert_back_is_bit_exact_and_loads_cleanly(variant, tmp_path):
     family, overrides = VARIANTS[variant]
     official = tiny_official(family, **overrides)
