@@ -199,10 +199,9 @@ def key_map(variant: EncoderVariant, suffix: str, config) -> KeyMap:
         rules += layer_rules(join(source, official_layer), join(target, our_layer), variant.layer_modules)
     ignore = [rf"({variant.base_prefix}\.)?" + buffer.replace(".", r"\.") for buffer in IGNORED_BUFFERS]
     for part in parts:
-        if part == "pooler" and not config.add_pooling_layer:
-            continue
         if part == "pooler":
-            rules += layer_rules(source, target, variant.parts["pooler"])
+            if suffix != "Model" or config.add_pooling_layer:  # a base model may be converted without one
+                rules += layer_rules(source, target, variant.parts["pooler"])
         elif part == "masked_lm":
             names = variant.masked_lm
             rules += layer_rules("", "", names.modules)
@@ -312,11 +311,6 @@ def official_config_from_encoder(variant: EncoderVariant, config, official_class
     return official
 
 
-def num_blocks(config) -> int:
-    """Blocks of weights: num_hidden_layers, or fewer when layers share them (ALBERT)."""
-    return config.num_hidden_groups * config.inner_group_num
-
-
 class EncoderFamily(Family):
     """A BERT-style encoder variant; subclasses set `variant` and the descriptive attributes."""
 
@@ -352,14 +346,14 @@ class EncoderFamily(Family):
             print(f"note: {note}", file=sys.stderr)
         official = variant.official_class(suffix)
         source.description = f"the official `{official}` checkpoint `{source.path.resolve().name}`"
-        return Plan(config, variant.hf_tiny_class(suffix)[0], official, key_map(variant, suffix, config), num_blocks(config),
+        return Plan(config, variant.hf_tiny_class(suffix)[0], official, key_map(variant, suffix, config), config.num_blocks(),
                     state, notes=notes, official_kwargs=official_kwargs)
 
     def reverse(self, config, our_class: str, src: Path) -> ReversePlan:
         suffix = self.variant.suffix_for(our_class)
         official = self.variant.official_class(suffix)
         return ReversePlan(official, official_config_from_encoder(self.variant, config, official),
-                           key_map(self.variant, suffix, config), num_blocks(config))
+                           key_map(self.variant, suffix, config), config.num_blocks())
 
     def finish_official_state(self, state: dict, config, plan: ReversePlan) -> dict:
         names = self.variant.masked_lm

@@ -25,18 +25,7 @@ def load_checkpoint(src: str | os.PathLike) -> dict[str, torch.Tensor]:
     Folder lookup order: model.safetensors, model.safetensors.index.json, pytorch_model.bin,
     pytorch_model.bin.index.json. Pickle files are read only with `torch.load(weights_only=True)`.
     """
-    path = Path(src)
-    if not path.exists():
-        raise ConversionError(f"checkpoint path {path} does not exist")
-    if path.is_dir():
-        for name in (SAFETENSORS_FILE, SAFETENSORS_INDEX, PYTORCH_FILE, PYTORCH_INDEX):
-            if (path / name).is_file():
-                return load_checkpoint(path / name)
-        present = list_names(p.name for p in path.iterdir()) or "nothing"
-        raise ConversionError(
-            f"no weights found in {path}: expected one of {SAFETENSORS_FILE}, {SAFETENSORS_INDEX}, "
-            f"{PYTORCH_FILE}, {PYTORCH_INDEX}; the folder holds: {present}"
-        )
+    path = _weights_file(Path(src))
     name = path.name
     if name.endswith(".index.json"):
         return _load_sharded(path)
@@ -51,14 +40,27 @@ def load_checkpoint(src: str | os.PathLike) -> dict[str, torch.Tensor]:
     )
 
 
+def _weights_file(path: Path) -> Path:
+    """The weights file of a checkpoint folder (model.safetensors, model.safetensors.index.json,
+    pytorch_model.bin, pytorch_model.bin.index.json, first found), or the file given."""
+    if not path.exists():
+        raise ConversionError(f"checkpoint path {path} does not exist")
+    if not path.is_dir():
+        return path
+    for name in (SAFETENSORS_FILE, SAFETENSORS_INDEX, PYTORCH_FILE, PYTORCH_INDEX):
+        if (path / name).is_file():
+            return path / name
+    present = list_names(p.name for p in path.iterdir()) or "nothing"
+    raise ConversionError(
+        f"no weights found in {path}: expected one of {SAFETENSORS_FILE}, {SAFETENSORS_INDEX}, "
+        f"{PYTORCH_FILE}, {PYTORCH_INDEX}; the folder holds: {present}"
+    )
+
+
 def checkpoint_keys(src: str | os.PathLike) -> list[str]:
-    """The tensor names of a checkpoint, read from the safetensors header or shard index where there is one
-    (pickle files are loaded)."""
-    path = Path(src)
-    if path.is_dir():
-        for name in (SAFETENSORS_INDEX, SAFETENSORS_FILE, PYTORCH_INDEX):
-            if (path / name).is_file():
-                return checkpoint_keys(path / name)
+    """The tensor names of the weights load_checkpoint would read, from the safetensors header or shard index
+    where there is one (pickle files are loaded)."""
+    path = _weights_file(Path(src))
     if path.name.endswith(".index.json"):
         try:
             return list(json.loads(path.read_text()).get("weight_map", {}))
@@ -191,15 +193,19 @@ def require_model_type(config: Mapping, expected: str | Iterable[str], *, src: s
     return model_type
 
 
+def hf_tiny_config_from_dict(raw: Mapping, config_class, *, src):
+    """config_class from an hf_tiny folder's config.json dict (model_type checked; auto_map left out)."""
+    require_model_type(raw, config_class.model_type, src=src)
+    try:
+        return config_class.from_dict({k: v for k, v in raw.items() if k != "auto_map"})
+    except (TypeError, ValueError) as error:
+        raise ConversionError(f"{src}: invalid {config_class.model_type} config: {error}") from error
+
+
 def load_hf_tiny_config(src: str | os.PathLike, config_class, *, supported: Iterable[str], default: str):
     """An hf_tiny folder's config (config_class, model_type checked) and its architecture, which must be one of
     `supported` (`default` when config.json names none). The reverse converters start here."""
-    raw = load_config_json(src)
-    require_model_type(raw, config_class.model_type, src=src)
-    try:
-        config = config_class.from_dict({k: v for k, v in raw.items() if k != "auto_map"})
-    except (TypeError, ValueError) as error:
-        raise ConversionError(f"{src}: invalid {config_class.model_type} config: {error}") from error
+    config = hf_tiny_config_from_dict(load_config_json(src), config_class, src=src)
     architecture = (config.architectures or [default])[0]
     supported = list(supported)
     if architecture not in supported:

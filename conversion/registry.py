@@ -20,8 +20,8 @@ FAMILIES = {
     "t5": "conversion.t5",
     "bert2seq": "conversion.bert2seq",
 }
-# hf_tiny model_type -> the family that converts it back (encoder and seq2seq: decided by a variant field)
-REVERSE_FAMILIES = {"hf_tiny_encoder": "bert", "hf_tiny_causal": "llama"}
+# hf_tiny model_type -> the family that converts it back (encoder and seq2seq: decided by variant fields)
+REVERSE_FAMILIES = {"hf_tiny_causal": "llama"}
 
 
 def family_module(name: str):
@@ -67,14 +67,8 @@ def detect_family(src: str | os.PathLike, *, reverse: bool = False) -> tuple[str
             raise ConversionError(
                 f"{src} is already an hf_tiny folder (model_type={model_type!r}); pass --reverse to convert it back"
             )
-        if model_type == "hf_tiny_encoder" and raw.get("positions_from_padding"):
-            return "roberta", f"model_type {model_type!r} with positions_from_padding=True"
-        if model_type == "hf_tiny_encoder" and raw.get("project_embeddings") and raw.get("pooler_act") == "tanh":
-            return "albert", f"model_type {model_type!r} with project_embeddings=True and pooler_act='tanh'"
-        if model_type == "hf_tiny_encoder" and raw.get("pooler_act") == "gelu":
-            return "electra", f"model_type {model_type!r} with pooler_act='gelu'"
-        if model_type == "hf_tiny_encoder" and raw.get("type_vocab_size") == 0:
-            return "distilbert", f"model_type {model_type!r} with type_vocab_size=0"
+        if model_type == "hf_tiny_encoder":
+            return _encoder_variant_of(raw, src)
         if model_type == "hf_tiny_seq2seq":
             name = "t5" if raw.get("position_embedding_type") == "relative" else "bart"
             return name, f"model_type {model_type!r} with position_embedding_type {raw.get('position_embedding_type')!r}"
@@ -92,6 +86,25 @@ def detect_family(src: str | os.PathLike, *, reverse: bool = False) -> tuple[str
     raise ConversionError(
         f"{src}: no converter reads model_type={model_type!r} (config.json); known model types: {', '.join(known)}"
     )
+
+
+def _encoder_variant_of(raw: dict, src: Path) -> tuple[str, str]:
+    """The encoder family whose variant's fixed config fields (EncoderVariant.fixed_config) the hf_tiny encoder
+    config holds, the variant fixing most fields first (BERT fixes none); the why names the fields that differ
+    from the encoder's defaults."""
+    from hf_tiny import TinyEncoderConfig
+
+    from .readers import hf_tiny_config_from_dict
+
+    config = hf_tiny_config_from_dict(raw, TinyEncoderConfig, src=src)
+    defaults = TinyEncoderConfig()
+    variants = [(name, family_for(name).variant) for name in FAMILIES if hasattr(family_for(name), "variant")]
+    name, variant = next(
+        (name, variant) for name, variant in sorted(variants, key=lambda item: -len(item[1].fixed_config))
+        if all(getattr(config, field) == value for field, value in variant.fixed_config.items())
+    )  # BERT fixes nothing, so one always matches
+    fields = [f"{k}={v!r}" for k, v in variant.fixed_config.items() if getattr(defaults, k) != v]
+    return name, "model_type 'hf_tiny_encoder'" + (f" with {', '.join(fields)}" if fields else "")
 
 
 def _family_from_tensor_names(src: Path) -> tuple[str, str]:

@@ -6,7 +6,8 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from .validation import check_bool, check_choice, check_divisible, check_finite_fields, check_positive, check_positive_number
-from .validation import check_probability, check_token_ids, check_unsupported_field, init_arguments, store_init_fields
+from .validation import check_non_negative, check_probability, check_token_ids, check_unsupported_field, init_arguments
+from .validation import store_init_fields
 
 
 class TinyEncoderConfig(PretrainedConfig):
@@ -97,8 +98,7 @@ class TinyEncoderConfig(PretrainedConfig):
             intermediate_size=intermediate_size,
             max_position_embeddings=max_position_embeddings,
         )
-        if isinstance(type_vocab_size, bool) or not isinstance(type_vocab_size, int) or type_vocab_size < 0:
-            raise ValueError(f"{owner}: type_vocab_size must be an integer >= 0 (0 = no token types), got {type_vocab_size!r}")
+        check_non_negative(owner, "0 = no token types", type_vocab_size=type_vocab_size)
         if embedding_size is None:
             embedding_size = hidden_size
         check_positive(owner, embedding_size=embedding_size)
@@ -149,6 +149,10 @@ class TinyEncoderConfig(PretrainedConfig):
 
         store_init_fields(self, TinyEncoderConfig.__init__, locals())
         super().__init__(**kwargs)
+
+    def num_blocks(self) -> int:
+        """Blocks of weights: num_hidden_layers, or fewer when layers share them (ALBERT)."""
+        return self.num_hidden_groups * self.inner_group_num
 
     def block_spec(self):
         """The encoder block: post-LN LayerNorm, GELU-style MLP with biases (BERT)."""

@@ -25,7 +25,8 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from .validation import check_bool, check_choice, check_divisible, check_finite_fields, check_positive, check_positive_number
-from .validation import check_probability, check_token_ids, check_unsupported_field, init_arguments, store_init_fields
+from .validation import check_non_negative, check_probability, check_token_ids, check_unsupported_field, init_arguments
+from .validation import store_init_fields
 
 NORM_PLACEMENTS = ("pre", "post")
 NORM_TYPES = ("layernorm", "rmsnorm")
@@ -213,10 +214,8 @@ class TinySeq2SeqConfig(PretrainedConfig):
         check_positive_number(owner, layer_norm_eps=layer_norm_eps, initializer_range=initializer_range)
         if attention_scale is not None:
             check_positive_number(owner, attention_scale=attention_scale)
-        if isinstance(position_offset, bool) or not isinstance(position_offset, int) or position_offset < 0:
-            raise ValueError(f"{owner}: position_offset must be an integer >= 0, got {position_offset!r}")
-        if isinstance(type_vocab_size, bool) or not isinstance(type_vocab_size, int) or type_vocab_size < 0:
-            raise ValueError(f"{owner}: type_vocab_size must be an integer >= 0 (0 = none), got {type_vocab_size!r}")
+        check_non_negative(owner, position_offset=position_offset)
+        check_non_negative(owner, "0 = none", type_vocab_size=type_vocab_size)
         check_positive(
             owner,
             relative_attention_num_buckets=relative_attention_num_buckets,

@@ -147,8 +147,7 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.embed_projection = nn.Linear(width, config.hidden_size) if config.project_embeddings else None
         spec = config.block_spec()
-        num_blocks = config.num_hidden_groups * config.inner_group_num  # fewer than the passes when shared (ALBERT)
-        self.layers = nn.ModuleList(TransformerBlock(config, spec, i) for i in range(num_blocks))
+        self.layers = nn.ModuleList(TransformerBlock(config, spec, i) for i in range(config.num_blocks()))
         if add_pooling_layer is None:
             add_pooling_layer = config.add_pooling_layer
         self.pooler = TinyEncoderPooler(config) if add_pooling_layer else None

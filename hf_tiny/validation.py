@@ -53,6 +53,14 @@ def check_finite_fields(owner: str, fields: dict) -> None:
             raise ValueError(f"{owner}: {found[0]} must be a finite number, got {found[1]!r}")
 
 
+def check_non_negative(owner: str, hint: str = "", **fields) -> None:
+    """Integers >= 0 (hint: what 0 means, for the message)."""
+    for name, value in fields.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            meaning = f" ({hint})" if hint else ""
+            raise ValueError(f"{owner}: {name} must be an integer >= 0{meaning}, got {value!r}")
+
+
 def check_bool(owner: str, **fields) -> None:
     for name, value in fields.items():
         if not isinstance(value, bool):

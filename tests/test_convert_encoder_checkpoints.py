@@ -115,6 +115,18 @@ def save(model, folder: Path, **config_changes) -> Path:
     return folder
 
 
+def assert_round_trip_bit_exact(conversion, official, tmp_path) -> dict:
+    """official -> hf_tiny -> official again: the same class, every tensor bit-equal; returns the config.json."""
+    architecture = type(official).__name__
+    conversion.convert(save(official, tmp_path / "src"), tmp_path / "ours")
+    report = conversion.convert_back(tmp_path / "ours", tmp_path / "back")
+    assert report["architecture"] == architecture
+    reloaded = getattr(transformers, architecture).from_pretrained(tmp_path / "back").eval()
+    for name, tensor in official.state_dict().items():
+        assert torch.equal(tensor, reloaded.state_dict()[name]), name
+    return json.loads((tmp_path / "back" / "config.json").read_text())
+
+
 # --- BERT pretraining checkpoints ------------------------------------------------------------------------------
 
 
@@ -312,15 +324,7 @@ def test_roberta_classification_head_dropout_placement_matches_official_in_train
 
 @pytest.mark.parametrize("architecture", ROBERTA_CLASSES)
 def test_roberta_round_trip_is_bit_exact(architecture, tmp_path):
-    official = official_roberta(architecture)
-    src = save(official, tmp_path / "src")
-    roberta_conversion.convert(src, tmp_path / "ours")
-    report = roberta_conversion.convert_back(tmp_path / "ours", tmp_path / "back")
-    assert report["architecture"] == architecture
-    reloaded = getattr(transformers, architecture).from_pretrained(tmp_path / "back").eval()
-    for name, tensor in official.state_dict().items():
-        assert torch.equal(tensor, reloaded.state_dict()[name]), name
-    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    back = assert_round_trip_bit_exact(roberta_conversion, official_roberta(architecture), tmp_path)
     assert (back["model_type"], back["pad_token_id"], back["type_vocab_size"]) == ("roberta", PAD, 1)
 
 
@@ -332,7 +336,7 @@ def test_roberta_is_detected_both_ways(tmp_path):
     assert "detected family roberta" in forward.stderr
     back = _cli(tmp_path / "ours", tmp_path / "back", "--reverse")
     assert back.returncode == 0, back.stderr
-    assert "detected family roberta (model_type 'hf_tiny_encoder' with positions_from_padding=True)" in back.stderr
+    assert "detected family roberta (model_type 'hf_tiny_encoder' with positions_from_padding=True, dropout_before_pooler=True)" in back.stderr
 
 
 def test_bert_reverse_refuses_a_roberta_style_encoder(tmp_path):
@@ -372,14 +376,7 @@ def official_distilbert(architecture, *, heads=4, layers=2, intermediate=64, hid
         max_position_embeddings=40, initializer_range=0.25, pad_token_id=0, **fields,
     )
     torch.manual_seed(seed)
-    model = getattr(transformers, architecture)(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias"):
-                param.copy_(0.2 * torch.randn_like(param))
-            elif "layer_norm" in name or "LayerNorm" in name:
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
-    return model.eval()
+    return _randomize(getattr(transformers, architecture)(config))
 
 
 def _auto_for(architecture: str, prefix: str):
@@ -444,13 +441,7 @@ def test_distilbert_negative_control_tanh_pooler_is_rejected(tmp_path):
 
 @pytest.mark.parametrize("architecture", DISTILBERT_CLASSES)
 def test_distilbert_round_trip_is_bit_exact(architecture, tmp_path):
-    official = official_distilbert(architecture)
-    distilbert_conversion.convert(save(official, tmp_path / "src"), tmp_path / "ours")
-    report = distilbert_conversion.convert_back(tmp_path / "ours", tmp_path / "back")
-    assert report["architecture"] == architecture
-    reloaded = getattr(transformers, architecture).from_pretrained(tmp_path / "back").eval()
-    for name, tensor in official.state_dict().items():
-        assert torch.equal(tensor, reloaded.state_dict()[name]), name
+    assert_round_trip_bit_exact(distilbert_conversion, official_distilbert(architecture), tmp_path)
 
 
 def test_distilbert_refuses_token_types_and_bert_reverse_refuses_it(tmp_path):
@@ -471,7 +462,7 @@ def test_distilbert_is_detected_both_ways(tmp_path):
     assert "detected family distilbert" in forward.stderr
     back = _cli(tmp_path / "ours", tmp_path / "back", "--reverse")
     assert back.returncode == 0, back.stderr
-    assert "detected family distilbert (model_type 'hf_tiny_encoder' with type_vocab_size=0)" in back.stderr
+    assert "detected family distilbert (model_type 'hf_tiny_encoder' with type_vocab_size=0, add_pooling_layer=False, pooler_act='relu')" in back.stderr
 
 
 # --- ELECTRA ---------------------------------------------------------------------------------------------------
@@ -531,13 +522,7 @@ def test_electra_discriminator_loss_matches_official_and_negative_control(tmp_pa
 
 @pytest.mark.parametrize("architecture", ELECTRA_CLASSES)
 def test_electra_round_trip_is_bit_exact(architecture, tmp_path):
-    official = official_electra(architecture)
-    electra_conversion.convert(save(official, tmp_path / "src"), tmp_path / "ours")
-    report = electra_conversion.convert_back(tmp_path / "ours", tmp_path / "back")
-    assert report["architecture"] == architecture
-    reloaded = getattr(transformers, architecture).from_pretrained(tmp_path / "back").eval()
-    for name, tensor in official.state_dict().items():
-        assert torch.equal(tensor, reloaded.state_dict()[name]), name
+    assert_round_trip_bit_exact(electra_conversion, official_electra(architecture), tmp_path)
 
 
 def test_electra_generator_with_another_activation_is_refused(tmp_path):
@@ -555,7 +540,8 @@ def test_electra_is_detected_both_ways(tmp_path):
     assert "detected family electra" in forward.stderr
     back = _cli(tmp_path / "ours", tmp_path / "back", "--reverse")
     assert back.returncode == 0, back.stderr
-    assert "detected family electra" in back.stderr
+    assert ("detected family electra (model_type 'hf_tiny_encoder' with add_pooling_layer=False, pooler_act='gelu', "
+            "dropout_before_pooler=True)") in back.stderr
 
 
 def test_tensors_of_another_variant_name_the_class_tried_and_the_first_misfits(tmp_path):
@@ -645,13 +631,7 @@ def test_albert_negative_control_unshared_schedule_is_rejected(tmp_path):
 @pytest.mark.parametrize("architecture", ALBERT_CLASSES)
 def test_albert_round_trip_is_bit_exact(architecture, tmp_path):
     official = official_albert(architecture, layers=4, groups=2, inner=2)
-    albert_conversion.convert(save(official, tmp_path / "src"), tmp_path / "ours")
-    report = albert_conversion.convert_back(tmp_path / "ours", tmp_path / "back")
-    assert report["architecture"] == architecture
-    reloaded = getattr(transformers, architecture).from_pretrained(tmp_path / "back").eval()
-    for name, tensor in official.state_dict().items():
-        assert torch.equal(tensor, reloaded.state_dict()[name]), name
-    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    back = assert_round_trip_bit_exact(albert_conversion, official, tmp_path)
     assert (back["num_hidden_groups"], back["inner_group_num"], back["embedding_size"]) == (2, 2, 16)
 
 
@@ -683,4 +663,4 @@ def test_albert_is_detected_both_ways(tmp_path):
     assert "detected family albert" in forward.stderr
     back = _cli(tmp_path / "ours", tmp_path / "back", "--reverse")
     assert back.returncode == 0, back.stderr
-    assert "detected family albert" in back.stderr
+    assert "detected family albert (model_type 'hf_tiny_encoder' with project_embeddings=True)" in back.stderr
