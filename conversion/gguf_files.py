@@ -177,7 +177,7 @@ def load_gguf(
         config = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
         model = official_meta_model(config)
         processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config)
-        names = _gguf_to_transformers_names(model, processor, architecture, config["num_hidden_layers"])
+        names = _gguf_to_transformers_names(model, processor, architecture, model.config.num_hidden_layers)
         unmapped = [t.name for t in reader.tensors if t.name not in names]
         if unmapped:
             raise ConversionError(
@@ -193,6 +193,9 @@ def load_gguf(
                 continue
             value = torch.from_numpy(np.copy(result.weights))
             state[names[result.name]] = value if dtype is None else value.to(dtype)
+        # tensors a processor stored under their final name itself (GPT-2's output.weight -> lm_head.weight)
+        for name, value in parsed["tensors"].items():
+            state.setdefault(name, value if dtype is None else value.to(dtype))
     except ConversionError:
         raise
     except (ValueError, KeyError, NotImplementedError, OSError) as error:

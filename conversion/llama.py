@@ -1,14 +1,17 @@
 """Llama-family checkpoints <-> hf_tiny causal LM (`model_type: hf_tiny_causal`).
 
     python -m conversion llama SRC DST              -> hf_tiny folder
-    python -m conversion llama SRC DST --reverse    hf_tiny causal folder -> official Llama / Mistral / Qwen2 folder
+    python -m conversion llama SRC DST --reverse    hf_tiny causal folder -> official Llama / Mistral / Qwen2 /
+                                                    Qwen3 / Gemma 3 folder
 
 SRC may be
-  (a) a Hugging Face folder of model_type llama, mistral or qwen2 (safetensors, sharded, or .bin read with
-      weights_only): the tensor names are already Llama's, so the key map is the identity, strictly checked;
-  (b) a .gguf file of architecture "llama" (or a folder holding exactly one): transformers' own GGUF reader
-      dequantizes it and un-permutes q/k, exactly what `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`
-      does; its tokenizer is rebuilt from the GGUF and saved beside the weights;
+  (a) a Hugging Face folder of model_type llama, mistral, qwen2, qwen3 or gemma3_text (safetensors, sharded, or .bin
+      read with weights_only): the tensor names are Llama's (Gemma 3 renames its sandwich norms, see
+      GEMMA3_NORMS), strictly checked;
+  (b) a .gguf file of one of GGUF_ARCHITECTURES (or a folder holding exactly one): transformers' own GGUF reader
+      dequantizes it (and un-permutes Llama's q/k, removes Gemma's +1 on norms), exactly what
+      `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` does; its tokenizer (with the chat template) is
+      rebuilt from the GGUF and saved beside the weights;
   (c) Meta's original layout: consolidated.*.pth (one per model-parallel shard) + params.json (+ tokenizer.model).
       Meta's q/k rows interleave the two halves of each rotary pair; transformers' Llama expects them split into
       halves (rotate_half), hence the RoPE permutation below (the `permute` of transformers'
@@ -32,21 +35,36 @@ from .pipeline import Family, Plan, ReversePlan, Source, entry_points
 from .readers import load_checkpoint, official_config, require_model_type
 from .writer import drop_tied_copies
 
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-GGUF_ARCHITECTURE = "llama"
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# GGUF general.architecture values read (transformers' GGUF loader turns "gemma3" into model_type gemma3_text)
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 # hf_tiny class -> (Auto class, pipeline tag, prefix of the base model's tensors)
 OUR_CLASSES = {
     "TinyCausalForCausalLM": ("AutoModelForCausalLM", "text-generation", "model."),
     "TinyCausalForSequenceClassification": ("AutoModelForSequenceClassification", "text-classification", "model."),
     "TinyCausalModel": ("AutoModel", "feature-extraction", ""),
 }
-# official class name suffix -> hf_tiny class
-CLASS_BY_SUFFIX = {
-    "ForCausalLM": "TinyCausalForCausalLM",
-    "ForSequenceClassification": "TinyCausalForSequenceClassification",
-    "Model": "TinyCausalModel",
+# official model type -> {hf_tiny class: official class}
+OFFICIAL_CLASSES = {
+    model_type: {
+        "TinyCausalForCausalLM": f"{prefix}ForCausalLM",
+        "TinyCausalForSequenceClassification": f"{prefix}ForSequenceClassification",
+        "TinyCausalModel": f"{prefix}Model",
+    }
+    for model_type, prefix in (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"))
 }
-OFFICIAL_PREFIX = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+OFFICIAL_CLASSES["gemma3_text"] = {  # Gemma3Model is the multimodal one
+    "TinyCausalForCausalLM": "Gemma3ForCausalLM",
+    "TinyCausalForSequenceClassification": "Gemma3TextForSequenceClassification",
+    "TinyCausalModel": "Gemma3TextModel",
+}
+# Gemma 3's four block norms: official name -> ours (our post_attention_layernorm is the MLP's pre-norm, as in Llama)
+GEMMA3_NORMS = {
+    "input_layernorm": "input_layernorm",
+    "post_attention_layernorm": "attn_output_layernorm",
+    "pre_feedforward_layernorm": "post_attention_layernorm",
+    "post_feedforward_layernorm": "mlp_output_layernorm",
+}
 
 # Per layer: the Llama names, shared by the official classes and hf_tiny.
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
@@ -103,8 +121,9 @@ def key_map(config, class_name: str = "TinyCausalForCausalLM") -> KeyMap:
         rules.append((f"{layer}mlp.{name}.weight",) * 2)
         if config.mlp_bias:
             rules.append((f"{layer}mlp.{name}.bias",) * 2)
-    for name in LAYER_NORMS:
-        rules.append((f"{layer}{name}.weight",) * 2)
+    norms = GEMMA3_NORMS if config.sandwich_norms else {name: name for name in LAYER_NORMS}
+    for official_name, our_name in norms.items():
+        rules.append((f"{layer}{official_name}.weight", f"{layer}{our_name}.weight"))
     if config.qk_norm:
         rules += [(f"{layer}self_attn.q_norm.weight",) * 2, (f"{layer}self_attn.k_norm.weight",) * 2]
     rules.append((f"{p}norm.weight",) * 2)
@@ -176,7 +195,6 @@ def causal_config_from_official(official, *, src):
             "num_hidden_layers",
             "num_attention_heads",
             "num_key_value_heads",
-            "hidden_act",
             "max_position_embeddings",
             "initializer_range",
             "rms_norm_eps",
@@ -187,21 +205,18 @@ def causal_config_from_official(official, *, src):
             "eos_token_id",
         )
     }
+    values["hidden_act"] = getattr(official, "hidden_activation", None) or official.hidden_act  # Gemma's name
     values["head_dim"] = getattr(official, "head_dim", None) or official.hidden_size // official.num_attention_heads
-    values["rope_parameters"] = dict(official.rope_parameters or {})
+    values["rope_parameters"] = _plain(official.rope_parameters or {})
+    values["sliding_window"] = getattr(official, "sliding_window", None)
+    if getattr(official, "layer_types", None) is not None:  # Qwen2/Qwen3 derive it from max_window_layers
+        values["layer_types"] = list(official.layer_types)
     if model_type == "llama":
         values["attention_bias"] = official.attention_bias
         values["mlp_bias"] = official.mlp_bias
-    elif model_type == "mistral":
-        values["sliding_window"] = official.sliding_window
+    elif model_type == "gemma3_text":
+        values.update(_gemma3_fields(official, src=src))
     elif model_type in ("qwen2", "qwen3"):
-        layer_types = getattr(official, "layer_types", None) or []
-        if "sliding_attention" in layer_types:
-            raise ConversionError(
-                f"{src}: {OFFICIAL_PREFIX[model_type]} with use_sliding_window=True (sliding attention on layers >= "
-                f"max_window_layers={official.max_window_layers}) is not supported; hf_tiny applies one "
-                "sliding_window to every layer"
-            )
         if model_type == "qwen2":
             values["attention_bias"] = True  # Qwen2 has biases on q/k/v and none on o_proj
             values["attention_output_bias"] = False
@@ -220,9 +235,36 @@ def causal_config_from_official(official, *, src):
         raise ConversionError(f"{src}: this {model_type} config has no hf_tiny equivalent: {error}") from error
 
 
+def _plain(value):
+    """rope_parameters as plain nested dicts (copied)."""
+    return {k: _plain(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+
+def _gemma3_fields(official, *, src) -> dict:
+    """The Gemma 3 switches of TinyCausalConfig for an official Gemma3TextConfig."""
+    if getattr(official, "use_bidirectional_attention", False):
+        raise ConversionError(
+            f"{src}: Gemma 3 with use_bidirectional_attention=True (EmbeddingGemma) is not supported; hf_tiny's causal "
+            "family attends causally"
+        )
+    if official.attn_logit_softcapping is not None:
+        raise ConversionError(
+            f"{src}: attn_logit_softcapping={official.attn_logit_softcapping!r} is not supported (needs the raw "
+            "attention scores); only None is"
+        )
+    return dict(
+        attention_bias=official.attention_bias,
+        qk_norm=True,
+        rms_norm_unit_offset=True,
+        scale_embeddings=True,
+        sandwich_norms=True,
+        query_pre_attn_scalar=official.query_pre_attn_scalar,
+        final_logit_softcapping=official.final_logit_softcapping,
+    )
+
+
 def official_config_from_causal(config, official_class: str):
-    """The official transformers config for an hf_tiny causal config (Llama; Mistral when sliding_window is set;
-    Qwen2 for q/k/v-only attention biases)."""
+    """The official transformers config for an hf_tiny causal config (the type official_family picks)."""
     import transformers
 
     family = official_family(config)
@@ -237,7 +279,7 @@ def official_config_from_causal(config, official_class: str):
         max_position_embeddings=config.max_position_embeddings,
         initializer_range=config.initializer_range,
         rms_norm_eps=config.rms_norm_eps,
-        rope_parameters=dict(config.rope_parameters),
+        rope_parameters=_plain(config.rope_parameters),
         attention_dropout=config.attention_dropout,
         tie_word_embeddings=config.tie_word_embeddings,
         pad_token_id=config.pad_token_id,
@@ -253,40 +295,90 @@ def official_config_from_causal(config, official_class: str):
     if family == "mistral":
         values.update(head_dim=config.head_dim, sliding_window=config.sliding_window)
         return transformers.MistralConfig(**values)
+    if family == "gemma3_text":
+        values.pop("hidden_act")
+        values.update(
+            head_dim=config.head_dim, hidden_activation=config.hidden_act, attention_bias=config.attention_bias,
+            sliding_window=config.sliding_window, layer_types=list(config.layer_types),
+            query_pre_attn_scalar=config.query_pre_attn_scalar or config.head_dim,
+            final_logit_softcapping=config.final_logit_softcapping,
+        )
+        return transformers.Gemma3TextConfig(**values)
+    sliding = "sliding_attention" in config.layer_types
+    values.update(
+        use_sliding_window=sliding, sliding_window=config.sliding_window if sliding else None,
+        layer_types=list(config.layer_types),
+    )
+    if sliding:  # Qwen's own rule for the layer types, consistent with the list we pass
+        values["max_window_layers"] = config.layer_types.index("sliding_attention")
     if family == "qwen3":
-        values.update(head_dim=config.head_dim, attention_bias=config.attention_bias, use_sliding_window=False)
+        values.update(head_dim=config.head_dim, attention_bias=config.attention_bias)
         return transformers.Qwen3Config(**values)
     if config.head_dim != config.hidden_size // config.num_attention_heads:
         raise ConversionError(
             f"Qwen2 has no head_dim field: head_dim={config.head_dim} must equal hidden_size // num_attention_heads"
         )
-    values.update(use_sliding_window=False)
     return transformers.Qwen2Config(**values)
+
+
+GEMMA3_SWITCHES = ("qk_norm", "rms_norm_unit_offset", "scale_embeddings", "sandwich_norms")
+GEMMA3_ONLY = ("rms_norm_unit_offset", "scale_embeddings", "sandwich_norms", "query_pre_attn_scalar", "final_logit_softcapping")
 
 
 def official_family(config) -> str:
     """Which official model type can hold an hf_tiny causal config."""
+    from .phi3 import needs_phi3
+
+    if needs_phi3(config) or config.position_embedding_type != "rope" or config.norm_type != "rmsnorm" or not config.mlp_gated:
+        raise ConversionError(
+            "the Llama family's official classes rotate whole heads with RMSNorm and a gated MLP; this config has "
+            f"rope_parameters={config.rope_parameters}, position_embedding_type={config.position_embedding_type!r}, "
+            f"norm_type={config.norm_type!r}, mlp_gated={config.mlp_gated}: convert it with the phi3 or gpt2 family"
+        )
+    if config.hidden_dropout or config.embedding_dropout:
+        raise ConversionError(
+            f"Llama-family official classes have no residual or embedding dropout; got hidden_dropout="
+            f"{config.hidden_dropout}, embedding_dropout={config.embedding_dropout} (Phi-3 has a residual one)"
+        )
     out_bias = config.attention_bias if config.attention_output_bias is None else config.attention_output_bias
-    if config.qk_norm:
-        if config.sliding_window is not None or config.mlp_bias or config.attention_bias != out_bias:
+    gemma_fields = {name: getattr(config, name) for name in GEMMA3_ONLY}
+    if any(value not in (None, False) for value in gemma_fields.values()):
+        switches = {name: getattr(config, name) for name in GEMMA3_SWITCHES}
+        if not all(switches.values()) or config.mlp_bias or config.attention_bias != out_bias:
             raise ConversionError(
-                "Qwen3 (qk_norm=True) has no sliding_window, no MLP biases and one attention_bias for q/k/v/o; got "
-                f"sliding_window={config.sliding_window}, mlp_bias={config.mlp_bias}, attention_bias="
-                f"{config.attention_bias}, attention_output_bias={config.attention_output_bias}"
+                "only Gemma 3 has Gemma's norms, embedding scale, query_pre_attn_scalar or logit soft-capping, and it "
+                f"needs all of {switches} True, no MLP biases and one attention_bias for q/k/v/o; got mlp_bias="
+                f"{config.mlp_bias}, attention_bias={config.attention_bias}, attention_output_bias="
+                f"{config.attention_output_bias}"
+            )
+        return "gemma3_text"
+    if config.qk_norm:
+        if config.mlp_bias or config.attention_bias != out_bias:
+            raise ConversionError(
+                "Qwen3 (qk_norm=True) has no MLP biases and one attention_bias for q/k/v/o; got mlp_bias="
+                f"{config.mlp_bias}, attention_bias={config.attention_bias}, attention_output_bias="
+                f"{config.attention_output_bias}"
             )
         return "qwen3"
-    if config.sliding_window is not None:
+    if config.attention_bias and not out_bias and not config.mlp_bias:
+        return "qwen2"  # biases on q/k/v only; any layer_types (max_window_layers)
+    if len(set(config.layer_types)) > 1:
+        raise ConversionError(
+            "per-layer sliding windows (layer_types mixing full and sliding attention) exist officially in Qwen2 "
+            "(q/k/v biases only), Qwen3 (qk_norm) and Gemma 3; this config has attention_bias="
+            f"{config.attention_bias}, attention_output_bias={config.attention_output_bias}, "
+            f"mlp_bias={config.mlp_bias}, qk_norm={config.qk_norm}"
+        )
+    if "sliding_attention" in config.layer_types:
         if config.attention_bias or out_bias or config.mlp_bias:
             raise ConversionError(
-                "no official class has both a sliding_window and attention/MLP biases "
+                "no official class has both a sliding_window on every layer and attention/MLP biases "
                 f"(sliding_window={config.sliding_window}, attention_bias={config.attention_bias}, "
                 f"mlp_bias={config.mlp_bias})"
             )
         return "mistral"
     if config.attention_bias == out_bias:
         return "llama"
-    if config.attention_bias and not out_bias and not config.mlp_bias:
-        return "qwen2"
     raise ConversionError(
         f"no official class has attention_bias={config.attention_bias}, attention_output_bias="
         f"{config.attention_output_bias}, mlp_bias={config.mlp_bias}"
@@ -438,12 +530,13 @@ def _read_params(src: Path) -> dict:
 def _class_for_official(architectures, state: dict, *, src) -> str:
     named = (architectures or [None])[0]
     if named:
-        for suffix, ours in CLASS_BY_SUFFIX.items():
-            if named.endswith(suffix) and named[: -len(suffix)] in OFFICIAL_PREFIX.values():
-                return ours
+        for classes in OFFICIAL_CLASSES.values():
+            for ours, official in classes.items():
+                if named == official:
+                    return ours
         raise ConversionError(
             f"{src}: architecture {named!r} is not supported; supported: "
-            + ", ".join(f"{p}{s}" for p in OFFICIAL_PREFIX.values() for s in CLASS_BY_SUFFIX)
+            + ", ".join(official for classes in OFFICIAL_CLASSES.values() for official in classes.values())
         )
     if "score.weight" in state:
         return "TinyCausalForSequenceClassification"
@@ -453,9 +546,7 @@ def _class_for_official(architectures, state: dict, *, src) -> str:
 
 
 def _official_class_name(config, class_name: str) -> str:
-    prefix = OFFICIAL_PREFIX[official_family(config)]
-    suffix = next(s for s, ours in CLASS_BY_SUFFIX.items() if ours == class_name)
-    return prefix + suffix
+    return OFFICIAL_CLASSES[official_family(config)][class_name]
 
 
 UNTIED_HINT = "; set tie_word_embeddings=false in config.json if the head is really untied"
@@ -470,12 +561,12 @@ OFFICIAL_NOTES = {
 class LlamaFamily(Family):
     name = "llama"
     model_types = HF_MODEL_TYPES
-    gguf_architectures = (GGUF_ARCHITECTURE,)
+    gguf_architectures = GGUF_ARCHITECTURES
     config_class = "TinyCausalConfig"
     classes = {name: (auto, tag) for name, (auto, tag, _prefix) in OUR_CLASSES.items()}
     default_class = "TinyCausalForCausalLM"
     modality = "causal"
-    card_family = "hf_tiny_causal (Llama-style decoder)"
+    card_family = "hf_tiny_causal (Llama-style decoder: Llama, Mistral, Qwen2, Qwen3, Gemma 3)"
     tags = ("llama", "causal-lm", "text-generation")
 
     def read(self, src: Path) -> Source:
@@ -486,7 +577,7 @@ class LlamaFamily(Family):
             return source
         if kind == "gguf":
             raw, state = load_gguf(path, expected_architecture=self.gguf_architectures)
-            require_model_type(raw, ("llama",), src=path)
+            require_model_type(raw, HF_MODEL_TYPES, src=path)
             return Source(path, path.parent, kind, raw, state, f"the GGUF file `{path.name}` (dequantized to float32)")
         params = _read_params(path)
         files = sorted(path.glob("consolidated.*.pth"))
@@ -508,7 +599,8 @@ class LlamaFamily(Family):
             mapping = key_map(config, class_name)
         official_class = _official_class_name(config, class_name)
         note = f"The official side is {OFFICIAL_NOTES[source.kind]}."
-        return Plan(config, class_name, official_class, mapping, config.num_hidden_layers, state, notes=[note])
+        return Plan(config, class_name, official_class, mapping, config.num_hidden_layers, state, notes=[note],
+                    tags=(official_family(config),))
 
     def official_model(self, source: Source, plan: Plan):
         import transformers

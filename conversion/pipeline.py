@@ -63,6 +63,7 @@ class Plan:
     official_config: Any = None  # the transformers config (seq2seq derives generation_config.json from it)
     notes: list[str] = field(default_factory=list)  # lines for the model card
     official_kwargs: dict = field(default_factory=dict)  # for the official from_pretrained (e.g. add_pooling_layer)
+    tags: tuple[str, ...] = ()  # card tags beside the family's (e.g. the source's model type)
 
 
 @dataclass
@@ -256,7 +257,7 @@ def convert(
                 auto_class=auto_class,
                 description=f"`{plan.our_class}` converted from {source.description}.",
                 parity_rows=rows,
-                tags=list(family.tags),
+                tags=list(dict.fromkeys((*family.tags, *plan.tags))),
                 extra=f"\nParity inputs: {batch.description}; per-token outputs are compared at real tokens only. "
                 f"The reference is the official `{plan.official_class}` in float32 with eager attention. Tolerance = "
                 "relative tolerance of the dtype × max(1, max |official output|); float32 rows must pass and every "

@@ -5,9 +5,35 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from .rope import standardize_rope_parameters
+from .rope import rotary_dim, standardize_rope_parameters
 from .validation import check_bool, check_choice, check_divisible, check_finite_fields, check_positive, check_positive_number
 from .validation import check_probability, check_token_ids, init_arguments, store_init_fields
+
+
+LAYER_TYPES = ("full_attention", "sliding_attention")
+POSITION_EMBEDDING_TYPES = ("rope", "learned")
+
+
+def check_layer_types(owner: str, layer_types, num_hidden_layers: int, sliding_window) -> list[str]:
+    """layer_types filled in (every layer sliding when sliding_window is set, else full) and checked."""
+    if layer_types is None:
+        return ["sliding_attention" if sliding_window is not None else "full_attention"] * num_hidden_layers
+    if not isinstance(layer_types, (list, tuple)):
+        raise TypeError(f"{owner}: layer_types must be a list of {list(LAYER_TYPES)}, got {layer_types!r}")
+    layer_types = list(layer_types)
+    if len(layer_types) != num_hidden_layers:
+        raise ValueError(
+            f"{owner}: layer_types has {len(layer_types)} entries but num_hidden_layers={num_hidden_layers}"
+        )
+    for index, kind in enumerate(layer_types):
+        if kind not in LAYER_TYPES:
+            raise ValueError(f"{owner}: layer_types[{index}]={kind!r} is not a layer type hf_tiny knows; choose one of {list(LAYER_TYPES)}")
+    if "sliding_attention" in layer_types and sliding_window is None:
+        raise ValueError(
+            f"{owner}: layer_types has 'sliding_attention' layers (first: {layer_types.index('sliding_attention')}) "
+            "but sliding_window is None; set sliding_window"
+        )
+    return layer_types
 
 
 class TinyCausalConfig(PretrainedConfig):
@@ -23,9 +49,32 @@ class TinyCausalConfig(PretrainedConfig):
       `rope_theta` keywords are accepted too.
     - attention_bias: bias of q/k/v (and of o_proj unless attention_output_bias says otherwise; Qwen2 has biases
       on q/k/v only: attention_bias=True, attention_output_bias=False). mlp_bias: biases of the feed-forward.
-    - sliding_window: None (full causal attention) or the number of most recent keys each query sees (Mistral).
+    - sliding_window: None (full causal attention) or the number of most recent keys (itself included) a query
+      of a "sliding_attention" layer sees.
+    - layer_types: one entry per layer, "full_attention" or "sliding_attention"; by default every layer is
+      "sliding_attention" when sliding_window is set (Mistral) and "full_attention" otherwise. Mixed lists are
+      Qwen2's `max_window_layers` and Gemma 3's 5 local : 1 global pattern.
+    - rope_parameters may also be keyed by layer type ({"full_attention": {...}, "sliding_attention": {...}}):
+      each kind of layer then rotates with its own parameters (Gemma 3: theta 1e6 global, 1e4 local).
     - qk_norm: an RMSNorm over each head's query and key (weights of head_dim, eps rms_norm_eps) before RoPE
-      (Qwen3).
+      (Qwen3, Gemma 3).
+
+    Gemma 3 is this block with five switches (all off for Llama):
+    - rms_norm_unit_offset: every RMSNorm stores w and scales by (1 + w), multiplying in float32 before the cast
+      back (Gemma's `Gemma3RMSNorm`; weights are zero-initialized).
+    - scale_embeddings: token embeddings (from input_ids) times sqrt(hidden_size), rounded to the weights' dtype.
+    - sandwich_norms: besides the pre-norms, a norm on the output of attention and of the MLP before each
+      residual add (`attn_output_layernorm`, `mlp_output_layernorm`).
+    - query_pre_attn_scalar: attention scale query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5.
+    - final_logit_softcapping: logits = c * tanh(logits / c) (None: off).
+
+    GPT-2 is this block with other choices of its parts:
+    - position_embedding_type: "rope" (default) or "learned" (absolute positions added to the token embeddings,
+      `embed_positions`, max_position_embeddings of them; no rotation).
+    - norm_type: "rmsnorm" (eps rms_norm_eps) or "layernorm" (with bias, eps layer_norm_eps), for every norm.
+    - mlp_gated: True (down(act(gate(x)) * up(x))) or False (down(act(up(x))), GPT-2's c_fc / c_proj).
+    - hidden_dropout: dropout on each sublayer's output before the residual add (GPT-2 / Phi-3 resid_pdrop);
+      embedding_dropout: on the embeddings (embd_pdrop).
     """
 
     model_type = "hf_tiny_causal"
@@ -64,7 +113,19 @@ class TinyCausalConfig(PretrainedConfig):
         attention_dropout: float = 0.0,
         mlp_bias: bool = False,
         sliding_window: int | None = None,
+        layer_types: list[str] | None = None,
         qk_norm: bool = False,
+        rms_norm_unit_offset: bool = False,
+        scale_embeddings: bool = False,
+        sandwich_norms: bool = False,
+        query_pre_attn_scalar: float | None = None,
+        final_logit_softcapping: float | None = None,
+        position_embedding_type: str = "rope",
+        norm_type: str = "rmsnorm",
+        layer_norm_eps: float = 1e-5,
+        mlp_gated: bool = True,
+        hidden_dropout: float = 0.0,
+        embedding_dropout: float = 0.0,
         tie_word_embeddings: bool = False,
         pad_token_id: int | None = None,
         bos_token_id: int | None = 1,
@@ -90,15 +151,38 @@ class TinyCausalConfig(PretrainedConfig):
             check_divisible(owner, "hidden_size", hidden_size, "num_attention_heads", num_attention_heads)
             head_dim = hidden_size // num_attention_heads
         check_positive(owner, head_dim=head_dim)
-        if head_dim % 2:
+        check_choice(owner, "position_embedding_type", position_embedding_type, POSITION_EMBEDDING_TYPES)
+        check_choice(owner, "norm_type", norm_type, ("rmsnorm", "layernorm"))
+        if position_embedding_type == "rope" and head_dim % 2:
             raise ValueError(f"{owner}: head_dim must be even for rotary embeddings, got {head_dim}")
         check_divisible(owner, "num_attention_heads", num_attention_heads, "num_key_value_heads", num_key_value_heads)
         check_choice(owner, "hidden_act", hidden_act, sorted(ACT2FN))
-        check_probability(owner, attention_dropout=attention_dropout)
-        check_positive_number(owner, rms_norm_eps=rms_norm_eps, initializer_range=initializer_range)
+        check_probability(
+            owner, attention_dropout=attention_dropout, hidden_dropout=hidden_dropout,
+            embedding_dropout=embedding_dropout,
+        )
+        check_positive_number(
+            owner, rms_norm_eps=rms_norm_eps, layer_norm_eps=layer_norm_eps, initializer_range=initializer_range
+        )
         if sliding_window is not None:
             check_positive(owner, sliding_window=sliding_window)
-        check_bool(owner, qk_norm=qk_norm)
+        check_bool(
+            owner, qk_norm=qk_norm, rms_norm_unit_offset=rms_norm_unit_offset, scale_embeddings=scale_embeddings,
+            sandwich_norms=sandwich_norms, mlp_gated=mlp_gated,
+        )
+        if rms_norm_unit_offset and norm_type != "rmsnorm":
+            raise ValueError(f"{owner}: rms_norm_unit_offset=True needs norm_type='rmsnorm', got {norm_type!r}")
+        if query_pre_attn_scalar is not None:
+            check_positive_number(owner, query_pre_attn_scalar=query_pre_attn_scalar)
+        if final_logit_softcapping is not None:
+            check_positive_number(owner, final_logit_softcapping=final_logit_softcapping)
+        for unsupported in ("attn_logit_softcapping",):
+            if kwargs.get(unsupported) is not None:
+                raise ValueError(
+                    f"{owner}: {unsupported}={kwargs[unsupported]!r} is not supported (it needs the attention scores, "
+                    "which the sdpa and flash kernels never form); use a model with attn_logit_softcapping=None"
+                )
+        layer_types = check_layer_types(owner, layer_types, num_hidden_layers, sliding_window)
         check_token_ids(owner, vocab_size, pad_token_id=pad_token_id, bos_token_id=bos_token_id)
 
         # Legacy spellings (Llama 2 era config.json files): rope_scaling + rope_theta beside it.
@@ -106,26 +190,57 @@ class TinyCausalConfig(PretrainedConfig):
         legacy_theta = kwargs.pop("rope_theta", None)
         if rope_parameters is None and legacy_scaling is not None:
             rope_parameters = legacy_scaling
-        rope_parameters = standardize_rope_parameters(
-            rope_parameters, max_position_embeddings=max_position_embeddings, rope_theta=legacy_theta, owner=owner
-        )
+        if isinstance(rope_parameters, dict) and set(rope_parameters) & set(LAYER_TYPES):
+            unknown = sorted(set(rope_parameters) - set(LAYER_TYPES))
+            if unknown:
+                raise ValueError(
+                    f"{owner}: rope_parameters keyed by layer type may hold only {list(LAYER_TYPES)}; got keys {unknown}"
+                )
+            rope_parameters = {
+                kind: standardize_rope_parameters(
+                    rope_parameters.get(kind), max_position_embeddings=max_position_embeddings,
+                    rope_theta=legacy_theta, owner=f"{owner} rope_parameters[{kind!r}]",
+                )
+                for kind in LAYER_TYPES
+            }
+        else:
+            rope_parameters = standardize_rope_parameters(
+                rope_parameters, max_position_embeddings=max_position_embeddings, rope_theta=legacy_theta, owner=owner
+            )
 
+        if position_embedding_type == "rope":
+            for params in (rope_parameters.values() if set(rope_parameters) == set(LAYER_TYPES) else (rope_parameters,)):
+                rotary_dim(params, head_dim, owner=owner)
         store_init_fields(self, TinyCausalConfig.__init__, locals())
         super().__init__(**kwargs)
 
+    def rope_parameters_for(self, layer_type: str) -> dict:
+        """The rope parameters a layer of this type rotates with."""
+        if set(self.rope_parameters) == set(LAYER_TYPES):
+            return self.rope_parameters[layer_type]
+        return self.rope_parameters
+
+    def sliding_window_for(self, layer_type: str) -> int | None:
+        return self.sliding_window if layer_type == "sliding_attention" else None
+
+    def norm_eps(self) -> float:
+        return self.rms_norm_eps if self.norm_type == "rmsnorm" else self.layer_norm_eps
+
     def block_spec(self):
-        """The decoder block: pre-norm RMSNorm, gated (SwiGLU) MLP, grouped-query attention (Llama)."""
+        """The decoder block: pre-norm, gated (SwiGLU) or plain MLP, grouped-query attention."""
         from .layers import BlockSpec
 
         output_bias = self.attention_bias if self.attention_output_bias is None else self.attention_output_bias
+        scale = None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar**-0.5
         return BlockSpec(
             hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, attention_scale=None,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, attention_scale=scale,
             attention_dropout=self.attention_dropout, attention_bias=self.attention_bias,
             attention_output_bias=output_bias, intermediate_size=self.intermediate_size, hidden_act=self.hidden_act,
-            mlp_gated=True, mlp_bias=self.mlp_bias, pre_norm=True, norm_type="rmsnorm", norm_eps=self.rms_norm_eps,
-            qk_norm=self.qk_norm,
+            mlp_gated=self.mlp_gated, mlp_bias=self.mlp_bias, pre_norm=True, norm_type=self.norm_type,
+            norm_eps=self.norm_eps(), hidden_dropout=self.hidden_dropout, qk_norm=self.qk_norm, norm_unit_offset=self.rms_norm_unit_offset, sandwich_norms=self.sandwich_norms,
         )
+
 
 
 __all__ = ["TinyCausalConfig"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Optional
 
@@ -18,17 +19,23 @@ from .rope import apply_rotary
 NORM_TYPES = ("layernorm", "rmsnorm")
 
 
-def _dropout(dropout: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
+def dropout_if_active(dropout: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
     # Skipping the module call in eval / at p=0 saves a Python call and an aten op per sublayer and token.
     return dropout(x) if dropout.training and dropout.p > 0 else x
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm (Llama, T5): statistics in fp32, then weight * x in the input dtype."""
+    """Root-mean-square norm, statistics in fp32.
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6):
+    Llama / T5: weight * x, the product in the input dtype (weights initialized to 1).
+    unit_offset=True (Gemma): (1 + weight) * x, the product in fp32 and then cast (weights initialized to 0). The
+    offset is applied here rather than folded into the stored weight, so checkpoints convert bit for bit.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, unit_offset: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.unit_offset = unit_offset
+        self.weight = nn.Parameter(torch.zeros(hidden_size) if unit_offset else torch.ones(hidden_size))
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -36,17 +43,23 @@ class RMSNorm(nn.Module):
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        if self.unit_offset:
+            return (hidden_states * (1.0 + self.weight.float())).to(input_dtype)
         return self.weight * hidden_states.to(input_dtype)
 
+    def reset_weight(self) -> None:
+        self.weight.data.fill_(0.0 if self.unit_offset else 1.0)
+
     def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}"
+        offset = ", unit_offset=True" if self.unit_offset else ""
+        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}{offset}"
 
 
-def build_norm(norm_type: str, hidden_size: int, eps: float) -> nn.Module:
+def build_norm(norm_type: str, hidden_size: int, eps: float, *, unit_offset: bool = False) -> nn.Module:
     if norm_type == "layernorm":
         return nn.LayerNorm(hidden_size, eps=eps)
     if norm_type == "rmsnorm":
-        return RMSNorm(hidden_size, eps=eps)
+        return RMSNorm(hidden_size, eps=eps, unit_offset=unit_offset)
     raise ValueError(f"unknown norm_type {norm_type!r}; choose one of {list(NORM_TYPES)}")
 
 
@@ -79,7 +92,7 @@ class FeedForward(nn.Module):
             hidden = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
         else:
             hidden = self.act_fn(self.up_proj(x))
-        return self.down_proj(_dropout(self.dropout, hidden))
+        return self.down_proj(dropout_if_active(self.dropout, hidden))
 
 
 @dataclass(frozen=True)
@@ -88,6 +101,7 @@ class BlockSpec:
     own (`config.block_spec()`; a seq2seq config one per stack), so no layer reads a config field by name.
 
     pre_norm=True (Llama, T5):      x = x + dropout(sublayer(norm(x)))
+    sandwich_norms (Gemma 3):       x = x + dropout(output_norm(sublayer(norm(x))))
     pre_norm=False (BERT, BART):    x = norm(x + dropout(sublayer(x)))
     """
 
@@ -109,7 +123,9 @@ class BlockSpec:
     hidden_dropout: float = 0.0
     activation_dropout: float = 0.0
     cross_attention: bool = False
-    qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3)
+    qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3, Gemma 3)
+    norm_unit_offset: bool = False  # RMSNorms scale by (1 + weight) (Gemma)
+    sandwich_norms: bool = False  # pre_norm only: also a norm on each sublayer's output before the add (Gemma 3)
 
 
 class Attention(nn.Module):
@@ -134,8 +150,8 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=spec.attention_bias)
         self.v_proj = nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=spec.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=spec.attention_output_bias)
-        self.q_norm = RMSNorm(self.head_dim, spec.norm_eps) if spec.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, spec.norm_eps) if spec.qk_norm else None
+        qk_norm = RMSNorm(self.head_dim, spec.norm_eps, unit_offset=spec.norm_unit_offset) if spec.qk_norm else None
+        self.q_norm, self.k_norm = qk_norm, copy.deepcopy(qk_norm)
 
     def _project_kv(self, states: torch.Tensor):
         shape = (*states.shape[:-1], -1, self.head_dim)
@@ -213,30 +229,45 @@ class TransformerBlock(GradientCheckpointingLayer):
     `input_layernorm` to self-attention, `cross_attn_layernorm` to cross-attention, `post_attention_layernorm` to
     the feed-forward. In a post-LN block (BERT, BART) each therefore normalizes the output of its sublayer:
     BERT's attention.output.LayerNorm is `input_layernorm`, its output.LayerNorm `post_attention_layernorm`.
+    Sandwich norms (Gemma 3) add `attn_output_layernorm` and `mlp_output_layernorm` on the sublayer outputs
+    (Gemma's own names: post_attention_layernorm, pre_feedforward_layernorm = our post_attention_layernorm,
+    post_feedforward_layernorm).
     """
 
     def __init__(self, config, spec: BlockSpec, layer_idx: int):
         super().__init__()
         hidden = spec.hidden_size
+        if spec.sandwich_norms and (not spec.pre_norm or spec.cross_attention):
+            raise ValueError("sandwich_norms are defined for pre-norm self-attention blocks only")
         self.pre_norm = spec.pre_norm
+
+        def norm():
+            return build_norm(spec.norm_type, hidden, spec.norm_eps, unit_offset=spec.norm_unit_offset)
+
         self.has_cross_attention = spec.cross_attention
         self.self_attn = Attention(config, spec, layer_idx)
-        self.input_layernorm = build_norm(spec.norm_type, hidden, spec.norm_eps)
+        self.input_layernorm = norm()
         if spec.cross_attention:
             self.cross_attn = Attention(config, spec, layer_idx, is_cross_attention=True)
-            self.cross_attn_layernorm = build_norm(spec.norm_type, hidden, spec.norm_eps)
+            self.cross_attn_layernorm = norm()
         self.mlp = FeedForward(
             hidden, spec.intermediate_size, spec.hidden_act, gated=spec.mlp_gated, bias=spec.mlp_bias,
             activation_dropout=spec.activation_dropout,
         )
-        self.post_attention_layernorm = build_norm(spec.norm_type, hidden, spec.norm_eps)
+        self.post_attention_layernorm = norm()
+        self.attn_output_layernorm = norm() if spec.sandwich_norms else None
+        self.mlp_output_layernorm = norm() if spec.sandwich_norms else None
         self.dropout = nn.Dropout(spec.hidden_dropout)
 
     def _sublayer_input(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
         return norm(x) if self.pre_norm else x
 
-    def _sublayer_output(self, residual: torch.Tensor, out: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-        x = residual + _dropout(self.dropout, out)
+    def _sublayer_output(
+        self, residual: torch.Tensor, out: torch.Tensor, norm: nn.Module, output_norm: Optional[nn.Module] = None
+    ) -> torch.Tensor:
+        if output_norm is not None:
+            out = output_norm(out)
+        x = residual + dropout_if_active(self.dropout, out)
         return x if self.pre_norm else norm(x)
 
     def forward(
@@ -265,7 +296,7 @@ class TransformerBlock(GradientCheckpointingLayer):
             past_key_values=past_key_values,
             output_attentions=output_attentions,
         )
-        hidden_states = self._sublayer_output(hidden_states, attn_out, self.input_layernorm)
+        hidden_states = self._sublayer_output(hidden_states, attn_out, self.input_layernorm, self.attn_output_layernorm)
         cross_weights = None
         if self.has_cross_attention:
             cross_out, cross_weights = self.cross_attn(
@@ -277,5 +308,7 @@ class TransformerBlock(GradientCheckpointingLayer):
             )
             hidden_states = self._sublayer_output(hidden_states, cross_out, self.cross_attn_layernorm)
         mlp_out = self.mlp(self._sublayer_input(hidden_states, self.post_attention_layernorm))
-        hidden_states = self._sublayer_output(hidden_states, mlp_out, self.post_attention_layernorm)
+        hidden_states = self._sublayer_output(
+            hidden_states, mlp_out, self.post_attention_layernorm, self.mlp_output_layernorm
+        )
         return hidden_states, self_weights, cross_weights

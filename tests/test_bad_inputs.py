@@ -133,6 +133,29 @@ def config_cases():
                        id="causal-rope-parameters-not-a-dict")
     yield pytest.param("causal", {"hidden_size": 18, "num_attention_heads": 2}, ValueError,
                        ["head_dim", "9"], id="causal-odd-head-dim")
+    # per-layer attention kinds and the Gemma 3 / GPT-2 / Phi-3 parts of the causal block
+    layers = SIZES["num_hidden_layers"]
+    causal_cases = [
+        ({"layer_types": ["full_attention"] * (layers + 1)}, ["layer_types has", f"num_hidden_layers={layers}"],
+         "layer-types-length"),
+        ({"layer_types": ["sliding_attention"] * layers}, ["'sliding_attention'", "sliding_window is None"],
+         "sliding-layers-without-window"),
+        ({"layer_types": ["global"] * layers, "sliding_window": 4}, ["layer_types[0]='global'"], "unknown-layer-type"),
+        ({"rope_parameters": {"full_attention": {"rope_type": "default"}, "local": {}}},
+         ["rope_parameters keyed by layer type", "'local'"], "rope-keyed-by-unknown-type"),
+        ({"position_embedding_type": "alibi"}, ["position_embedding_type", "'alibi'"], "unknown-position-type"),
+        ({"norm_type": "batchnorm"}, ["norm_type", "'batchnorm'"], "unknown-norm-type"),
+        ({"norm_type": "layernorm", "rms_norm_unit_offset": True}, ["rms_norm_unit_offset=True", "'layernorm'"],
+         "unit-offset-on-layernorm"),
+        ({"query_pre_attn_scalar": 0.0}, ["query_pre_attn_scalar", "0.0"], "query-scalar-zero"),
+        ({"final_logit_softcapping": -30.0}, ["final_logit_softcapping", "-30.0"], "softcap-negative"),
+        ({"attn_logit_softcapping": 50.0}, ["attn_logit_softcapping=50.0"], "attention-softcap"),
+        ({"hidden_dropout": 1.0}, ["hidden_dropout", "1.0"], "hidden-dropout-one"),
+        ({"rope_parameters": {"rope_type": "longrope", "short_factor": [1.0]}}, ["rope_type 'longrope'", "'long_factor'"],
+         "longrope-without-long-factor"),
+    ]
+    for changes, fragments, name in causal_cases:
+        yield pytest.param("causal", changes, (ValueError, TypeError), fragments, id=f"causal-{name}")
     # NaN / inf in any float field (they pass `value <= 0` checks and give all-NaN outputs)
     float_fields = {
         "encoder": ["layer_norm_eps", "initializer_range", "hidden_dropout", "attention_dropout"],
@@ -543,8 +566,8 @@ def test_bad_gguf_is_a_clear_error_and_dst_is_untouched(case, mode, tmp_path, ca
 
     path = tmp_path / "model.gguf"
     if case == "other-architecture":
-        write_gguf(path, architecture="gpt2")
-        fragments = ["model.gguf", "architecture 'gpt2'", "expected 'llama'"]
+        write_gguf(path, architecture="bloom")
+        fragments = ["model.gguf", "architecture 'bloom'", "expected 'llama'"]
     else:
         write_gguf(path, architecture="llama", raw_type=gguf.GGMLQuantizationType.Q8_1)
         fragments = ["model.gguf", "token_embd.weight (Q8_1)", "unsupported quantization"]

@@ -55,6 +55,27 @@ VARIANTS = {
     "qwen2_qkv_bias": ("qwen2", dict(tie_word_embeddings=True)),
     "qwen3_qk_norm": ("qwen3", dict(head_dim=16)),
     "qwen3_biases_mha": ("qwen3", dict(head_dim=8, num_key_value_heads=4, attention_bias=True, tie_word_embeddings=True)),
+    # per-layer sliding windows: Qwen's max_window_layers (layers >= it slide), Gemma 3's layer_types
+    "qwen2_max_window_layers": ("qwen2", dict(use_sliding_window=True, sliding_window=5, max_window_layers=1)),
+    "qwen3_max_window_layers": (
+        "qwen3", dict(head_dim=16, num_hidden_layers=3, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    ),
+    "gemma3": (
+        "gemma3_text",
+        dict(
+            head_dim=16, num_hidden_layers=4, sliding_window=4, query_pre_attn_scalar=12,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000.0, "factor": 2.0},
+            },
+        ),
+    ),
+    # transformers' defaults for the pattern (5 sliding : 1 global) and the bases; logit soft-capping on
+    "gemma3_softcap_tied_mha": (
+        "gemma3_text",
+        dict(head_dim=8, num_hidden_layers=6, num_key_value_heads=4, sliding_window=3, final_logit_softcapping=5.0),
+    ),
 }
 
 
@@ -92,6 +113,48 @@ def test_parity_through_converter_per_backend(variant, tmp_path):
     ],
 )
 def test_negative_control_the_same_comparison_rejects_another_rope(variant, perturbation, tmp_path):
+    family, overrides = VARIANTS[variant]
+    official = tiny_official(family, **overrides)
+    dst, _ = convert_official(official, tmp_path)
+    batch = left_padded_batch(official.config.vocab_size)
+    wrong = AutoModelForCausalLM.from_pretrained(dst, **perturbation).eval()
+    assert max_diff(real_logits(wrong, batch), real_logits(official, batch)) > 100 * TOLERANCE
+
+
+GENERATE_SETTINGS = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
+
+
+@pytest.mark.parametrize("variant", ["gemma3", "gemma3_softcap_tied_mha", "qwen2_max_window_layers", "qwen3_max_window_layers"])
+def test_per_layer_windows_greedy_beam_and_static_cache_tokens_identical(variant, tmp_path):
+    """Prompts up to 24 tokens with windows of 3-5 keys: every sliding layer drops keys, in the prompt and while
+    decoding (transformers' sliding cache layers keep only the last window), in dynamic and static caches."""
+    family, overrides = VARIANTS[variant]
+    official = tiny_official(family, **overrides)
+    dst, result = convert_official(official, tmp_path)
+    assert result["architecture"] == type(official).__name__
+    ours = AutoModelForCausalLM.from_pretrained(dst).eval()
+    assert ours.config.layer_types == list(official.config.layer_types)
+    assert len(set(ours.config.layer_types)) == 2
+    batch = left_padded_batch(official.config.vocab_size)
+    for extra in ({}, {"num_beams": 3}, {"cache_implementation": "static"}):
+        expected = official.generate(batch["input_ids"], attention_mask=batch["attention_mask"], **GENERATE_SETTINGS, **extra)
+        produced = ours.generate(batch["input_ids"], attention_mask=batch["attention_mask"], **GENERATE_SETTINGS, **extra)
+        assert torch.equal(produced, expected), extra
+
+
+@pytest.mark.parametrize(
+    "variant, perturbation",
+    [
+        ("gemma3", {"layer_types": ["full_attention"] * 4}),
+        ("gemma3", {"rope_parameters": {"rope_type": "linear", "rope_theta": 1000.0, "factor": 2.0}}),
+        ("gemma3", {"sandwich_norms": False}),
+        ("gemma3", {"rms_norm_unit_offset": False}),
+        ("gemma3", {"query_pre_attn_scalar": None}),
+        ("gemma3_softcap_tied_mha", {"final_logit_softcapping": None}),
+        ("qwen2_max_window_layers", {"layer_types": ["full_attention", "full_attention"]}),
+    ],
+)
+def test_negative_control_each_gemma_and_window_switch_matters(variant, perturbation, tmp_path):
     family, overrides = VARIANTS[variant]
     official = tiny_official(family, **overrides)
     dst, _ = convert_official(official, tmp_path)
@@ -304,7 +367,11 @@ def test_meta_layout_without_permutation_is_rejected_by_parity(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize(
-    "variant", ["tied", "biases", "mistral_sliding_window", "qwen2_qkv_bias", "rope_llama3", "qwen3_qk_norm", "qwen3_biases_mha"]
+    "variant",
+    [
+        "tied", "biases", "mistral_sliding_window", "qwen2_qkv_bias", "rope_llama3", "qwen3_qk_norm", "qwen3_biases_mha",
+        "qwen2_max_window_layers", "qwen3_max_window_layers", "gemma3", "gemma3_softcap_tied_mha",
+    ],
 )
 def test_convert_back_is_bit_exact_and_loads_cleanly(variant, tmp_path):
     family, overrides = VARIANTS[variant]
@@ -365,7 +432,7 @@ def edit_config(folder, **changes):
 @pytest.mark.parametrize(
     "changes, message",
     [
-        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10.0}}, "'longrope'"),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10.0}}, "'short_factor'"),
         ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 10.0, "factor": 8.0}}, "low_freq_factor"),
         ({"model_type": "gpt2"}, "model_type='gpt2'"),
         ({"architectures": ["LlamaForTokenClassification"]}, "'LlamaForTokenClassification' is not supported"),
@@ -377,6 +444,15 @@ def test_bad_config_is_a_clear_error(changes, message, tmp_path, existing_dst):
     with pytest.raises((ConversionError, ValueError, KeyError)) as error:
         llama.convert(tmp_path / "src", existing_dst, force=True)
     assert message in str(error.value)
+    assert_untouched(existing_dst)
+
+
+def test_gemma3_layer_type_we_do_not_know_names_the_entry(tmp_path, existing_dst):
+    family, overrides = VARIANTS["gemma3"]
+    tiny_official(family, **overrides).save_pretrained(tmp_path / "src")
+    edit_config(tmp_path / "src", layer_types=["sliding_attention", "full_attention", "chunked_attention", "full_attention"])
+    with pytest.raises(ConversionError, match=r"layer_types\[2\]='chunked_attention' is not a layer type hf_tiny knows"):
+        llama.convert(tmp_path / "src", existing_dst, force=True)
     assert_untouched(existing_dst)
 
 

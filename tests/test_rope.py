@@ -157,12 +157,16 @@ def test_legacy_spellings_are_standardized():
 @pytest.mark.parametrize(
     "rope, message",
     [
-        ({"rope_type": "longrope"}, "unknown rope_parameters['rope_type'] 'longrope'"),
+        ({"rope_type": "longrope"}, "needs the field 'short_factor'"),
+        ({"rope_type": "longrope", "short_factor": [1.0] * 16, "long_factor": [2.0] * 3}, "'long_factor'] has 3 entries"),
+        ({"rope_type": "longrope", "short_factor": [1.0, "x"], "long_factor": [2.0]}, "must be a list of positive numbers, got [1.0, 'x']"),
+        ({"rope_type": "yarn_v9", "factor": 2.0}, "unknown rope_parameters['rope_type'] 'yarn_v9'"),
         ({"rope_type": "linear"}, "needs the field 'factor'"),
         ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}, "needs the field 'high_freq_factor'"),
         ({"rope_type": "dynamic", "factor": "2"}, "rope_parameters['factor'] must be a number, got '2'"),
         ({"rope_type": "default", "rope_theta": -1.0}, "rope_theta'] must be > 0, got -1.0"),
-        ({"rope_type": "default", "partial_rotary_factor": 0.5}, "partial_rotary_factor']=0.5 is not supported"),
+        ({"rope_type": "default", "partial_rotary_factor": 1.5}, "partial_rotary_factor'] must be in (0, 1], got 1.5"),
+        ({"rope_type": "default", "partial_rotary_factor": 0.01}, "partial_rotary_factor 0.01 = 0 rotary dimensions"),
         ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 0}, "original_max_position_embeddings"),
         ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 2.0, "high_freq_factor": 2.0}, "must differ"),
     ],
