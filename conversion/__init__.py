@@ -2,7 +2,7 @@
 
 Run `python -m conversion [FAMILY] SRC DST [--reverse] [--force] [--dtype ...]` (the family is detected from
 config.json or the GGUF header when left out). The package is one pipeline (pipeline.py) that every family
-module (bert.py, llama.py, bart.py, t5.py, bert2seq.py) fills in with its tables; the modules it is built from:
+module (bert.py and its variant tables, llama.py, phi3.py, gpt2.py, bart.py, t5.py, bert2seq.py) fills in with its tables; the modules it is built from:
 
     errors.py     ConversionError
     readers.py    load_checkpoint (safetensors, sharded, .bin/.pth with weights_only), load_config_json, ...

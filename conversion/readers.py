@@ -92,9 +92,10 @@ def _load_safetensors(path: Path, expected_keys: Iterable[str] | None = None) ->
         raise ConversionError(f"cannot read {path}: {error}") from error
 
 
-def _load_pickle_weights_only(path: Path, expected_keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+def torch_load_weights_only(path: Path):
+    """torch.load with weights_only=True (tensors and plain containers only), errors as ConversionError."""
     try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as error:
         # weights_only refuses any global that is not a tensor/plain container: never retry without it.
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -106,6 +107,10 @@ def _load_pickle_weights_only(path: Path, expected_keys: Iterable[str] | None = 
         raise ConversionError(
             f"{path} is not a readable PyTorch weights file (truncated or corrupt?): {error}"
         ) from error
+
+
+def _load_pickle_weights_only(path: Path, expected_keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    loaded = torch_load_weights_only(path)
     if not isinstance(loaded, Mapping):
         raise ConversionError(f"{path} holds a {type(loaded).__name__}, expected a dict of tensors (a state dict)")
     not_tensors = [str(k) for k, v in loaded.items() if not isinstance(v, torch.Tensor)]

@@ -16,12 +16,13 @@ FAMILIES = {
     "electra": "conversion.electra",
     "albert": "conversion.albert",
     "llama": "conversion.llama",
+    "gpt2": "conversion.gpt2",
+    "phi3": "conversion.phi3",
     "bart": "conversion.bart",
     "t5": "conversion.t5",
     "bert2seq": "conversion.bert2seq",
 }
-# hf_tiny model_type -> the family that converts it back (encoder and seq2seq: decided by variant fields)
-REVERSE_FAMILIES = {"hf_tiny_causal": "llama"}
+# hf_tiny model_type -> the family that converts it back (encoder, seq2seq and causal: decided by variant fields)
 
 
 def family_module(name: str):
@@ -60,6 +61,10 @@ def detect_family(src: str | os.PathLike, *, reverse: bool = False) -> tuple[str
         raise ConversionError(f"{gguf}: no converter reads GGUF architecture {architecture!r}; known: {', '.join(known)}")
     if src.is_dir() and (src / "params.json").is_file() and any(src.glob("consolidated.*.pth")):
         return "llama", "Meta consolidated layout (params.json + consolidated.*.pth)"
+    from .gpt2 import nanogpt_checkpoint
+
+    if nanogpt_checkpoint(src) is not None:
+        return "gpt2", f"nanoGPT checkpoint {nanogpt_checkpoint(src).name}"
     raw = load_config_json(src)
     model_type = raw.get("model_type")
     if isinstance(model_type, str) and model_type.startswith("hf_tiny"):
@@ -72,8 +77,8 @@ def detect_family(src: str | os.PathLike, *, reverse: bool = False) -> tuple[str
         if model_type == "hf_tiny_seq2seq":
             name = "t5" if raw.get("position_embedding_type") == "relative" else "bart"
             return name, f"model_type {model_type!r} with position_embedding_type {raw.get('position_embedding_type')!r}"
-        if model_type in REVERSE_FAMILIES:
-            return REVERSE_FAMILIES[model_type], f"model_type {model_type!r}"
+        if model_type == "hf_tiny_causal":
+            return _causal_variant_of(raw, src)
     elif reverse:
         raise ConversionError(f"--reverse converts an hf_tiny folder back; {src} has model_type={model_type!r}")
     if model_type is None:
@@ -105,6 +110,24 @@ def _encoder_variant_of(raw: dict, src: Path) -> tuple[str, str]:
     )  # BERT fixes nothing, so one always matches
     fields = [f"{k}={v!r}" for k, v in variant.fixed_config.items() if getattr(defaults, k) != v]
     return name, "model_type 'hf_tiny_encoder'" + (f" with {', '.join(fields)}" if fields else "")
+
+
+def _causal_variant_of(raw: dict, src: Path) -> tuple[str, str]:
+    """GPT-2 for learned positions, Phi-3 for what only Phi-3 holds (longrope, partial rotary), else the Llama
+    family (which picks Llama, Mistral, Qwen2, Qwen3 or Gemma 3 from the fields)."""
+    from hf_tiny import TinyCausalConfig
+
+    from .phi3 import needs_phi3
+    from .readers import hf_tiny_config_from_dict
+
+    config = hf_tiny_config_from_dict(raw, TinyCausalConfig, src=src)
+    if config.position_embedding_type == "learned":
+        return "gpt2", "model_type 'hf_tiny_causal' with position_embedding_type 'learned'"
+    if needs_phi3(config):
+        rope = config.rope_parameters_for("full_attention")
+        return "phi3", (f"model_type 'hf_tiny_causal' with rope_type {rope['rope_type']!r} and partial_rotary_factor "
+                        f"{rope.get('partial_rotary_factor', 1.0)}")
+    return "llama", "model_type 'hf_tiny_causal'"
 
 
 def _family_from_tensor_names(src: Path) -> tuple[str, str]:

@@ -782,13 +782,13 @@ def test_load_gguf_real_smollm2(smollm2_gguf):
 def test_cli_unknown_family_is_one_line_usage_error_in_a_subprocess(tmp_path):
     env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     result = subprocess.run(
-        [sys.executable, "-m", "conversion", "gpt2", str(tmp_path / "src"), str(tmp_path / "dst")],
+        [sys.executable, "-m", "conversion", "bloom", str(tmp_path / "src"), str(tmp_path / "dst")],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=120,
     )
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: unknown family 'gpt2'")
+    assert len(lines) == 1 and lines[0].startswith("error: unknown family 'bloom'")
     for family in FAMILIES:
         assert family in lines[0]
     assert not (tmp_path / "dst").exists()
