@@ -17,7 +17,15 @@ segment_ids ([B, S], packed rows of self-attention only) names the sequence of e
 holds the same boundaries, so naive and sdpa ignore it, while flash runs each sequence as its own varlen slice.
 
 Names follow Hugging Face habits: "eager" is the naive formula, "sdpa" is torch's
-scaled_dot_product_attention, "flash_attention_2" runs FlashAttention kernels on CUDA.
+scaled_dot_product_attention, "flash_attention_2" runs FlashAttention kernels (the flash-attn package on CUDA when
+installed, else PyTorch's FLASH_ATTENTION SDPA kernel, on CUDA and on CPU).
+
+Models call attention the way transformers' models do, through an *attention interface*
+`fn(module, query, key, value, attention_mask, scaling=..., dropout=..., **kwargs) -> (out [B, S, H, D], weights)`
+(`get_attention_interface`): our three backends wrapped in that convention under their own names, and any other
+name from transformers' `ALL_ATTENTION_FUNCTIONS` (flex_attention, paged|eager, hub kernels, functions users
+register with `AttentionInterface.register`, vLLM's). Our wrappers also store keys and values in a paged cache
+passed as `cache=` (transformers' continuous batching) before the math, as transformers' own sdpa does.
 """
 
 from __future__ import annotations
@@ -172,24 +180,29 @@ def torch_attention(
     return out, None
 
 
-FLASH_DTYPES = (torch.float16, torch.bfloat16)
+FLASH_DTYPES = {"cuda": (torch.float16, torch.bfloat16), "cpu": (torch.float32, torch.float16, torch.bfloat16)}
 
 
-def flash_attn_package_available() -> bool:
+def flash_attn_package_available(device: Optional[torch.device] = None) -> bool:
+    """The flash-attn package (CUDA only) is used when installed and the tensors are on CUDA."""
+    if device is not None and device.type != "cuda":
+        return False
     return importlib.util.find_spec("flash_attn") is not None
 
 
 def check_flash_can_run(device: torch.device, dtype: torch.dtype) -> None:
-    """Flash kernels exist only for CUDA tensors in fp16/bf16; anything else is a clear error, never a fallback."""
-    if device.type != "cuda":
+    """Flash kernels exist for CUDA tensors in fp16/bf16 and (PyTorch's) CPU tensors in fp32/fp16/bf16; anything
+    else is a clear error, never a fallback."""
+    if device.type not in FLASH_DTYPES:
         raise ValueError(
-            f"attn_implementation='flash_attention_2' needs CUDA tensors, got device '{device}'; "
+            f"attn_implementation='flash_attention_2' runs on CUDA or CPU tensors, got device '{device}'; "
             "use attn_implementation='sdpa' or 'eager' on this device"
         )
-    if dtype not in FLASH_DTYPES:
+    if dtype not in FLASH_DTYPES[device.type]:
+        names = " or ".join(str(t).removeprefix("torch.") for t in FLASH_DTYPES[device.type])
         raise ValueError(
-            f"attn_implementation='flash_attention_2' runs in float16 or bfloat16, got dtype {dtype}; cast the model "
-            "(model.to(torch.bfloat16)) or use attn_implementation='sdpa' or 'eager'"
+            f"attn_implementation='flash_attention_2' runs in {names} on {device.type}, got dtype {dtype}; cast the "
+            "model (model.to(torch.bfloat16)) or use attn_implementation='sdpa' or 'eager'"
         )
 
 
@@ -249,6 +262,10 @@ def _flash_sdpa(q, k, v, *, scale, dropout_p, is_causal) -> torch.Tensor:
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
     if is_causal and q.shape[2] == 1:
         is_causal = False
+    mask = None
+    if is_causal and q.shape[2] != k.shape[2] and q.device.type == "cpu":
+        # PyTorch's CPU flash kernel takes a mask (its CUDA one does not): the bottom-right causal chunk, explicitly.
+        mask, is_causal = causal_bool_mask(q.shape[2], k.shape[2], q.device), False
     if is_causal and q.shape[2] != k.shape[2]:
         raise ValueError(
             "attn_implementation='flash_attention_2' without the flash-attn package cannot run a causal step with "
@@ -256,7 +273,9 @@ def _flash_sdpa(q, k, v, *, scale, dropout_p, is_causal) -> torch.Tensor:
         )
     try:
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=is_causal, scale=scale)
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
+            )
     except RuntimeError as error:
         if "No available kernel" not in str(error):
             raise
@@ -322,8 +341,8 @@ def flash_attention(
     output_attentions: bool = False,
     segment_ids: Optional[torch.Tensor] = None,
 ) -> BackendOutput:
-    """FlashAttention on CUDA: the flash-attn package (varlen for padded batches) when installed, otherwise
-    PyTorch's FLASH_ATTENTION SDPA kernel, one sequence at a time for padded batches."""
+    """FlashAttention: the flash-attn package (CUDA, varlen for padded batches) when installed, otherwise
+    PyTorch's FLASH_ATTENTION SDPA kernel (CUDA or CPU), one sequence at a time for padded batches."""
     if output_attentions:
         raise ValueError(
             "output_attentions=True needs the attention weights, which 'flash_attention_2' does not compute; "
@@ -339,7 +358,7 @@ def flash_attention(
         query_valid, key_valid, is_causal = _padding_pattern(mask, q, sk, is_causal)
         if bool(query_valid.all()) and bool(key_valid.all()):
             query_valid = key_valid = None
-    if flash_attn_package_available():
+    if flash_attn_package_available(q.device):
         return _flash_package(q, k, v, query_valid, key_valid, scale=scale, dropout_p=dropout_p, is_causal=is_causal), None
     if query_valid is None:
         return _flash_sdpa(q, k, v, scale=scale, dropout_p=dropout_p, is_causal=is_causal), None
@@ -371,7 +390,7 @@ def _flash_packed(q, k, v, segment_ids, *, scale, dropout_p, is_causal) -> torch
         F.pad(starts.flatten().nonzero().squeeze(-1), (0, 1), value=batch * seq)
     ).to(torch.int32)
     q_, k_, v_ = (t.transpose(1, 2).flatten(0, 1) for t in (q, k, v))  # [B*S, H, D]
-    if flash_attn_package_available():
+    if flash_attn_package_available(q.device):
         flash_attn_varlen_func = _flash_attn_functions()[1]
         cu = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
         out = flash_attn_varlen_func(
@@ -403,12 +422,124 @@ def get_attention_backend(name: str) -> Callable[..., BackendOutput]:
         raise ValueError(
             f"attn_implementation={name!r} is not an hf_tiny attention backend; choose one of "
             f"{sorted(ATTENTION_BACKENDS)} ('eager' = naive formula, 'sdpa' = torch SDPA, "
-            "'flash_attention_2' = FlashAttention on CUDA)"
+            "'flash_attention_2' = FlashAttention kernels)"
         ) from None
 
 
 def check_backend_can_run(name: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Raises a clear ValueError when backend `name` is unknown or cannot run on this device / dtype."""
+    """Raises a clear ValueError when hf_tiny backend `name` is unknown or cannot run on this device / dtype."""
     get_attention_backend(name)
     if name == "flash_attention_2":
         check_flash_can_run(torch.device(device), dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The attention interface (transformers' calling convention)
+# ----------------------------------------------------------------------------------------------------------------
+
+AttentionInterfaceFn = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
+
+
+def as_attention_interface(backend: Callable[..., BackendOutput]) -> AttentionInterfaceFn:
+    """One of our pure backends in transformers' attention-interface convention (module first, output
+    [B, S, H, D]). Keyword arguments it does not use (sliding_window, position_ids, ...) are accepted and ignored:
+    our masks already hold them."""
+
+    def attention_forward(
+        module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, is_causal=None,
+        output_attentions=False, segment_ids=None, cache=None, **kwargs,
+    ):
+        if cache is not None:  # a paged cache (continuous batching) stores this step's K/V and returns the sequence's
+            key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
+        out, weights = backend(
+            query, key, value, attention_mask,
+            scale=module.scaling if scaling is None else scaling,
+            dropout_p=dropout,
+            is_causal=getattr(module, "is_causal", False) if is_causal is None else is_causal,
+            output_attentions=output_attentions,
+            segment_ids=segment_ids,
+        )
+        return out.transpose(1, 2), weights
+
+    attention_forward.__name__ = attention_forward.__qualname__ = f"hf_tiny_{backend.__name__}_interface"
+    return attention_forward
+
+
+HF_TINY_INTERFACES: dict[str, AttentionInterfaceFn] = {
+    name: as_attention_interface(backend) for name, backend in ATTENTION_BACKENDS.items()
+}
+
+
+def is_hf_tiny_backend(name: str) -> bool:
+    """Our own backends, also under transformers' legacy "paged|" prefix (our wrappers handle paged caches)."""
+    return name.removeprefix("paged|") in HF_TINY_INTERFACES
+
+
+def registered_attention_names() -> list[str]:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return sorted(set(HF_TINY_INTERFACES) | set(ALL_ATTENTION_FUNCTIONS.valid_keys()))
+
+
+def get_attention_interface(name: str) -> AttentionInterfaceFn:
+    """Our backend of that name, else the function transformers' ALL_ATTENTION_FUNCTIONS holds under it."""
+    if is_hf_tiny_backend(name):
+        return HF_TINY_INTERFACES[name.removeprefix("paged|")]
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    try:
+        return ALL_ATTENTION_FUNCTIONS.get_interface(name, None)
+    except (KeyError, ValueError):
+        raise ValueError(
+            f"attn_implementation={name!r} is neither an hf_tiny backend ({sorted(HF_TINY_INTERFACES)}) nor registered "
+            f"in transformers' AttentionInterface; registered: {registered_attention_names()} (add one with "
+            "transformers.AttentionInterface.register(name, fn))"
+        ) from None
+
+
+def mask_for_interface(
+    name: str, mask: Optional[torch.Tensor], is_causal: bool, query: torch.Tensor, key_length: int
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """Our mask in the form transformers' attention functions take, and which query rows see no key.
+
+    Returns (mask, visible): mask is a full [B, 1 | H, Sq, Sk] additive tensor (0 where attended, the dtype's lowest
+    value elsewhere), or for flex_attention a BlockMask built from the bool pattern (flex adds an additive mask to
+    every score inside a compiled kernel, which PyTorch's CPU build miscompiles). A causal call without a mask gets
+    the explicit bottom-right causal pattern (transformers' functions would otherwise read no mask as "see all").
+    visible [B, 1, Sq, 1] is False for query rows that see no key (left padding): those rows are handed to the
+    function as attending to everything, so no kernel turns them into NaN that later layers would read, and the
+    caller zeroes them after, as our own backends do; None when every row sees a key.
+    """
+    batch, _, query_length, _ = query.shape
+    dtype = query.dtype
+    if mask is None:
+        if not is_causal:
+            return None, None
+        mask = causal_bool_mask(query_length, key_length, query.device)
+    while mask.dim() < 4:
+        mask = mask.unsqueeze(0)
+    if name == "flex_attention" and mask.dtype != torch.bool:
+        raise ValueError(
+            "attn_implementation='flex_attention' takes block masks built from a pattern; this layer's mask is an "
+            "additive bias (T5's relative position bias, or a float 4-D mask), which hf_tiny does not hand to flex; "
+            "use attn_implementation='sdpa' or 'eager'"
+        )
+    visible = _visible_rows(mask).expand(batch, 1, query_length, 1) if mask.shape[1] == 1 else None
+    if visible is not None and bool(visible.all()):
+        visible = None
+    if mask.dtype == torch.bool:
+        if visible is not None:
+            mask = mask | ~visible
+        if name == "flex_attention":
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            dense = mask[:, :1].expand(batch, 1, query_length, key_length).contiguous()
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                return dense[b, 0, q_idx, kv_idx]
+
+            return create_block_mask(mask_mod, batch, None, query_length, key_length, device=mask.device), visible
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    elif visible is not None:
+        mask = torch.where(visible, mask.to(dtype), 0.0)
+    return mask.to(dtype).expand(batch, mask.shape[1], query_length, key_length).contiguous(), visible

@@ -238,7 +238,7 @@ class TinyCausalConfig(PretrainedConfig):
             attention_dropout=self.attention_dropout, attention_bias=self.attention_bias,
             attention_output_bias=output_bias, intermediate_size=self.intermediate_size, hidden_act=self.hidden_act,
             mlp_gated=self.mlp_gated, mlp_bias=self.mlp_bias, pre_norm=True, norm_type=self.norm_type,
-            norm_eps=self.norm_eps(), hidden_dropout=self.hidden_dropout, qk_norm=self.qk_norm, norm_unit_offset=self.rms_norm_unit_offset, sandwich_norms=self.sandwich_norms,
+            norm_eps=self.norm_eps(), hidden_dropout=self.hidden_dropout, qk_norm=self.qk_norm, causal=True, norm_unit_offset=self.rms_norm_unit_offset, sandwich_norms=self.sandwich_norms,
         )
 
 

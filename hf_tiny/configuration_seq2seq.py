@@ -292,6 +292,7 @@ class TinySeq2SeqConfig(PretrainedConfig):
             hidden_dropout=self.hidden_dropout,
             activation_dropout=self.activation_dropout,
             cross_attention=decoder,
+            causal=decoder,
         )
 
     def get_text_config(self, decoder=None, encoder=None):

@@ -12,7 +12,7 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, EncoderDecoderCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .attention import get_attention_backend
+from .attention import get_attention_interface, is_hf_tiny_backend, mask_for_interface
 from .masks import AttentionMask
 from .rope import apply_rotary
 
@@ -123,6 +123,7 @@ class BlockSpec:
     hidden_dropout: float = 0.0
     activation_dropout: float = 0.0
     cross_attention: bool = False
+    causal: bool = False  # self-attention sees only earlier positions (decoders)
     qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3, Gemma 3)
     norm_unit_offset: bool = False  # RMSNorms scale by (1 + weight) (Gemma)
     sandwich_norms: bool = False  # pre_norm only: also a norm on each sublayer's output before the add (Gemma 3)
@@ -131,8 +132,11 @@ class BlockSpec:
 class Attention(nn.Module):
     """One attention module for encoder self-attention, causal self-attention and cross-attention.
 
-    Owns the projections, RoPE, the KV-cache update and the head reshaping; the math is a backend from
-    attention.py chosen by `config._attn_implementation` at every call (so set_attn_implementation works live).
+    Owns the projections, RoPE, the KV-cache update and the head reshaping; the math is the attention interface
+    named by `config._attn_implementation`, looked up at every call (so set_attn_implementation works live): one of
+    our backends, or any function in transformers' ALL_ATTENTION_FUNCTIONS (flex_attention, paged|eager, vLLM's,
+    a user's). Those read the attributes transformers' attention modules carry: layer_idx, num_key_value_groups,
+    is_causal, scaling, head_dim, config.
     """
 
     def __init__(self, config, spec: BlockSpec, layer_idx: int, *, is_cross_attention: bool = False):
@@ -142,6 +146,8 @@ class Attention(nn.Module):
         self.is_cross_attention = is_cross_attention
         self.num_heads = spec.num_attention_heads
         self.num_key_value_heads = spec.num_key_value_heads
+        self.num_key_value_groups = spec.num_attention_heads // spec.num_key_value_heads
+        self.is_causal = spec.causal and not is_cross_attention
         self.head_dim = spec.head_dim
         self.scaling = self.head_dim**-0.5 if spec.attention_scale is None else spec.attention_scale
         self.dropout = spec.attention_dropout
@@ -193,7 +199,10 @@ class Attention(nn.Module):
         key_value_states: Optional[torch.Tensor] = None,
         past_key_values: Optional[Cache] = None,
         output_attentions: bool = False,
+        **attention_kwargs,
     ):
+        """attention_kwargs: passed on to the attention interface untouched (transformers' continuous batching passes
+        its paged cache and sequence boundaries this way)."""
         if self.is_cross_attention and key_value_states is None:
             raise ValueError(f"cross-attention layer {self.layer_idx} needs encoder hidden states (key_value_states)")
         batch, seq_len = hidden_states.shape[:2]
@@ -206,21 +215,32 @@ class Attention(nn.Module):
         kv_input = key_value_states if self.is_cross_attention else hidden_states
         key, value = self._cached_kv(kv_input, past_key_values, position_embeddings)
 
-        backend = get_attention_backend(self.config._attn_implementation)  # checks its device / dtype itself
         mask, is_causal, segment_ids = attention_mask if attention_mask is not None else (None, False, None)
-        out, weights = backend(
+        implementation = self.config._attn_implementation
+        if segment_ids is not None:
+            attention_kwargs["segment_ids"] = segment_ids
+        visible = None
+        if not is_hf_tiny_backend(implementation):
+            mask, visible = mask_for_interface(implementation, mask, is_causal, query, key.shape[2])
+            attention_kwargs.pop("segment_ids", None)
+        attention_interface = get_attention_interface(implementation)
+        out, weights = attention_interface(
+            self,
             query,
             key,
             value,
             mask,
-            scale=self.scaling,
-            dropout_p=self.dropout if self.training else 0.0,
+            scaling=self.scaling,
+            dropout=self.dropout if self.training else 0.0,
             is_causal=is_causal,
             output_attentions=output_attentions,
-            segment_ids=segment_ids,
+            **attention_kwargs,
         )
-        out = out.transpose(1, 2).reshape(batch, seq_len, -1)
+        if visible is not None:  # query rows that see no key (padding) give zeros, as in our own backends
+            out = out.masked_fill(~visible[:, 0, :, 0, None, None], 0.0)
+        out = out.reshape(batch, seq_len, -1)  # the interface returns [B, S, H, D]
         return self.o_proj(out), weights
+
 
 
 class TransformerBlock(GradientCheckpointingLayer):
@@ -282,6 +302,7 @@ class TransformerBlock(GradientCheckpointingLayer):
         segment_ids: Optional[torch.Tensor] = None,
         past_key_values: Optional[Cache] = None,
         output_attentions: bool = False,
+        **attention_kwargs,
     ):
         """Masks arrive as plain tensors in the positional arguments (with is_causal / segment_ids beside them)
         because reentrant gradient checkpointing detaches and re-feeds only top-level tensor arguments: a tensor
@@ -295,6 +316,7 @@ class TransformerBlock(GradientCheckpointingLayer):
             position_embeddings=position_embeddings,
             past_key_values=past_key_values,
             output_attentions=output_attentions,
+            **attention_kwargs,
         )
         hidden_states = self._sublayer_output(hidden_states, attn_out, self.input_layernorm, self.attn_output_layernorm)
         cross_weights = None

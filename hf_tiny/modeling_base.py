@@ -7,25 +7,18 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .attention import ATTENTION_BACKENDS
+from .attention import get_attention_interface
 from .saving import AtomicSaveAndCardMixin
 from .layers import RMSNorm
 
 
 def resolve_attn_implementation(requested) -> str:
-    """None -> 'sdpa' (the Hugging Face default); otherwise one of our backends, or a clear error."""
+    """None -> 'sdpa' (the Hugging Face default); otherwise one of our backends or a name registered in
+    transformers' AttentionInterface (flex_attention, paged|eager, a user's function), or a clear error."""
     name = "sdpa" if requested is None else requested
-    if name not in ATTENTION_BACKENDS:
-        raise ValueError(
-            f"attn_implementation={requested!r} is not supported by hf_tiny; choose one of "
-            f"{sorted(ATTENTION_BACKENDS)} ('eager' = naive formula, 'sdpa' = torch SDPA, "
-            "'flash_attention_2' = FlashAttention kernels on CUDA)"
-        )
-    if name == "flash_attention_2" and not torch.cuda.is_available():
-        raise ValueError(
-            "attn_implementation='flash_attention_2' needs a CUDA GPU and none is available; "
-            "use attn_implementation='sdpa' or 'eager'"
-        )
+    if not isinstance(name, str):
+        raise TypeError(f"attn_implementation must be a string, got {type(requested).__name__}")
+    get_attention_interface(name)  # raises, listing what is registered
     return name
 
 
@@ -34,10 +27,12 @@ class HfTinyPreTrainedModel(AtomicSaveAndCardMixin, PreTrainedModel):
     supports_gradient_checkpointing = True
     _supports_sdpa = True
     _supports_flash_attn = True
+    _supports_flex_attn = True
+    _supports_attention_backend = True  # attention goes through transformers' attention interface (vLLM checks it)
     _skip_keys_device_placement = ["past_key_values"]
 
     # Our backends live in hf_tiny/attention.py, so transformers' own checks (the flash-attn package, hub
-    # kernels) do not apply: we validate the three names ourselves. Overriding these keeps
+    # kernels) do not apply to them: we validate names ourselves (ours, or registered with transformers). Overriding these keeps
     # `from_pretrained(attn_implementation=...)` and `set_attn_implementation(...)` working without warnings.
     def _check_and_adjust_attn_implementation(self, attn_implementation, is_init_check=False, *args, **kwargs):
         return resolve_attn_implementation(attn_implementation)

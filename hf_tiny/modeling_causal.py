@@ -41,6 +41,12 @@ LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
 # Sequence boundaries of a packed (padding-free) row, as DataCollatorWithFlattening(return_flash_attn_kwargs=True)
 # passes them; without them the boundaries are read from restarting position_ids.
 PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+# transformers' continuous batching (generate_batch) runs the model on all requests' tokens flattened into one row,
+# with a paged cache that the attention function fills (cache=, read_index=, write_index=, block_table=) and the
+# sequence boundaries in cu_seq_lens_* / max_length_* (per layer type); its masks arrive ready (4-D, per layer type).
+PAGED_KWARGS = ("cache", "read_index", "write_index", "block_table", "is_causal", "logits_indices", "logits_processor_args")
+# Read by continuous batching itself, never by the model (it slices the logits at logits_indices after forward).
+PAGED_RUNNER_ONLY = ("logits_indices", "logits_processor_args", "is_causal")
 # Older transformers versions pass cache_position from generate(); positions come from position_ids / the cache.
 IGNORED_KWARGS = ("cache_position",)
 
@@ -106,6 +112,12 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.embed_tokens
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        embeds = self.embed_tokens(input_ids)
+        if self.config.scale_embeddings:  # Gemma: the scale rounded to the weights' dtype, as official
+            embeds = embeds * torch.tensor(self.config.hidden_size**0.5, dtype=embeds.dtype, device=embeds.device)
+        return embeds
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
@@ -261,7 +273,15 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         return_dict: Optional[bool] = None,
         **kwargs,
     ) -> Union[BaseModelOutputWithPast, tuple]:
-        _check_extra_kwargs(type(self).__name__, kwargs, PACKING_KWARGS)
+        _check_extra_kwargs(type(self).__name__, kwargs, PACKING_KWARGS + PAGED_KWARGS)
+        orphans = sorted(k for k in PAGED_KWARGS if k != "cache" and k in kwargs and k not in PAGED_RUNNER_ONLY)
+        if kwargs.get("cache") is None and orphans:
+            raise TypeError(
+                f"{type(self).__name__}.forward() got {orphans} without cache=: these belong to transformers' "
+                "continuous batching and describe its paged cache (pass it as cache=), or drop them"
+            )
+        if kwargs.get("cache") is not None:
+            return self._paged_forward(input_ids, attention_mask, position_ids, inputs_embeds, output_hidden_states, kwargs)
         config = self.config
         flags = output_flags(config, output_attentions, output_hidden_states, return_dict)
         use_cache = config.use_cache if use_cache is None else use_cache
@@ -270,10 +290,7 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
 
         check_token_inputs(config, input_ids, inputs_embeds)
         if input_ids is not None:
-            inputs_embeds = self.embed_tokens(input_ids)
-            if config.scale_embeddings:  # Gemma: the scale rounded to the weights' dtype, as official
-                scale = torch.tensor(config.hidden_size**0.5, dtype=inputs_embeds.dtype, device=inputs_embeds.device)
-                inputs_embeds = inputs_embeds * scale
+            inputs_embeds = self._embed(input_ids)
         if past_key_values is not None and not isinstance(past_key_values, Cache):
             raise TypeError(
                 f"past_key_values must be a transformers Cache (e.g. DynamicCache), got {type(past_key_values).__name__}"
@@ -304,7 +321,7 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
             position_ids_given, position_ids, attention_mask, past_key_values, past_length, batch_size, kwargs
         )
         # Per layer type (full / sliding attention): its mask and its rotary cos/sin, each built once per forward.
-        masks, position_embeddings = {}, {}
+        masks = {}
         for layer_type in dict.fromkeys(config.layer_types):
             window = config.sliding_window_for(layer_type)
             if segment_ids is not None:
@@ -314,21 +331,18 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
                     attention_mask if masks_by_type is None else masks_by_type[layer_type], past_key_values, past_length, batch_size, query_length, device, window,
                     layer_idx=config.layer_types.index(layer_type),
                 )
-            rotary = self.rotary_emb
-            if layer_type == "sliding_attention" and self.sliding_rotary_emb is not None:
-                rotary = self.sliding_rotary_emb
-            if rotary is None:  # learned absolute positions: nothing to rotate
-                position_embeddings[layer_type] = None
-                continue
-            cos, sin = rotary(inputs_embeds, position_ids)
-            position_embeddings[layer_type] = (cos.unsqueeze(1), sin.unsqueeze(1))  # broadcast over heads once
+        position_embeddings = self._position_embeddings(inputs_embeds, position_ids)
+        output = self._run_layers(inputs_embeds, position_ids, masks, position_embeddings, past_key_values, flags)
+        return format_output(output, flags)
 
+    def _run_layers(self, inputs_embeds, position_ids, masks, position_embeddings, past_key_values, flags,
+                    **attention_kwargs) -> BaseModelOutputWithPast:
         hidden_states = inputs_embeds
         if self.embed_positions is not None:
             hidden_states = hidden_states + self.embed_positions(self._check_learned_positions(position_ids))
         hidden_states = dropout_if_active(self.embedding_dropout, hidden_states)
         collected = LayerOutputs(flags)
-        for layer, layer_type in zip(self.layers, config.layer_types):
+        for layer, layer_type in zip(self.layers, self.config.layer_types):
             mask = masks[layer_type]
             collected.add_hidden(hidden_states)
             hidden_states, attn_weights, _ = layer(
@@ -339,18 +353,56 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
                 segment_ids=mask.segment_ids,
                 past_key_values=past_key_values,
                 output_attentions=flags.attentions,
+                **attention_kwargs,
             )
             collected.add_attentions(attn_weights)
         hidden_states = self.norm(hidden_states)
         collected.add_hidden(hidden_states)
-
-        output = BaseModelOutputWithPast(
+        return BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
             past_key_values=past_key_values,
             hidden_states=collected.hidden_states,
             attentions=collected.attentions,
         )
-        return format_output(output, flags)
+
+    def _rotary_for(self, layer_type: str):
+        if layer_type == "sliding_attention" and self.sliding_rotary_emb is not None:
+            return self.sliding_rotary_emb
+        return self.rotary_emb
+
+    def _position_embeddings(self, inputs_embeds, position_ids) -> dict:
+        """{layer type: (cos, sin) broadcast over heads, or None for learned positions}."""
+        embeddings = {}
+        for layer_type in dict.fromkeys(self.config.layer_types):
+            rotary = self._rotary_for(layer_type)
+            if rotary is None:
+                embeddings[layer_type] = None
+            else:
+                cos, sin = rotary(inputs_embeds, position_ids)
+                embeddings[layer_type] = (cos.unsqueeze(1), sin.unsqueeze(1))
+        return embeddings
+
+    def _paged_forward(self, input_ids, attention_mask, position_ids, inputs_embeds, output_hidden_states, kwargs):
+        """One step of transformers' continuous batching: every request's new tokens in one row, `position_ids`
+        restarting per request, the masks ready per layer type (None when the attention function reads the
+        boundaries itself), and the paged cache passed through to the attention function, which stores K/V."""
+        config = self.config
+        check_token_inputs(config, input_ids, inputs_embeds)
+        if position_ids is None:
+            raise ValueError("continuous batching (a paged `cache`) needs position_ids for the flattened requests")
+        if input_ids is not None:
+            inputs_embeds = self._embed(input_ids)
+        is_causal = bool(kwargs.get("is_causal", False))
+        masks = {}
+        for layer_type in dict.fromkeys(config.layer_types):
+            mask = attention_mask.get(layer_type) if isinstance(attention_mask, dict) else attention_mask
+            masks[layer_type] = AttentionMask(mask, is_causal)
+        attention_kwargs = {k: v for k, v in kwargs.items() if k not in PAGED_RUNNER_ONLY}
+        flags = output_flags(config, False, output_hidden_states, True)
+        return self._run_layers(
+            inputs_embeds, position_ids, masks, self._position_embeddings(inputs_embeds, position_ids), None, flags,
+            **attention_kwargs,
+        )
 
 
 class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
@@ -365,7 +417,7 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, **kwargs):
+    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, inputs_embeds=None, **kwargs):
         """longrope (Phi-3) as official: keys cached while the sequence was short were rotated with the short
         factors, so the step that first passes original_max_position_embeddings drops the cache and recomputes
         every key with the long ones."""
@@ -375,7 +427,9 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
             if input_ids.shape[1] >= switch + 1 and past_key_values.get_seq_length() <= switch:
                 past_key_values = None
                 kwargs["next_sequence_length"] = None
-        return super().prepare_inputs_for_generation(input_ids, past_key_values=past_key_values, **kwargs)
+        return super().prepare_inputs_for_generation(
+            input_ids, past_key_values=past_key_values, inputs_embeds=inputs_embeds, **kwargs
+        )
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
@@ -402,11 +456,11 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         num_items_in_batch (passed by Trainer): the loss is then summed and divided by it, so gradient
         accumulation over micro-batches equals one big batch. logits_to_keep: compute logits only for the last
         N positions (0 = all; generate passes 1), or for the given position indices."""
-        extras = _check_extra_kwargs(type(self).__name__, kwargs, LOSS_KWARGS + PACKING_KWARGS)
+        extras = _check_extra_kwargs(type(self).__name__, kwargs, LOSS_KWARGS + PACKING_KWARGS + PAGED_KWARGS)
         loss_kwargs = {k: v for k, v in extras.items() if k in LOSS_KWARGS}
         outputs = self._decode(
             input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, output_attentions,
-            output_hidden_states, **{k: v for k, v in extras.items() if k in PACKING_KWARGS},
+            output_hidden_states, **{k: v for k, v in extras.items() if k not in LOSS_KWARGS},
         )
         hidden_states = outputs.last_hidden_state
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep

@@ -87,3 +87,18 @@ def single_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def static_flex_compilation():
+    """transformers compiles flex_attention; PyTorch's CPU code generation fails on the dynamic-shape recompiles
+    that a second input shape triggers (inductor: "'cur_kvSplitSize5' was not declared"). Tests that run flex on
+    several shapes compile each shape statically instead."""
+    import torch._dynamo
+
+    previous = torch._dynamo.config.automatic_dynamic_shapes
+    torch._dynamo.config.automatic_dynamic_shapes = False
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.config.automatic_dynamic_shapes = previous
+    torch._dynamo.reset()

@@ -2,8 +2,9 @@
 
 Every backend that runs on the device is checked across mask kinds (none, padding left/right, causal,
 causal+padding, cross, sliding window, decode step, chunked prefill, T5-style additive bias, raw bool masks)
-and GQA ratios (H/Hkv = 1, 2, 4, MQA), forward and backward. The flash backend's index/packing logic runs on
-CPU too, with the CUDA check switched off and the kernels replaced by CPU math (see the emulation section).
+and GQA ratios (H/Hkv = 1, 2, 4, MQA), forward and backward. The flash backend runs on CPU too: on PyTorch's real
+CPU flash kernel, and with a fake flash-attn package standing in for the CUDA varlen kernels (see the flash
+section).
 """
 
 from __future__ import annotations
@@ -376,14 +377,30 @@ def test_unknown_backend_names_the_valid_choices():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_flash_on_cpu_raises_naming_alternatives_without_fallback(dtype):
-    q = torch.randn(1, 2, 3, 8).to(dtype)
-    with pytest.raises(ValueError, match="CUDA.*'cpu'.*sdpa.*eager"):
-        flash_attention(q, q, q, scale=0.5)
-    with pytest.raises(ValueError, match="CUDA.*sdpa.*eager"):
-        check_backend_can_run("flash_attention_2", CPU, dtype)
-    check_backend_can_run("sdpa", CPU, dtype)
-    check_backend_can_run("eager", CPU, dtype)
+def test_flash_runs_on_cpu_with_pytorchs_kernel_and_refuses_other_devices(dtype):
+    """flash_attention_2 on CPU is PyTorch's FLASH_ATTENTION SDPA kernel (fp32, fp16, bf16), no fallback to
+    another kernel: it is forced with sdpa_kernel, so a shape the kernel cannot take raises."""
+    gen = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(2, 4, 6, 16, generator=gen).to(dtype) for _ in range(2))
+    out, _ = flash_attention(q, k, k, scale=0.25, is_causal=True)
+    expected, _ = naive_attention(q.double(), k.double(), k.double(), scale=0.25, is_causal=True)
+    tolerance = {torch.float32: FP32_ATOL, torch.float16: 2e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(out.double(), expected, atol=tolerance, rtol=0)
+    for name in ("flash_attention_2", "sdpa", "eager"):
+        check_backend_can_run(name, CPU, dtype)
+    with pytest.raises(ValueError, match="CUDA or CPU tensors, got device 'meta'.*sdpa.*eager"):
+        check_backend_can_run("flash_attention_2", "meta", dtype)
+    with pytest.raises(ValueError, match="float32 or float16 or bfloat16 on cpu, got dtype torch.float64"):
+        check_flash_can_run(CPU, torch.float64)
+
+
+def test_flash_on_cpu_runs_a_chunked_causal_step_bottom_right():
+    """PyTorch's CPU flash kernel takes a mask, so a chunk of new queries after cached keys is aligned
+    bottom-right as in every other backend (the CUDA kernel cannot: that case raises there)."""
+    gen = torch.Generator().manual_seed(4)
+    q, k = torch.randn(1, 2, 3, 8, generator=gen), torch.randn(1, 2, 7, 8, generator=gen)
+    out, _ = flash_attention(q, k, k, scale=0.3, is_causal=True)
+    torch.testing.assert_close(out, naive_attention(q, k, k, scale=0.3, is_causal=True)[0], atol=FP32_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -490,7 +507,8 @@ def test_sdpa_matches_naive_in_half_precision_on_cpu(dtype, tolerance, case: Cas
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# The flash path on CPU: _padding_pattern, the flash-attn varlen packing, the per-sequence SDPA fallback.
+# The flash path on CPU: _padding_pattern, the flash-attn varlen packing (fake package), and the per-sequence path
+# on PyTorch's real CPU flash kernel.
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -597,8 +615,8 @@ class FakeFlashAttn(types.ModuleType):
 
 
 def _flash_on_cpu(monkeypatch_context, *, package: Optional[FakeFlashAttn]):
-    monkeypatch_context.setattr(attention, "check_flash_can_run", lambda device, dtype: None)
-    monkeypatch_context.setattr(attention, "flash_attn_package_available", lambda: package is not None)
+    """The flash backend on CPU: PyTorch's real CPU flash kernel (package=None), or the fake flash-attn package."""
+    monkeypatch_context.setattr(attention, "flash_attn_package_available", lambda device=None: package is not None)
     if package is not None:
         monkeypatch_context.setitem(sys.modules, "flash_attn", package)
 
@@ -621,10 +639,7 @@ def test_flash_path_emulated_on_cpu_matches_naive(kind: str, use_package: bool, 
         except ValueError as error:
             message = str(error)
             if case.kind in FLASH_KINDS:
-                # Only the fallback may refuse: PyTorch's flash kernel aligns causal masks top-left.
-                assert not use_package and "install flash-attn or use 'sdpa'" in message, (case, message)
-                assert case.kind == "chunk", case
-                event("fallback refused a chunked causal step")
+                raise AssertionError(f"flash refused a mask it can express: {case}: {message}")
             else:
                 event("mask flash cannot express: refused")
                 assert "sdpa" in message and "eager" in message, message
@@ -649,17 +664,6 @@ def test_flash_emulation_uses_varlen_for_padding_and_dense_without():
         mask, is_causal, _ = self_attention_mask(torch.ones(2, 5), batch_size=2, query_length=5, key_length=5, causal=True, device=CPU)
         flash_attention(q, k, v, mask, scale=0.3, is_causal=is_causal)
         assert package.calls == ["varlen", "dense"]
-
-
-def test_flash_fallback_refuses_a_chunked_causal_step_clearly():
-    q = torch.randn(1, 2, 3, 8)
-    k = torch.randn(1, 2, 7, 8)
-    with pytest.MonkeyPatch.context() as patch:
-        _flash_on_cpu(patch, package=None)
-        with pytest.raises(ValueError, match="3 new queries over 7 keys.*flash-attn.*sdpa"):
-            flash_attention(q, k, k, scale=0.3, is_causal=True)
-        out, _ = flash_attention(q[:, :, :1], k, k, scale=0.3, is_causal=True)  # a decode step is fine
-        torch.testing.assert_close(out, naive_attention(q[:, :, :1], k, k, scale=0.3, is_causal=True)[0], atol=FP32_ATOL, rtol=0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -711,7 +715,7 @@ def test_cuda_backends_match_naive(dtype, backend, flash_path, monkeypatch):
             flash_attention(*(torch.randn(1, 2, 3, 64, device="cuda") for _ in range(3)), scale=0.125)
         return
     if flash_path == "sdpa_flash_fallback":
-        monkeypatch.setattr(attention, "flash_attn_package_available", lambda: False)
+        monkeypatch.setattr(attention, "flash_attn_package_available", lambda device=None: False)
     fn = get_attention_backend(backend)
     for kind, side, q, k, v, mask, is_causal in _cuda_cases():
         q, k, v = (t.to("cuda", dtype) for t in (q, k, v))

@@ -79,3 +79,30 @@ def test_greedy_generation_gives_identical_tokens(official, converted):
         print(f"{question!r} -> {tokenizer.decode(produced[row, prompt_length:], skip_special_tokens=True)!r}")
     assert produced.shape == (len(QUESTIONS), prompt_length + NEW_TOKENS)
     assert torch.equal(produced, expected)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "paged|eager"])
+def test_continuous_batching_equals_per_prompt_generate(official, converted, implementation):
+    """transformers' continuous batching (generate_batch, paged cache filled inside our attention functions) gives
+    every request the tokens official greedy `generate` gives that prompt alone."""
+    from transformers import GenerationConfig
+
+    ours, tokenizer, _ = converted
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True)
+               for q in QUESTIONS]
+    prompts = [list(p["input_ids"]) if hasattr(p, "keys") else list(p) for p in prompts]  # BatchEncoding or ids
+    official.set_attn_implementation("sdpa")
+    settings = dict(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
+    with torch.no_grad():
+        # an explicit all-ones mask: generate would otherwise mask the prompt's own <|im_end|> (= pad_token_id)
+        expected = [official.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                      **settings)[0, len(p):].tolist() for p in prompts]
+    ours.set_attn_implementation(implementation)
+    try:
+        results = ours.generate_batch(inputs=prompts, generation_config=GenerationConfig(**settings))
+    finally:
+        ours.set_attn_implementation("sdpa")
+    for prompt, tokens in zip(prompts, expected):
+        result = next(r for r in results.values() if list(r.prompt_ids) == prompt)
+        assert result.error is None, result.error
+        assert list(result.generated_tokens) == tokens

@@ -340,17 +340,24 @@ def test_backends_agree_and_switch_without_warnings():
     torch.testing.assert_close(outputs["sdpa"][real], outputs["eager"][real], atol=1e-5, rtol=0)
 
 
-def test_flash_on_cpu_is_a_clear_error():
+@pytest.mark.parametrize("backend", ["flash_attention_2", "flex_attention"])
+def test_flash_and_flex_attention_on_cpu_equal_sdpa_on_a_padded_batch(backend, static_flex_compilation):
+    """flash_attention_2 runs PyTorch's CPU flash kernel (one sequence at a time for a padded batch);
+    flex_attention is transformers' function from its AttentionInterface, fed our mask as an additive bias."""
     model = build(TinyEncoderModel)
-    if torch.cuda.is_available():
-        pytest.skip("CUDA present: flash_attention_2 can run here")
-    with pytest.raises(ValueError, match="flash_attention_2.*'sdpa' or 'eager'"):
-        model.set_attn_implementation("flash_attention_2")
+    input_ids, attention_mask = padded_batch()
+    real = attention_mask.bool()
+    outputs = {}
+    for name in ("sdpa", backend):
+        model.set_attn_implementation(name)
+        with torch.no_grad():
+            outputs[name] = model(input_ids, attention_mask=attention_mask).last_hidden_state[real]
+    torch.testing.assert_close(outputs[backend], outputs["sdpa"], atol=1e-5, rtol=0)
 
 
 def test_unknown_backend_is_a_clear_error():
-    with pytest.raises(ValueError, match="'flex_attention'.*eager"):
-        build(TinyEncoderModel).set_attn_implementation("flex_attention")
+    with pytest.raises(ValueError, match="'flash_attention_9'.*neither an hf_tiny backend.*registered: .*flex_attention"):
+        build(TinyEncoderModel).set_attn_implementation("flash_attention_9")
 
 
 def test_output_attentions_needs_eager():
