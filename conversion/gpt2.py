@@ -22,11 +22,10 @@ from pathlib import Path
 import torch
 
 from .errors import ConversionError
-from .gguf_files import load_gguf
 from .keymap import KeyMap, Rule, Transform
-from .llama import OUR_CLASSES, detect_source
-from .pipeline import Family, Plan, ReversePlan, Source, entry_points
-from .readers import official_config, require_model_type, torch_load_weights_only
+from .llama import OUR_CLASSES, CausalFamily, class_for_architecture, detect_source
+from .pipeline import Plan, ReversePlan, Source, entry_points
+from .readers import official_config, torch_load_weights_only
 from .writer import drop_tied_copies
 
 # hf_tiny class -> (official class, prefix of the official base model's tensors)
@@ -242,25 +241,10 @@ def nanogpt_to_gpt2_layout(state: dict, num_layers: int, bias: bool, *, src) -> 
     return out
 
 
-def _class_for_official(architectures, *, src) -> str:
-    named = (architectures or ["GPT2LMHeadModel"])[0]
-    for ours, (official, _prefix) in OFFICIAL_CLASSES.items():
-        if named == official:
-            return ours
-    raise ConversionError(
-        f"{src}: architecture {named!r} is not supported; supported: "
-        + ", ".join(official for official, _ in OFFICIAL_CLASSES.values())
-    )
-
-
-class Gpt2Family(Family):
+class Gpt2Family(CausalFamily):
     name = "gpt2"
     model_types = ("gpt2",)
     gguf_architectures = ("gpt2",)
-    config_class = "TinyCausalConfig"
-    classes = {name: (auto, tag) for name, (auto, tag, _prefix) in OUR_CLASSES.items()}
-    default_class = "TinyCausalForCausalLM"
-    modality = "causal"
     card_family = "hf_tiny_causal (decoder block with GPT-2's parts: learned positions, LayerNorm, GELU MLP)"
     tags = ("gpt2", "causal-lm", "text-generation")
     tensor_markers = ("transformer.h.0.attn.c_attn.weight", "h.0.attn.c_attn.weight")
@@ -272,9 +256,7 @@ class Gpt2Family(Family):
             return Source(nanogpt, nanogpt.parent, "nanogpt", raw, state, f"the nanoGPT checkpoint `{nanogpt.name}`")
         kind, path = detect_source(src)
         if kind == "gguf":
-            raw, state = load_gguf(path, expected_architecture=self.gguf_architectures)
-            require_model_type(raw, self.model_types, src=path)
-            return Source(path, path.parent, kind, raw, state, f"the GGUF file `{path.name}` (dequantized to float32)")
+            return self.read_gguf(path)
         if kind != "hf":
             raise ConversionError(f"{src} is not a GPT-2 checkpoint: expected a Hugging Face folder or a gpt2 GGUF")
         source = self.read_hf_folder(path, allow_missing_model_type=True)
@@ -284,8 +266,9 @@ class Gpt2Family(Family):
     def plan(self, source: Source) -> Plan:
         official = official_config(source.raw_config, src=source.path)
         config = causal_config_from_gpt2(official, src=source.path)
-        class_name = "TinyCausalForCausalLM" if source.kind == "gguf" else _class_for_official(
-            source.raw_config.get("architectures"), src=source.path)
+        official_names = {ours: official for ours, (official, _prefix) in OFFICIAL_CLASSES.items()}
+        class_name = "TinyCausalForCausalLM" if source.kind == "gguf" else class_for_architecture(
+            source.raw_config.get("architectures"), official_names, "GPT2LMHeadModel", src=source.path)
         state = source.state
         if class_name == "TinyCausalForCausalLM" and config.tie_word_embeddings:
             state = drop_tied_copies(state, "transformer.wte.weight", ["lm_head.weight"], src=source.path)
@@ -308,22 +291,12 @@ class Gpt2Family(Family):
             if missing:
                 raise ConversionError(f"{source.path}: GPT2LMHeadModel found no weights for {sorted(missing)}")
             return model.eval()
-        if source.kind == "gguf":
-            import transformers
-
-            return transformers.AutoModelForCausalLM.from_pretrained(
-                str(source.folder), gguf_file=source.path.name, dtype=torch.float32
-            )
         return super().official_model(source, plan)
 
     def write_side_files(self, source: Source, plan: Plan, tmp: Path) -> str:
         if source.kind == "nanogpt":
             return "none (nanoGPT checkpoints carry no tokenizer; GPT-2's BPE is the usual one)"
-        if source.kind != "gguf":
-            return super().write_side_files(source, plan, tmp)
-        from .llama import FAMILY as LLAMA
-
-        return LLAMA.write_side_files(source, plan, tmp)
+        return super().write_side_files(source, plan, tmp)
 
     def reverse(self, config, our_class: str, src: Path) -> ReversePlan:
         official_class = OFFICIAL_CLASSES[our_class][0]

@@ -558,14 +558,57 @@ OFFICIAL_NOTES = {
 }
 
 
-class LlamaFamily(Family):
-    name = "llama"
-    model_types = HF_MODEL_TYPES
-    gguf_architectures = GGUF_ARCHITECTURES
+def class_for_architecture(architectures, official_classes: dict[str, str], default: str, *, src) -> str:
+    """The hf_tiny class of config.json's `architectures[0]` (default when it names none)."""
+    named = (architectures or [default])[0]
+    for ours, official in official_classes.items():
+        if named == official:
+            return ours
+    raise ConversionError(
+        f"{src}: architecture {named!r} is not supported; supported: {', '.join(official_classes.values())}"
+    )
+
+
+class CausalFamily(Family):
+    """What every family converting to the hf_tiny causal LM shares: its classes, and GGUF sources (read with
+    transformers' dequantization, the official side loaded with `gguf_file=`, the tokenizer rebuilt from it)."""
+
     config_class = "TinyCausalConfig"
     classes = {name: (auto, tag) for name, (auto, tag, _prefix) in OUR_CLASSES.items()}
     default_class = "TinyCausalForCausalLM"
     modality = "causal"
+
+    def read_gguf(self, path: Path) -> Source:
+        raw, state = load_gguf(path, expected_architecture=self.gguf_architectures)
+        require_model_type(raw, self.model_types, src=path)
+        return Source(path, path.parent, "gguf", raw, state, f"the GGUF file `{path.name}` (dequantized to float32)")
+
+    def official_model(self, source: Source, plan: Plan):
+        if source.kind == "gguf":
+            import transformers
+
+            return transformers.AutoModelForCausalLM.from_pretrained(
+                str(source.folder), gguf_file=source.path.name, dtype=torch.float32
+            )
+        return super().official_model(source, plan)
+
+    def write_side_files(self, source: Source, plan: Plan, tmp: Path) -> str:
+        if source.kind != "gguf":
+            return super().write_side_files(source, plan, tmp)
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(str(source.folder), gguf_file=source.path.name)
+        except Exception as error:  # the weights are still usable; say so on the card
+            return f"the GGUF tokenizer could not be rebuilt ({type(error).__name__}: {error})"
+        tokenizer.save_pretrained(str(tmp))
+        return "rebuilt from the GGUF metadata"
+
+
+class LlamaFamily(CausalFamily):
+    name = "llama"
+    model_types = HF_MODEL_TYPES
+    gguf_architectures = GGUF_ARCHITECTURES
     card_family = "hf_tiny_causal (Llama-style decoder: Llama, Mistral, Qwen2, Qwen3, Gemma 3)"
     tags = ("llama", "causal-lm", "text-generation")
 
@@ -576,9 +619,7 @@ class LlamaFamily(Family):
             source.description = f"the Hugging Face {source.raw_config['model_type']} folder `{path.resolve().name}`"
             return source
         if kind == "gguf":
-            raw, state = load_gguf(path, expected_architecture=self.gguf_architectures)
-            require_model_type(raw, HF_MODEL_TYPES, src=path)
-            return Source(path, path.parent, kind, raw, state, f"the GGUF file `{path.name}` (dequantized to float32)")
+            return self.read_gguf(path)
         params = _read_params(path)
         files = sorted(path.glob("consolidated.*.pth"))
         state = merge_meta_shards([load_checkpoint(f) for f in files], params, src=path)
@@ -605,11 +646,7 @@ class LlamaFamily(Family):
     def official_model(self, source: Source, plan: Plan):
         import transformers
 
-        if source.kind == "gguf":
-            return transformers.AutoModelForCausalLM.from_pretrained(
-                str(source.folder), gguf_file=source.path.name, dtype=torch.float32
-            )
-        if source.kind == "hf":
+        if source.kind != "meta":
             return super().official_model(source, plan)
         official_config_ = official_config_from_causal(plan.config, plan.official_class)
         with torch.device("meta"):
@@ -620,18 +657,6 @@ class LlamaFamily(Family):
         model.model.rotary_emb = type(model.model.rotary_emb)(config=official_config_)
         model.tie_weights()
         return model
-
-    def write_side_files(self, source: Source, plan: Plan, tmp: Path) -> str:
-        if source.kind != "gguf":
-            return super().write_side_files(source, plan, tmp)
-        from transformers import AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(source.folder), gguf_file=source.path.name)
-        except Exception as error:  # the weights are still usable; say so on the card
-            return f"the GGUF tokenizer could not be rebuilt ({type(error).__name__}: {error})"
-        tokenizer.save_pretrained(str(tmp))
-        return "rebuilt from the GGUF metadata"
 
     def reverse(self, config, our_class: str, src: Path) -> ReversePlan:
         official_class = _official_class_name(config, our_class)

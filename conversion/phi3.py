@@ -22,11 +22,10 @@ from pathlib import Path
 import torch
 
 from .errors import ConversionError
-from .gguf_files import load_gguf
 from .keymap import KeyMap, Rule, Transform
-from .llama import IGNORED_BUFFERS, OUR_CLASSES, detect_source
-from .pipeline import Family, Plan, ReversePlan, Source, entry_points
-from .readers import official_config, require_model_type
+from .llama import IGNORED_BUFFERS, OUR_CLASSES, CausalFamily, class_for_architecture, detect_source
+from .pipeline import Plan, ReversePlan, Source, entry_points
+from .readers import official_config
 from .writer import drop_tied_copies
 
 OFFICIAL_CLASSES = {
@@ -164,33 +163,17 @@ def needs_phi3(config) -> bool:
     return rope["rope_type"] == "longrope" or rope.get("partial_rotary_factor", 1.0) != 1.0
 
 
-def _class_for_official(architectures, *, src) -> str:
-    named = (architectures or ["Phi3ForCausalLM"])[0]
-    for ours, official in OFFICIAL_CLASSES.items():
-        if named == official:
-            return ours
-    raise ConversionError(
-        f"{src}: architecture {named!r} is not supported; supported: {', '.join(OFFICIAL_CLASSES.values())}"
-    )
-
-
-class Phi3Family(Family):
+class Phi3Family(CausalFamily):
     name = "phi3"
     model_types = ("phi3",)
     gguf_architectures = ("phi3",)
-    config_class = "TinyCausalConfig"
-    classes = {name: (auto, tag) for name, (auto, tag, _prefix) in OUR_CLASSES.items()}
-    default_class = "TinyCausalForCausalLM"
-    modality = "causal"
     card_family = "hf_tiny_causal (Llama-style decoder; Phi-3's fused projections split)"
     tags = ("phi3", "causal-lm", "text-generation")
 
     def read(self, src: Path) -> Source:
         kind, path = detect_source(src)
         if kind == "gguf":
-            raw, state = load_gguf(path, expected_architecture=self.gguf_architectures)
-            require_model_type(raw, self.model_types, src=path)
-            return Source(path, path.parent, kind, raw, state, f"the GGUF file `{path.name}` (dequantized to float32)")
+            return self.read_gguf(path)
         if kind != "hf":
             raise ConversionError(f"{src} is not a Phi-3 checkpoint: expected a Hugging Face folder or a phi3 GGUF")
         source = super().read(path)
@@ -200,8 +183,8 @@ class Phi3Family(Family):
     def plan(self, source: Source) -> Plan:
         official = official_config(source.raw_config, src=source.path)
         config = causal_config_from_phi3(official, src=source.path)
-        class_name = "TinyCausalForCausalLM" if source.kind == "gguf" else _class_for_official(
-            source.raw_config.get("architectures"), src=source.path)
+        class_name = "TinyCausalForCausalLM" if source.kind == "gguf" else class_for_architecture(
+            source.raw_config.get("architectures"), OFFICIAL_CLASSES, "Phi3ForCausalLM", src=source.path)
         state = source.state
         if class_name == "TinyCausalForCausalLM" and config.tie_word_embeddings:
             state = drop_tied_copies(state, "model.embed_tokens.weight", ["lm_head.weight"], src=source.path)
@@ -210,20 +193,6 @@ class Phi3Family(Family):
             notes.append(f"embd_pdrop={official.embd_pdrop} is not carried: official Phi-3 never applies it.")
         return Plan(config, class_name, OFFICIAL_CLASSES[class_name], key_map(config, class_name),
                     config.num_hidden_layers, state, notes=notes)
-
-    def official_model(self, source: Source, plan: Plan):
-        if source.kind == "gguf":
-            import transformers
-
-            return transformers.AutoModelForCausalLM.from_pretrained(
-                str(source.folder), gguf_file=source.path.name, dtype=torch.float32
-            )
-        return super().official_model(source, plan)
-
-    def write_side_files(self, source: Source, plan: Plan, tmp: Path) -> str:
-        from .llama import FAMILY as LLAMA
-
-        return LLAMA.write_side_files(source, plan, tmp)
 
     def reverse(self, config, our_class: str, src: Path) -> ReversePlan:
         official_class = OFFICIAL_CLASSES[our_class]

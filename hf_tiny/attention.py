@@ -22,9 +22,9 @@ installed, else PyTorch's FLASH_ATTENTION SDPA kernel, on CUDA and on CPU).
 
 Models call attention the way transformers' models do, through an *attention interface*
 `fn(module, query, key, value, attention_mask, scaling=..., dropout=..., **kwargs) -> (out [B, S, H, D], weights)`
-(`get_attention_interface`): our three backends wrapped in that convention under their own names, and any other
-name from transformers' `ALL_ATTENTION_FUNCTIONS` (flex_attention, paged|eager, hub kernels, functions users
-register with `AttentionInterface.register`, vLLM's). Our wrappers also store keys and values in a paged cache
+(`get_attention_interface`): an instance of transformers' `AttentionInterface` holding our three backends, wrapped
+in that convention, under their own names, over its global mapping (flex_attention, paged|eager, hub kernels,
+functions users register with `AttentionInterface.register`, vLLM's). Our wrappers also store keys and values in a paged cache
 passed as `cache=` (transformers' continuous batching) before the math, as transformers' own sdpa does.
 """
 
@@ -471,24 +471,35 @@ HF_TINY_INTERFACES: dict[str, AttentionInterfaceFn] = {
 
 
 def is_hf_tiny_backend(name: str) -> bool:
-    """Our own backends, also under transformers' legacy "paged|" prefix (our wrappers handle paged caches)."""
+    """Our own backends, also under transformers' "paged|" prefix (our wrappers handle paged caches)."""
     return name.removeprefix("paged|") in HF_TINY_INTERFACES
 
 
-def registered_attention_names() -> list[str]:
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+def _hf_tiny_attention_functions():
+    """transformers' AttentionInterface with our backends registered locally (its mechanism for a model's own
+    overrides): our math under "eager", "sdpa", "flash_attention_2" (and "paged|eager"); every other name from the
+    global mapping (flex_attention, vLLM's, functions users register with AttentionInterface.register). Registering
+    ours globally would replace transformers' sdpa in every official model of the process."""
+    from transformers import AttentionInterface
 
-    return sorted(set(HF_TINY_INTERFACES) | set(ALL_ATTENTION_FUNCTIONS.valid_keys()))
+    functions = AttentionInterface()
+    for name, function in HF_TINY_INTERFACES.items():
+        functions[name] = function
+    functions["paged|eager"] = HF_TINY_INTERFACES["eager"]
+    return functions
+
+
+HF_TINY_ATTENTION_FUNCTIONS = _hf_tiny_attention_functions()
+
+
+def registered_attention_names() -> list[str]:
+    return sorted(HF_TINY_ATTENTION_FUNCTIONS.valid_keys())
 
 
 def get_attention_interface(name: str) -> AttentionInterfaceFn:
-    """Our backend of that name, else the function transformers' ALL_ATTENTION_FUNCTIONS holds under it."""
-    if is_hf_tiny_backend(name):
-        return HF_TINY_INTERFACES[name.removeprefix("paged|")]
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
+    """The attention function `config._attn_implementation` names: ours, or one transformers holds."""
     try:
-        return ALL_ATTENTION_FUNCTIONS.get_interface(name, None)
+        return HF_TINY_ATTENTION_FUNCTIONS.get_interface(name, None)
     except (KeyError, ValueError):
         raise ValueError(
             f"attn_implementation={name!r} is neither an hf_tiny backend ({sorted(HF_TINY_INTERFACES)}) nor registered "
