@@ -23,7 +23,7 @@ import torch
 
 from .errors import ConversionError
 from .keymap import KeyMap, Rule, Transform
-from .llama import OUR_CLASSES, CausalFamily, class_for_architecture, detect_source
+from .llama import OUR_CLASSES, CausalFamily, build_causal_config, class_for_architecture, detect_source
 from .pipeline import Plan, ReversePlan, Source, entry_points
 from .readers import official_config, torch_load_weights_only
 from .writer import drop_tied_copies
@@ -114,8 +114,6 @@ GPT2_STRUCTURE = dict(
 
 
 def causal_config_from_gpt2(official, *, src):
-    from hf_tiny import TinyCausalConfig
-
     if official.scale_attn_by_inverse_layer_idx:
         raise ConversionError(
             f"{src}: scale_attn_by_inverse_layer_idx=True (attention scaled by 1 / (layer + 1)) is not supported"
@@ -143,13 +141,7 @@ def causal_config_from_gpt2(official, *, src):
         bos_token_id=official.bos_token_id,
         eos_token_id=official.eos_token_id,
     )
-    for label_field in ("id2label", "label2id", "problem_type"):
-        if getattr(official, label_field, None) is not None:
-            values[label_field] = getattr(official, label_field)
-    try:
-        return TinyCausalConfig(**values)
-    except (TypeError, ValueError) as error:
-        raise ConversionError(f"{src}: this gpt2 config has no hf_tiny equivalent: {error}") from error
+    return build_causal_config(values, official, src=src)
 
 
 def gpt2_config_from_causal(config, official_class: str):

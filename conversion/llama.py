@@ -183,8 +183,6 @@ def meta_key_map(config) -> KeyMap:
 def causal_config_from_official(official, *, src):
     """TinyCausalConfig equivalent to an official Llama / Mistral / Qwen2 config; variants without an hf_tiny
     equivalent are errors naming the field."""
-    from hf_tiny import TinyCausalConfig
-
     model_type = official.model_type
     values = {
         name: getattr(official, name)
@@ -223,16 +221,27 @@ def causal_config_from_official(official, *, src):
         else:
             values["attention_bias"] = official.attention_bias  # Qwen3: on q/k/v/o alike
             values["qk_norm"] = True
-    for label_field in ("id2label", "label2id", "problem_type"):
-        value = getattr(official, label_field, None)
-        if value is not None:
-            values[label_field] = value
     if values.get("pad_token_id") is not None and not 0 <= values["pad_token_id"] < values["vocab_size"]:
         values["pad_token_id"] = None  # some checkpoints store pad_token_id=-1 for "none"
+    return build_causal_config(values, official, src=src)
+
+
+LABEL_FIELDS = ("id2label", "label2id", "problem_type")
+
+
+def build_causal_config(values: dict, official, *, src):
+    """TinyCausalConfig(**values) with the official config's label fields; invalid values are a ConversionError
+    naming the source and its model type."""
+    from hf_tiny import TinyCausalConfig
+
+    values = dict(values)
+    for label_field in LABEL_FIELDS:
+        if getattr(official, label_field, None) is not None:
+            values[label_field] = getattr(official, label_field)
     try:
         return TinyCausalConfig(**values)
     except (TypeError, ValueError) as error:
-        raise ConversionError(f"{src}: this {model_type} config has no hf_tiny equivalent: {error}") from error
+        raise ConversionError(f"{src}: this {official.model_type} config has no hf_tiny equivalent: {error}") from error
 
 
 def _plain(value):

@@ -23,7 +23,7 @@ import torch
 
 from .errors import ConversionError
 from .keymap import KeyMap, Rule, Transform
-from .llama import IGNORED_BUFFERS, OUR_CLASSES, CausalFamily, class_for_architecture, detect_source
+from .llama import IGNORED_BUFFERS, OUR_CLASSES, CausalFamily, build_causal_config, class_for_architecture, detect_source
 from .pipeline import Plan, ReversePlan, Source, entry_points
 from .readers import official_config
 from .writer import drop_tied_copies
@@ -88,8 +88,6 @@ def key_map(config, class_name: str = "TinyCausalForCausalLM") -> KeyMap:
 
 
 def causal_config_from_phi3(official, *, src):
-    from hf_tiny import TinyCausalConfig
-
     rope = dict(official.rope_parameters or {})
     if rope.get("rope_type") == "longrope":
         rope.setdefault("original_max_position_embeddings", official.original_max_position_embeddings)
@@ -115,15 +113,9 @@ def causal_config_from_phi3(official, *, src):
         bos_token_id=official.bos_token_id,
         eos_token_id=official.eos_token_id,
     )
-    for label_field in ("id2label", "label2id", "problem_type"):
-        if getattr(official, label_field, None) is not None:
-            values[label_field] = getattr(official, label_field)
     if values["pad_token_id"] is not None and not 0 <= values["pad_token_id"] < values["vocab_size"]:
         values["pad_token_id"] = None
-    try:
-        return TinyCausalConfig(**values)
-    except (TypeError, ValueError) as error:
-        raise ConversionError(f"{src}: this phi3 config has no hf_tiny equivalent: {error}") from error
+    return build_causal_config(values, official, src=src)
 
 
 def phi3_config_from_causal(config, official_class: str):

@@ -15,6 +15,20 @@ def _llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, rows // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def write_stub_gguf(path: Path, architecture: str) -> Path:
+    """A GGUF with only a header and one tensor: enough for architecture detection and its errors."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 GPT2_CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 

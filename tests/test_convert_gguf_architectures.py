@@ -17,7 +17,7 @@ import hf_tiny  # noqa: F401
 from causal_helpers import left_padded_batch, max_diff, real_logits, tiny_official
 from conversion import ConversionError, detect_family, llama
 from conversion.__main__ import main
-from gguf_writer import write_gguf_from_official
+from gguf_writer import write_gguf_from_official, write_stub_gguf
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -85,17 +85,7 @@ def test_every_writable_quantization_dequantizes_as_official(quantization, tmp_p
 
 
 def test_gguf_of_an_unsupported_architecture_names_it_and_lists_the_supported(tmp_path):
-    import numpy as np
-    from gguf import GGUFWriter
-
-    path = tmp_path / "bloom.gguf"
-    writer = GGUFWriter(str(path), "bloom")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    path = write_stub_gguf(tmp_path / "bloom.gguf", "bloom")
     with pytest.raises(ConversionError, match=r"no converter reads GGUF architecture 'bloom'; known: .*gemma3.*llama.*qwen2.*qwen3"):
         detect_family(path)
     with pytest.raises(ConversionError, match=r"architecture 'bloom', expected 'llama' or 'mistral' or 'qwen2' or 'qwen3' or 'gemma3'"):
