@@ -22,6 +22,7 @@ from transformers.modeling_outputs import (
 )
 
 from .configuration_causal import TinyCausalConfig
+from .chunked_loss import linear_cross_entropy, plain_linear_head
 from .layers import TransformerBlock, build_norm, dropout_if_active
 from .masks import AttentionMask, packed_causal_mask, static_cache_mask, segment_ids_from_cu_seq_lens, segment_ids_from_position_ids, self_attention_mask
 from .modeling_base import HfTinyPreTrainedModel
@@ -38,6 +39,9 @@ from .validation import (
 # Keyword arguments forward() takes besides its named ones. Anything else is an error: silently ignoring, say,
 # packed-sequence boundaries (cu_seq_lens_*) would attend across sequences.
 LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
+# skip_logits (the name Liger-Kernel uses): True = loss without logits (chunked), False = logits as usual;
+# default: skip while training with labels.
+HEAD_KWARGS = ("skip_logits",)
 # Sequence boundaries of a packed (padding-free) row, as DataCollatorWithFlattening(return_flash_attn_kwargs=True)
 # passes them; without them the boundaries are read from restarting position_ids.
 PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -437,6 +441,31 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, new_embeddings: nn.Linear) -> None:
         self.lm_head = new_embeddings
 
+    def _logits_and_loss(self, hidden_states, labels, logits_to_keep, loss_kwargs):
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        softcap = self.config.final_logit_softcapping
+        if softcap is not None:  # Gemma: c * tanh(logits / c)
+            logits = torch.tanh(logits / softcap) * softcap
+        loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
+        return logits, loss
+
+    def _chunked_loss(self, hidden_states, labels, *, ignore_index=-100, shift_labels=None, num_items_in_batch=None):
+        """transformers' ForCausalLMLoss (labels shifted left, -100 appended) through the chunked head."""
+        if shift_labels is None:
+            shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+        return linear_cross_entropy(
+            hidden_states,
+            self.lm_head.weight,
+            shift_labels,
+            bias=self.lm_head.bias,
+            ignore_index=ignore_index,
+            num_items_in_batch=num_items_in_batch,
+            softcap=self.config.final_logit_softcapping,
+        )
+
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
@@ -455,30 +484,34 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         """labels: token ids (-100 = ignored), unshifted; the loss predicts token t+1 from tokens <= t.
         num_items_in_batch (passed by Trainer): the loss is then summed and divided by it, so gradient
         accumulation over micro-batches equals one big batch. logits_to_keep: compute logits only for the last
-        N positions (0 = all; generate passes 1), or for the given position indices."""
-        extras = _check_extra_kwargs(type(self).__name__, kwargs, LOSS_KWARGS + PACKING_KWARGS + PAGED_KWARGS)
+        N positions (0 = all; generate passes 1), or for the given position indices.
+        skip_logits: while training with labels the loss is computed a chunk of tokens at a time without the full
+        logits (chunked_loss.py) and `logits` is None; skip_logits=False returns the logits as usual."""
+        extras = _check_extra_kwargs(
+            type(self).__name__, kwargs, LOSS_KWARGS + HEAD_KWARGS + PACKING_KWARGS + PAGED_KWARGS
+        )
         loss_kwargs = {k: v for k, v in extras.items() if k in LOSS_KWARGS}
+        skip_logits = extras.pop("skip_logits", None)
+        if skip_logits and labels is None:
+            raise ValueError("skip_logits=True needs labels: without them there is no loss and the logits are the output")
         outputs = self._decode(
             input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, output_attentions,
             output_hidden_states, **{k: v for k, v in extras.items() if k not in LOSS_KWARGS},
         )
         hidden_states = outputs.last_hidden_state
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, keep, :])
-        softcap = self.config.final_logit_softcapping
-        if softcap is not None:  # Gemma: c * tanh(logits / c)
-            logits = torch.tanh(logits / softcap) * softcap
-
-        loss = None
-        if labels is not None:
-            if "shift_labels" not in loss_kwargs:  # labels align with the input tokens (unshifted)
-                check_labels(
-                    labels,
-                    num_classes=self.config.vocab_size,
-                    expected_shape=tuple(hidden_states.shape[:2]),
-                    ignore_index=loss_kwargs.get("ignore_index", -100),
-                )
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
+        if labels is not None and "shift_labels" not in loss_kwargs:  # labels align with the input tokens (unshifted)
+            check_labels(
+                labels,
+                num_classes=self.config.vocab_size,
+                expected_shape=tuple(hidden_states.shape[:2]),
+                ignore_index=loss_kwargs.get("ignore_index", -100),
+            )
+        if skip_logits is None:
+            skip_logits = self.training and labels is not None
+        if skip_logits and isinstance(logits_to_keep, int) and logits_to_keep == 0 and plain_linear_head(self.lm_head):
+            logits, loss = None, self._chunked_loss(hidden_states, labels, **loss_kwargs)
+        else:
+            logits, loss = self._logits_and_loss(hidden_states, labels, logits_to_keep, loss_kwargs)
 
         output = CausalLMOutputWithPast(
             loss=loss,

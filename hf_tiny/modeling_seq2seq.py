@@ -26,6 +26,7 @@ from transformers.modeling_outputs import (
 )
 
 from .configuration_seq2seq import TinySeq2SeqConfig
+from .chunked_loss import linear_cross_entropy, plain_linear_head
 from .layers import TransformerBlock, build_norm
 from .masks import AttentionMask, cross_attention_mask, self_attention_mask, with_position_bias
 from .modeling_base import HfTinyPreTrainedModel
@@ -493,6 +494,21 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor):
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
+    def _logits_and_loss(self, hidden_states, labels, num_items_in_batch):
+        logits = self.lm_head(hidden_states)
+        if self.final_logits_bias is not None:
+            logits = logits + self.final_logits_bias.to(logits.device)
+        loss = None
+        if labels is not None:
+            flat_logits = logits.float().reshape(-1, logits.shape[-1])
+            flat_labels = labels.to(logits.device).reshape(-1)
+            if num_items_in_batch is None:
+                loss = F.cross_entropy(flat_logits, flat_labels, ignore_index=-100)
+            else:
+                loss = F.cross_entropy(flat_logits, flat_labels, ignore_index=-100, reduction="sum")
+                loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device, dtype=loss.dtype)
+        return logits, loss
+
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
@@ -510,10 +526,15 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
         return_dict: Optional[bool] = None,
         logits_to_keep: int = 0,
         num_items_in_batch: Optional[int] = None,
+        skip_logits: Optional[bool] = None,
     ):
         """labels: [batch, target_length] token ids, -100 = ignored. Without decoder inputs they are shifted right
         (decoder_start_token_id first) into decoder_input_ids. num_items_in_batch (given by Trainer under gradient
-        accumulation): the loss is summed and divided by it instead of averaged over this batch."""
+        accumulation): the loss is summed and divided by it instead of averaged over this batch.
+        skip_logits: while training with labels the loss is computed a chunk of tokens at a time without the full
+        logits (chunked_loss.py) and `logits` is None; skip_logits=False returns the logits as usual."""
+        if skip_logits and labels is None:
+            raise ValueError("skip_logits=True needs labels: without them there is no loss and the logits are the output")
         if labels is not None:
             if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
                 raise ValueError(f"labels must be a 2-D tensor [batch, target_length], got {getattr(labels, 'shape', labels)!r}")
@@ -547,21 +568,20 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
             hidden_states = hidden_states * (self.config.hidden_size**-0.5)
         if self.lm_head_transform is not None:
             hidden_states = self.lm_head_transform(hidden_states)
-        logits = self.lm_head(hidden_states)
-        if self.final_logits_bias is not None:
-            logits = logits + self.final_logits_bias.to(logits.device)
-
-        loss = None
-        if labels is not None:
-            if labels.shape != logits.shape[:2]:
-                raise ValueError(f"labels have shape {tuple(labels.shape)} but the logits cover {tuple(logits.shape[:2])}")
-            flat_logits = logits.float().reshape(-1, logits.shape[-1])
-            flat_labels = labels.to(logits.device).reshape(-1)
-            if num_items_in_batch is None:
-                loss = F.cross_entropy(flat_logits, flat_labels, ignore_index=-100)
-            else:
-                loss = F.cross_entropy(flat_logits, flat_labels, ignore_index=-100, reduction="sum")
-                loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device, dtype=loss.dtype)
+        if labels is not None and labels.shape != hidden_states.shape[:2]:
+            raise ValueError(f"labels have shape {tuple(labels.shape)} but the logits cover {tuple(hidden_states.shape[:2])}")
+        if skip_logits is None:
+            skip_logits = self.training and labels is not None
+        if skip_logits and plain_linear_head(self.lm_head):
+            bias = self.lm_head.bias
+            if self.final_logits_bias is not None:
+                bias = self.final_logits_bias if bias is None else bias + self.final_logits_bias
+            logits = None
+            loss = linear_cross_entropy(
+                hidden_states, self.lm_head.weight, labels, bias=bias, num_items_in_batch=num_items_in_batch
+            )
+        else:
+            logits, loss = self._logits_and_loss(hidden_states, labels, num_items_in_batch)
 
         output = Seq2SeqLMOutput(
             loss=loss,
