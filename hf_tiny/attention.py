@@ -22,7 +22,7 @@ installed, else PyTorch's FLASH_ATTENTION SDPA kernel, on CUDA and on CPU).
 
 Models call attention the way transformers' models do, through an *attention interface*
 `fn(module, query, key, value, attention_mask, scaling=..., dropout=..., **kwargs) -> (out [B, S, H, D], weights)`
-(`get_attention_interface`): an instance of transformers' `AttentionInterface` holding our three backends, wrapped
+(`ALL_ATTENTION_FUNCTIONS`; `get_attention_interface` validates a name): an instance of transformers' `AttentionInterface` holding our three backends, wrapped
 in that convention, under their own names, over its global mapping (flex_attention, paged|eager, hub kernels,
 functions users register with `AttentionInterface.register`, vLLM's). Our wrappers also store keys and values in a paged cache
 passed as `cache=` (transformers' continuous batching) before the math, as transformers' own sdpa does.
@@ -490,6 +490,10 @@ def _hf_tiny_attention_functions():
 
 
 HF_TINY_ATTENTION_FUNCTIONS = _hf_tiny_attention_functions()
+# The name attention modules look the function up under. vLLM's Transformers backend finds the attention module by
+# reading its forward's source for `<name> = ALL_ATTENTION_FUNCTIONS.get_interface(...)` and exactly one call of
+# <name>, so the lookup is spelled that way (it is still our instance, which falls back to transformers' global one).
+ALL_ATTENTION_FUNCTIONS = HF_TINY_ATTENTION_FUNCTIONS
 
 
 def registered_attention_names() -> list[str]:
@@ -506,6 +510,16 @@ def get_attention_interface(name: str) -> AttentionInterfaceFn:
             f"in transformers' AttentionInterface; registered: {registered_attention_names()} (add one with "
             "transformers.AttentionInterface.register(name, fn))"
         ) from None
+
+
+def interface_takes_mask(name: str) -> bool:
+    """Whether the function `name` is handed a mask, by transformers' rule: ours always; another only when a mask
+    builder is registered under its name in transformers' AttentionMaskInterface (sdpa, eager, flex_attention,
+    flash...). The rest (vLLM's, TGI's, a kernel registered without one) mask from their own metadata and get
+    attention_mask=None. Reads `_global_mapping`, as transformers does, so that full-graph tracing works."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    return is_hf_tiny_backend(name) or name.removeprefix("paged|") in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
 
 
 def mask_for_interface(

@@ -12,7 +12,7 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, EncoderDecoderCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .attention import get_attention_interface, is_hf_tiny_backend, mask_for_interface
+from .attention import ALL_ATTENTION_FUNCTIONS, interface_takes_mask, is_hf_tiny_backend, mask_for_interface
 from .masks import AttentionMask
 from .rope import apply_rotary
 
@@ -88,11 +88,15 @@ class FeedForward(nn.Module):
         self.dropout = nn.Dropout(activation_dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gated:
-            hidden = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
-        else:
-            hidden = self.act_fn(self.up_proj(x))
+        # Written as vLLM's GLU fuser reads source: act_fn called once, as act_fn(gate(x)) * up(x), so that it
+        # runs gate and up as one fused GEMM (gate_up_proj) and the activation-and-multiply as one kernel.
+        if not self.gated:
+            return self._plain(x)
+        hidden = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
         return self.down_proj(dropout_if_active(self.dropout, hidden))
+
+    def _plain(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(dropout_if_active(self.dropout, self.act_fn(self.up_proj(x))))
 
 
 @dataclass(frozen=True)
@@ -159,36 +163,33 @@ class Attention(nn.Module):
         qk_norm = RMSNorm(self.head_dim, spec.norm_eps, unit_offset=spec.norm_unit_offset) if spec.qk_norm else None
         self.q_norm, self.k_norm = qk_norm, copy.deepcopy(qk_norm)
 
-    def _project_kv(self, states: torch.Tensor):
-        shape = (*states.shape[:-1], -1, self.head_dim)
-        key = self.k_proj(states).view(shape)
-        if self.k_norm is not None:
-            key = self.k_norm(key)
-        key = key.transpose(1, 2)
-        value = self.v_proj(states).view(shape).transpose(1, 2)
-        return key, value
+    def _heads(self, states: torch.Tensor, norm: Optional[nn.Module]) -> torch.Tensor:
+        """[B, S, H * D] -> [B, H, S, D], with the per-head norm (q/k norm) when there is one."""
+        states = states.unflatten(-1, (-1, self.head_dim))  # one call, so vLLM's fx trace passes through it
+        if norm is not None:
+            states = norm(states)
+        return states.transpose(1, 2)
 
-    def _cached_kv(self, kv_input, past_key_values, position_embeddings):
-        """K/V for this call: projected (and rotated) now, merged with the cache, or reused for cross-attention."""
+    def _cross_attention_qkv(self, hidden_states, key_value_states, past_key_values):
+        """Queries from the decoder; keys and values of the encoder states, projected at the first step and then
+        read from the cache."""
+        if key_value_states is None:
+            raise ValueError(f"cross-attention layer {self.layer_idx} needs encoder hidden states (key_value_states)")
+        query = self._heads(self.q_proj(hidden_states), self.q_norm)
         cache = past_key_values
         if isinstance(past_key_values, EncoderDecoderCache):
-            cache = (
-                past_key_values.cross_attention_cache
-                if self.is_cross_attention
-                else past_key_values.self_attention_cache
-            )
-            if self.is_cross_attention and past_key_values.is_updated.get(self.layer_idx):
+            cache = past_key_values.cross_attention_cache
+            if past_key_values.is_updated.get(self.layer_idx):
                 # Encoder states do not change while decoding: their K/V were computed at the first step.
                 layer = cache.layers[self.layer_idx]
-                return layer.keys, layer.values
-        key, value = self._project_kv(kv_input)
-        if position_embeddings is not None:
-            key = apply_rotary(key, *position_embeddings)
+                return query, layer.keys, layer.values
+        key = self._heads(self.k_proj(key_value_states), self.k_norm)
+        value = self._heads(self.v_proj(key_value_states), None)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
-            if self.is_cross_attention and isinstance(past_key_values, EncoderDecoderCache):
+            if isinstance(past_key_values, EncoderDecoderCache):
                 past_key_values.is_updated[self.layer_idx] = True
-        return key, value
+        return query, key, value
 
     def forward(
         self,
@@ -202,18 +203,29 @@ class Attention(nn.Module):
         **attention_kwargs,
     ):
         """attention_kwargs: passed on to the attention interface untouched (transformers' continuous batching passes
-        its paged cache and sequence boundaries this way)."""
-        if self.is_cross_attention and key_value_states is None:
-            raise ValueError(f"cross-attention layer {self.layer_idx} needs encoder hidden states (key_value_states)")
+        its paged cache and sequence boundaries this way).
+
+        Self-attention projects q, k and v side by side from hidden_states and calls the interface once: the shape
+        vLLM's Transformers backend reads from this source to fuse q/k/v into one GEMM and to put its own paged
+        attention behind the interface."""
         batch, seq_len = hidden_states.shape[:2]
-        query = self.q_proj(hidden_states).view(batch, seq_len, -1, self.head_dim)
-        if self.q_norm is not None:
-            query = self.q_norm(query)
-        query = query.transpose(1, 2)
+        if self.is_cross_attention:
+            query, key, value = self._cross_attention_qkv(hidden_states, key_value_states, past_key_values)
+        else:
+            query_states = self.q_proj(hidden_states)
+            key_states = self.k_proj(hidden_states)
+            value_states = self.v_proj(hidden_states)
+            query = self._heads(query_states, self.q_norm)
+            key = self._heads(key_states, self.k_norm)
+            value = self._heads(value_states, None)
+            if position_embeddings is not None:
+                key = apply_rotary(key, *position_embeddings)
+            if isinstance(past_key_values, EncoderDecoderCache):
+                past_key_values = past_key_values.self_attention_cache
+            if past_key_values is not None:
+                key, value = past_key_values.update(key, value, self.layer_idx)
         if position_embeddings is not None:
             query = apply_rotary(query, *position_embeddings)
-        kv_input = key_value_states if self.is_cross_attention else hidden_states
-        key, value = self._cached_kv(kv_input, past_key_values, position_embeddings)
 
         mask, is_causal, segment_ids = attention_mask if attention_mask is not None else (None, False, None)
         implementation = self.config._attn_implementation
@@ -221,9 +233,12 @@ class Attention(nn.Module):
             attention_kwargs["segment_ids"] = segment_ids
         visible = None
         if not is_hf_tiny_backend(implementation):
-            mask, visible = mask_for_interface(implementation, mask, is_causal, query, key.shape[2])
             attention_kwargs.pop("segment_ids", None)
-        attention_interface = get_attention_interface(implementation)
+            if interface_takes_mask(implementation):
+                mask, visible = mask_for_interface(implementation, mask, is_causal, query, key.shape[2])
+            else:  # vLLM's function (or another that masks by its own metadata): no mask, as transformers does
+                mask, is_causal = None, self.is_causal
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, None)  # validated at load
         out, weights = attention_interface(
             self,
             query,

@@ -22,6 +22,7 @@ from transformers.modeling_outputs import (
 )
 
 from .configuration_causal import TinyCausalConfig
+from .attention import interface_takes_mask
 from .chunked_loss import linear_cross_entropy, plain_linear_head
 from .layers import TransformerBlock, build_norm, dropout_if_active
 from .masks import AttentionMask, packed_causal_mask, static_cache_mask, segment_ids_from_cu_seq_lens, segment_ids_from_position_ids, self_attention_mask
@@ -321,12 +322,15 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         else:
             position_ids = self._check_positions(position_ids, batch_size, query_length)
 
-        segment_ids = self._packed_segments(
-            position_ids_given, position_ids, attention_mask, past_key_values, past_length, batch_size, kwargs
-        )
         # Per layer type (full / sliding attention): its mask and its rotary cos/sin, each built once per forward.
         masks = {}
-        for layer_type in dict.fromkeys(config.layer_types):
+        if not interface_takes_mask(config._attn_implementation):
+            # vLLM: one row of flattened sequences whose boundaries its attention function knows; no mask is used
+            masks = {layer_type: AttentionMask(None, True) for layer_type in config.layer_types}
+        segment_ids = None if masks else self._packed_segments(
+            position_ids_given, position_ids, attention_mask, past_key_values, past_length, batch_size, kwargs
+        )
+        for layer_type in dict.fromkeys(config.layer_types) if not masks else ():
             window = config.sliding_window_for(layer_type)
             if segment_ids is not None:
                 masks[layer_type] = packed_causal_mask(segment_ids, sliding_window=window)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM, GenerationConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import hf_tiny  # noqa: F401
 from causal_helpers import left_padded_batch, max_diff, real_logits, tiny_official
@@ -89,6 +90,7 @@ def test_a_function_registered_with_transformers_is_called_once_per_layer(conver
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
     AttentionInterface.register("counting_sdpa", counting_sdpa)
+    AttentionMaskInterface.register("counting_sdpa", sdpa_mask)  # transformers' rule: a mask only when registered
     batch = left_padded_batch(ours.config.vocab_size)
     ours.set_attn_implementation("sdpa")
     expected = real_logits(ours, batch)
@@ -111,6 +113,7 @@ def test_negative_control_a_registered_function_that_drops_the_mask_is_caught(co
         return sdpa_attention_forward(module, query, key, value, None, **{**kwargs, "is_causal": False})
 
     AttentionInterface.register("maskless_sdpa", maskless_sdpa)
+    AttentionMaskInterface.register("maskless_sdpa", sdpa_mask)
     batch = left_padded_batch(ours.config.vocab_size)
     ours.set_attn_implementation("sdpa")
     expected = real_logits(ours, batch)
@@ -119,6 +122,31 @@ def test_negative_control_a_registered_function_that_drops_the_mask_is_caught(co
         assert max_diff(real_logits(ours, batch), expected) > 100 * TOLERANCE
     finally:
         ours.set_attn_implementation("sdpa")
+
+
+def test_a_function_without_a_mask_builder_gets_no_mask_like_vllms(converted):
+    """transformers hands attention_mask=None to functions with no AttentionMaskInterface entry (vLLM's, TGI's:
+    they mask from their own metadata), and so do we: no mask is built, is_causal comes from the module."""
+    _, ours = converted
+    seen = []
+
+    def own_metadata_sdpa(module, query, key, value, attention_mask, **kwargs):
+        seen.append((attention_mask, kwargs.get("is_causal")))
+        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+
+    AttentionInterface.register("own_metadata_sdpa", own_metadata_sdpa)
+    length = ours.config.sliding_window or 9  # within the window: the sliding layers see every earlier token
+    ids = torch.randint(3, ours.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(0))
+    ours.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        expected = ours(ids).logits
+        ours.set_attn_implementation("own_metadata_sdpa")
+        try:
+            produced = ours(ids).logits
+        finally:
+            ours.set_attn_implementation("sdpa")
+    assert seen and all(mask is None and is_causal is True for mask, is_causal in seen)
+    assert max_diff(produced, expected) <= TOLERANCE  # unpadded: causal attention needs no mask tensor
 
 
 def test_unknown_attention_name_lists_ours_and_the_registered():
