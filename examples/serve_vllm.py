@@ -15,6 +15,8 @@ projections are fused by its fusers; sampling, batching and the KV cache are vLL
 
     --json OUT      write the generated token ids, the model class vLLM built and the throughput as JSON
     --prompt-ids    token ids (a JSON list of lists) instead of text prompts: what the tests compare
+    --embed         an encoder folder (a converted sentence-transformers model): vLLM's pooling runner returns
+                    one embedding per prompt, pooled and normalized as the folder's modules.json says
 The engine starts in 1-2 minutes on CPU (graph capture and compilation); the throughput excludes the start.
 """
 
@@ -33,10 +35,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt", action="append", default=[], help="a text prompt (repeat for a batch)")
     parser.add_argument("--prompt-ids", help="a JSON list of token-id lists, instead of --prompt")
     parser.add_argument("--max-tokens", type=int, default=32, help="new tokens per prompt (greedy, EOS ignored)")
+    parser.add_argument("--tokenizer", help="tokenizer folder (default: the model folder)")
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--model-impl", default="transformers", choices=["transformers", "vllm", "auto"])
     parser.add_argument("--repeats", type=int, default=1, help="timed generate calls (the best is reported)")
+    parser.add_argument("--embed", action="store_true", help="serve an encoder for embeddings (pooling runner)")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     if not args.model.is_dir():
@@ -64,9 +68,12 @@ def main(argv=None) -> dict:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB of KV cache; vLLM's CPU default is far larger
     from vllm import LLM, SamplingParams
 
+    if args.embed:
+        return embed(args)
     started = time.perf_counter()
     llm = LLM(
         model=str(args.model),
+        tokenizer=args.tokenizer or str(args.model),
         model_impl=args.model_impl,
         trust_remote_code=True,
         dtype=args.dtype,
@@ -103,6 +110,25 @@ def main(argv=None) -> dict:
     )
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
+    return result
+
+
+def embed(args) -> dict:
+    from vllm import LLM
+
+    llm = LLM(
+        model=str(args.model), runner="pooling", model_impl=args.model_impl, trust_remote_code=True,
+        dtype=args.dtype, max_model_len=args.max_model_len, enforce_eager=True, seed=0,
+    )
+    outputs = llm.embed(prompts_from(args), use_tqdm=False)
+    result = {
+        "model": str(args.model),
+        "vllm_model_class": llm.llm_engine.model_config.architecture,
+        "embeddings": [list(out.outputs.embedding) for out in outputs],
+    }
+    print(f"{result['vllm_model_class']}: {len(outputs)} embeddings of {len(result['embeddings'][0])} dims")
+    if args.json:
+        args.json.write_text(json.dumps(result))
     return result
 
 

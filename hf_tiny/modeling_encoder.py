@@ -232,7 +232,10 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         output_attentions: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
+        use_cache: Optional[bool] = None,
     ) -> Union[BaseModelOutputWithPooling, tuple]:
+        """use_cache: accepted and unused, as official BertModel does for an encoder (there is nothing to cache);
+        vLLM's Transformers backend passes use_cache=False to every model."""
         flags = output_flags(self.config, output_attentions, output_hidden_states, return_dict)
         batch, seq_len = self._check_inputs(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids)
 

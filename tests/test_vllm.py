@@ -145,3 +145,32 @@ def test_openai_server_completions_match_official(vllm_python, smollm2, tmp_path
     finally:
         _stop(server)
     assert server.returncode is not None
+
+
+def test_encoder_embeddings_match_sentence_transformers(vllm_python, real_minilm_dir, tmp_path):
+    """vLLM's pooling runner on the converted all-MiniLM-L6-v2 (mean pooling and normalization from the folder's
+    sentence-transformers files) gives the original model's embeddings."""
+    from sentence_transformers import SentenceTransformer
+
+    from conversion import bert
+
+    folder = tmp_path / "minilm-hf_tiny"
+    bert.convert(real_minilm_dir, folder)
+    sentences = ["The capital of France is Paris.", "A small robot walks home", "def f(x): return x"]
+    out = tmp_path / "embeddings.json"
+    result = subprocess.run(
+        [str(vllm_python), str(REPO / "examples" / "serve_vllm.py"), str(folder), "--embed", "--max-model-len", "256",
+         *[arg for sentence in sentences for arg in ("--prompt", sentence)], "--json", str(out)],
+        env=vllm_environment(), cwd=tmp_path, capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    produced = json.loads(out.read_text())
+    assert produced["vllm_model_class"].startswith("Transformers"), produced["vllm_model_class"]
+    expected = SentenceTransformer(str(real_minilm_dir), device="cpu").encode(
+        sentences, convert_to_tensor=True, normalize_embeddings=True
+    )
+    embeddings = torch.tensor(produced["embeddings"])
+    assert embeddings.shape == expected.shape
+    assert float((embeddings - expected).abs().max()) <= 1e-5
+    # negative control: the sentences' embeddings differ from one another (a constant output would fail above)
+    assert float((expected[0] - expected[1]).abs().max()) > 1e-2
