@@ -116,3 +116,13 @@ def plain_linear_head(module) -> bool:
     if type(module) is not torch.nn.Linear:
         return False
     return all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in module.parameters(recurse=False))
+
+
+def use_chunked_loss(skip_logits: Optional[bool], labels, *, training: bool, head) -> bool:
+    """An LM head's choice: skip_logits (Liger-Kernel's name) True = the loss without logits, False = logits as
+    usual, None = skip while training with labels. Skipping needs labels and a plain linear head."""
+    if skip_logits and labels is None:
+        raise ValueError("skip_logits=True needs labels: without them there is no loss and the logits are the output")
+    if skip_logits is None:
+        skip_logits = training and labels is not None
+    return bool(skip_logits) and plain_linear_head(head)

@@ -23,7 +23,7 @@ from transformers.modeling_outputs import (
 
 from .configuration_causal import TinyCausalConfig
 from .attention import interface_takes_mask
-from .chunked_loss import linear_cross_entropy, plain_linear_head
+from .chunked_loss import linear_cross_entropy, use_chunked_loss
 from .layers import TransformerBlock, build_norm, dropout_if_active
 from .masks import AttentionMask, packed_causal_mask, static_cache_mask, segment_ids_from_cu_seq_lens, segment_ids_from_position_ids, self_attention_mask
 from .modeling_base import HfTinyPreTrainedModel
@@ -40,8 +40,7 @@ from .validation import (
 # Keyword arguments forward() takes besides its named ones. Anything else is an error: silently ignoring, say,
 # packed-sequence boundaries (cu_seq_lens_*) would attend across sequences.
 LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
-# skip_logits (the name Liger-Kernel uses): True = loss without logits (chunked), False = logits as usual;
-# default: skip while training with labels.
+# skip_logits: loss without logits (chunked_loss.use_chunked_loss says when).
 HEAD_KWARGS = ("skip_logits",)
 # Sequence boundaries of a packed (padding-free) row, as DataCollatorWithFlattening(return_flash_attn_kwargs=True)
 # passes them; without them the boundaries are read from restarting position_ids.
@@ -323,22 +322,24 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
             position_ids = self._check_positions(position_ids, batch_size, query_length)
 
         # Per layer type (full / sliding attention): its mask and its rotary cos/sin, each built once per forward.
-        masks = {}
+        layer_types = dict.fromkeys(config.layer_types)
         if not interface_takes_mask(config._attn_implementation):
             # vLLM: one row of flattened sequences whose boundaries its attention function knows; no mask is used
-            masks = {layer_type: AttentionMask(None, True) for layer_type in config.layer_types}
-        segment_ids = None if masks else self._packed_segments(
-            position_ids_given, position_ids, attention_mask, past_key_values, past_length, batch_size, kwargs
-        )
-        for layer_type in dict.fromkeys(config.layer_types) if not masks else ():
-            window = config.sliding_window_for(layer_type)
-            if segment_ids is not None:
-                masks[layer_type] = packed_causal_mask(segment_ids, sliding_window=window)
-            else:
-                masks[layer_type] = self._build_mask(
-                    attention_mask if masks_by_type is None else masks_by_type[layer_type], past_key_values, past_length, batch_size, query_length, device, window,
-                    layer_idx=config.layer_types.index(layer_type),
-                )
+            masks = {layer_type: AttentionMask(None, True) for layer_type in layer_types}
+        else:
+            segment_ids = self._packed_segments(
+                position_ids_given, position_ids, attention_mask, past_key_values, past_length, batch_size, kwargs
+            )
+            masks = {}
+            for layer_type in layer_types:
+                window = config.sliding_window_for(layer_type)
+                if segment_ids is not None:
+                    masks[layer_type] = packed_causal_mask(segment_ids, sliding_window=window)
+                else:
+                    masks[layer_type] = self._build_mask(
+                        attention_mask if masks_by_type is None else masks_by_type[layer_type], past_key_values, past_length, batch_size, query_length, device, window,
+                        layer_idx=config.layer_types.index(layer_type),
+                    )
         position_embeddings = self._position_embeddings(inputs_embeds, position_ids)
         output = self._run_layers(inputs_embeds, position_ids, masks, position_embeddings, past_key_values, flags)
         return format_output(output, flags)
@@ -495,9 +496,8 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
             type(self).__name__, kwargs, LOSS_KWARGS + HEAD_KWARGS + PACKING_KWARGS + PAGED_KWARGS
         )
         loss_kwargs = {k: v for k, v in extras.items() if k in LOSS_KWARGS}
-        skip_logits = extras.pop("skip_logits", None)
-        if skip_logits and labels is None:
-            raise ValueError("skip_logits=True needs labels: without them there is no loss and the logits are the output")
+        chunked = use_chunked_loss(extras.pop("skip_logits", None), labels, training=self.training, head=self.lm_head)
+        chunked = chunked and isinstance(logits_to_keep, int) and logits_to_keep == 0
         outputs = self._decode(
             input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, output_attentions,
             output_hidden_states, **{k: v for k, v in extras.items() if k not in LOSS_KWARGS},
@@ -510,9 +510,7 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
                 expected_shape=tuple(hidden_states.shape[:2]),
                 ignore_index=loss_kwargs.get("ignore_index", -100),
             )
-        if skip_logits is None:
-            skip_logits = self.training and labels is not None
-        if skip_logits and isinstance(logits_to_keep, int) and logits_to_keep == 0 and plain_linear_head(self.lm_head):
+        if chunked:
             logits, loss = None, self._chunked_loss(hidden_states, labels, **loss_kwargs)
         else:
             logits, loss = self._logits_and_loss(hidden_states, labels, logits_to_keep, loss_kwargs)

@@ -26,7 +26,7 @@ from transformers.modeling_outputs import (
 )
 
 from .configuration_seq2seq import TinySeq2SeqConfig
-from .chunked_loss import linear_cross_entropy, plain_linear_head
+from .chunked_loss import linear_cross_entropy, use_chunked_loss
 from .layers import TransformerBlock, build_norm
 from .masks import AttentionMask, cross_attention_mask, self_attention_mask, with_position_bias
 from .modeling_base import HfTinyPreTrainedModel
@@ -533,8 +533,7 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
         accumulation): the loss is summed and divided by it instead of averaged over this batch.
         skip_logits: while training with labels the loss is computed a chunk of tokens at a time without the full
         logits (chunked_loss.py) and `logits` is None; skip_logits=False returns the logits as usual."""
-        if skip_logits and labels is None:
-            raise ValueError("skip_logits=True needs labels: without them there is no loss and the logits are the output")
+        chunked = use_chunked_loss(skip_logits, labels, training=self.training, head=self.lm_head)
         if labels is not None:
             if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
                 raise ValueError(f"labels must be a 2-D tensor [batch, target_length], got {getattr(labels, 'shape', labels)!r}")
@@ -570,9 +569,7 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
             hidden_states = self.lm_head_transform(hidden_states)
         if labels is not None and labels.shape != hidden_states.shape[:2]:
             raise ValueError(f"labels have shape {tuple(labels.shape)} but the logits cover {tuple(hidden_states.shape[:2])}")
-        if skip_logits is None:
-            skip_logits = self.training and labels is not None
-        if skip_logits and plain_linear_head(self.lm_head):
+        if chunked:
             bias = self.lm_head.bias
             if self.final_logits_bias is not None:
                 bias = self.final_logits_bias if bias is None else bias + self.final_logits_bias
