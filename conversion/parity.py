@@ -234,7 +234,10 @@ def measure_parity(
     official.eval()
     ours.eval()
     rows, skipped, reference_device, reference, scale = [], [], None, None, 1.0
-    for device, run_dtype, backend in parity_plans(dtype):
+    # Full-precision rows first: moving `ours` to a half dtype rounds its float buffers too (RoPE's inv_freq), and
+    # a later .to(float32) does not undo that (measured on an H100: a bf16 CPU row, then fp32 CUDA rows 0.0055 off).
+    plans = sorted(parity_plans(dtype), key=lambda plan: plan[1] in (torch.float16, torch.bfloat16))
+    for device, run_dtype, backend in plans:
         if backend not in backends:
             continue
         if device != reference_device:

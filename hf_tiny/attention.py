@@ -18,7 +18,8 @@ holds the same boundaries, so naive and sdpa ignore it, while flash runs each se
 
 Names follow Hugging Face habits: "eager" is the naive formula, "sdpa" is torch's
 scaled_dot_product_attention, "flash_attention_2" runs FlashAttention kernels (the flash-attn package on CUDA when
-installed, else PyTorch's FLASH_ATTENTION SDPA kernel, on CUDA and on CPU).
+installed, else our Triton kernel on CUDA and PyTorch's FLASH_ATTENTION SDPA kernel on CPU); "hf_tiny_flash" is our
+Triton kernel by name (hf_tiny/flash_triton.py: CUDA, or CPU under Triton's interpreter).
 
 Models call attention the way transformers' models do, through an *attention interface*
 `fn(module, query, key, value, attention_mask, scaling=..., dropout=..., **kwargs) -> (out [B, S, H, D], weights)`
@@ -31,6 +32,9 @@ passed as `cache=` (transformers' continuous batching) before the math, as trans
 from __future__ import annotations
 
 import importlib.util
+import weakref
+from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Callable, Optional
 
 import torch
@@ -206,11 +210,17 @@ def check_flash_can_run(device: torch.device, dtype: torch.dtype) -> None:
         )
 
 
-def _causal_within_real_tokens(query_valid: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
-    """[B, Sq, Sk]: causal among the real tokens only, aligned bottom-right (last real query sees last real key)."""
+def _real_token_distance(query_valid: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
+    """[B, Sq, Sk]: query position - key position counted over real tokens only, aligned bottom-right (the last
+    real query sits at the last real key)."""
     q_pos = query_valid.long().cumsum(-1) + (key_valid.sum(-1, keepdim=True) - query_valid.sum(-1, keepdim=True))
     k_pos = key_valid.long().cumsum(-1)
-    return k_pos[:, None, :] <= q_pos[:, :, None]
+    return q_pos[:, :, None] - k_pos[:, None, :]
+
+
+def _causal_within_real_tokens(query_valid: torch.Tensor, key_valid: torch.Tensor) -> torch.Tensor:
+    """[B, Sq, Sk]: causal among the real tokens only, aligned bottom-right (last real query sees last real key)."""
+    return _real_token_distance(query_valid, key_valid) >= 0
 
 
 def _padding_pattern(mask: torch.Tensor, q: torch.Tensor, sk: int, is_causal: bool):
@@ -221,6 +231,13 @@ def _padding_pattern(mask: torch.Tensor, q: torch.Tensor, sk: int, is_causal: bo
     raises instead of computing something else. Causality is read from the mask itself (a given mask is
     complete); `is_causal` only says which reading to try first.
     """
+    query_valid, key_valid, causal, _ = _read_mask(mask, q, sk, is_causal, allow_window=False)
+    return query_valid, key_valid, causal
+
+
+def _read_mask(mask: torch.Tensor, q: torch.Tensor, sk: int, is_causal: bool, *, allow_window: bool):
+    """_padding_pattern, plus (allow_window: our Triton kernel) causal sliding windows: returns (query_valid,
+    key_valid, causal, window), window None or the W of transformers' rule query - key < W over real tokens."""
     if mask.dtype != torch.bool:
         raise ValueError(
             "attn_implementation='flash_attention_2' cannot apply an additive (float) attention mask or position "
@@ -245,10 +262,15 @@ def _padding_pattern(mask: torch.Tensor, q: torch.Tensor, sk: int, is_causal: bo
     key_valid = full.any(dim=1)  # [B, Sk]
     query_valid = full.any(dim=2)  # [B, Sq]
     padding_only = query_valid[:, :, None] & key_valid[:, None, :]
+    distance = _real_token_distance(query_valid, key_valid)
     for causal in (True, False) if is_causal else (False, True):
-        rebuilt = padding_only & _causal_within_real_tokens(query_valid, key_valid) if causal else padding_only
+        rebuilt = padding_only & (distance >= 0) if causal else padding_only
         if torch.equal(rebuilt, full):
-            return query_valid, key_valid, causal
+            return query_valid, key_valid, causal, None
+    if allow_window:
+        window = int(full.sum(-1).max())  # the widest row sees exactly the window
+        if window > 0 and torch.equal(padding_only & (distance >= 0) & (distance < window), full):
+            return query_valid, key_valid, True, window
     raise ValueError(
         "attn_implementation='flash_attention_2' supports padding and causal masks only; this mask (for "
         "example a sliding window or a custom 4-D mask) needs attn_implementation='sdpa' or 'eager'"
@@ -341,8 +363,10 @@ def flash_attention(
     output_attentions: bool = False,
     segment_ids: Optional[torch.Tensor] = None,
 ) -> BackendOutput:
-    """FlashAttention: the flash-attn package (CUDA, varlen for padded batches) when installed, otherwise
-    PyTorch's FLASH_ATTENTION SDPA kernel (CUDA or CPU), one sequence at a time for padded batches."""
+    """FlashAttention: the flash-attn package (CUDA, varlen for padded batches) when installed; otherwise on CUDA
+    our Triton kernel (hf_tiny_flash_attention, one varlen call; with attention dropout, which it lacks, PyTorch's
+    flash kernel one sequence at a time), and on CPU PyTorch's FLASH_ATTENTION SDPA kernel (one sequence at a time
+    for padded batches)."""
     if output_attentions:
         raise ValueError(
             "output_attentions=True needs the attention weights, which 'flash_attention_2' does not compute; "
@@ -351,6 +375,9 @@ def flash_attention(
     _check_shapes(q, k, v)
     check_flash_can_run(q.device, q.dtype)
     sk = k.shape[2]
+    if q.device.type == "cuda" and not flash_attn_package_available(q.device) and dropout_p == 0.0:
+        # our Triton kernel: one varlen call for padded and packed batches (PyTorch's flash kernel takes neither)
+        return _triton_flash(q, k, v, mask, scale=scale, is_causal=is_causal, segment_ids=segment_ids), None
     if segment_ids is not None:
         return _flash_packed(q, k, v, segment_ids, scale=scale, dropout_p=dropout_p, is_causal=is_causal), None
     query_valid = key_valid = None
@@ -374,6 +401,15 @@ def flash_attention(
     return out, None
 
 
+def _segment_lengths(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Lengths of the packed sequences in [B, S] segment ids, in order over the whole batch (a run of equal ids in
+    a row is one sequence; row b's come after those of rows < b)."""
+    batch, seq = segment_ids.shape
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return torch.diff(F.pad(starts.flatten().nonzero().squeeze(-1), (0, 1), value=batch * seq))
+
+
 def _flash_packed(q, k, v, segment_ids, *, scale, dropout_p, is_causal) -> torch.Tensor:
     """Self-attention over packed rows: every sequence (a run of equal segment ids in a row) attends only to
     itself. The flash-attn package takes them all in one varlen call; PyTorch's kernel runs them one by one."""
@@ -383,12 +419,7 @@ def _flash_packed(q, k, v, segment_ids, *, scale, dropout_p, is_causal) -> torch
             f"segment_ids of shape {tuple(segment_ids.shape)} describe packed self-attention over [batch, seq] = "
             f"{[batch, seq]} with as many keys as queries; got {k.shape[2]} keys"
         )
-    # One id per sequence across the whole batch: row b's segments come after those of rows < b.
-    starts = torch.ones_like(segment_ids, dtype=torch.bool)
-    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
-    lengths = torch.diff(
-        F.pad(starts.flatten().nonzero().squeeze(-1), (0, 1), value=batch * seq)
-    ).to(torch.int32)
+    lengths = _segment_lengths(segment_ids).to(torch.int32)
     q_, k_, v_ = (t.transpose(1, 2).flatten(0, 1) for t in (q, k, v))  # [B*S, H, D]
     if flash_attn_package_available(q.device):
         flash_attn_varlen_func = _flash_attn_functions()[1]
@@ -408,10 +439,157 @@ def _flash_packed(q, k, v, segment_ids, *, scale, dropout_p, is_causal) -> torch
     return torch.cat(outputs).view(batch, seq, heads, dim).transpose(1, 2)
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# Our Triton FlashAttention kernel (hf_tiny/flash_triton.py): one varlen call per layer for padded or packed batches
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class VarlenLayout:
+    """Where a batch's real tokens are, in the packed layout varlen kernels take: q_idx / k_idx index the real
+    rows of [B * S] (None: every row is real), cu_q / cu_k are int32 [B + 1] sequence offsets into the packed
+    rows; causal / window as read from the mask."""
+
+    q_idx: Optional[torch.Tensor]
+    k_idx: Optional[torch.Tensor]
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    max_q: int
+    max_k: int
+    causal: bool
+    window: Optional[int]
+
+
+def _offsets(lengths: torch.Tensor) -> torch.Tensor:
+    return F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def _varlen_layout(q, k, mask, is_causal: bool, segment_ids) -> VarlenLayout:
+    batch, _, sq, _ = q.shape
+    sk = k.shape[2]
+    device = q.device
+    if segment_ids is not None:
+        if sk != sq or tuple(segment_ids.shape) != (batch, sq):
+            raise ValueError(
+                f"segment_ids of shape {tuple(segment_ids.shape)} describe packed self-attention over [batch, seq] = "
+                f"{[batch, sq]} with as many keys as queries; got {sk} keys"
+            )
+        lengths = _segment_lengths(segment_ids)
+        cu = _offsets(lengths)
+        longest = int(lengths.max())
+        return VarlenLayout(None, None, cu, cu, longest, longest, is_causal, None)
+    if mask is None:
+        cu_q = torch.arange(batch + 1, device=device, dtype=torch.int32) * sq
+        cu_k = torch.arange(batch + 1, device=device, dtype=torch.int32) * sk
+        return VarlenLayout(None, None, cu_q, cu_k, sq, sk, is_causal, None)
+    query_valid, key_valid, causal, window = _read_mask(mask, q, sk, is_causal, allow_window=True)
+    q_lens, k_lens = query_valid.sum(-1), key_valid.sum(-1)
+    q_idx = None if bool(query_valid.all()) else query_valid.flatten().nonzero().squeeze(-1)
+    k_idx = None if bool(key_valid.all()) else key_valid.flatten().nonzero().squeeze(-1)
+    return VarlenLayout(q_idx, k_idx, _offsets(q_lens), _offsets(k_lens), int(q_lens.max()), int(k_lens.max()),
+                        causal, window)
+
+
+class _LastLayout:
+    """The layout of the last mask (or segment ids) seen. Every layer of a forward pass gets the same mask object
+    (masks are built once per layer type), so the mask is read, with its host syncs, once per batch rather than
+    once per layer; a new or modified (in place) tensor is read again."""
+
+    def __init__(self):
+        self.source = None
+        self.key = None
+        self.layout = None
+
+    def get(self, q, k, mask, is_causal, segment_ids) -> VarlenLayout:
+        source = segment_ids if segment_ids is not None else mask
+        if source is None:
+            return _varlen_layout(q, k, mask, is_causal, segment_ids)
+        key = (_version(source), tuple(q.shape[:3]), k.shape[2], is_causal, segment_ids is not None, q.device)
+        if self.source is not None and self.source() is source and self.key == key:
+            return self.layout
+        layout = _varlen_layout(q, k, mask, is_causal, segment_ids)
+        self.source, self.key, self.layout = weakref.ref(source), key, layout
+        return layout
+
+
+_LAST_LAYOUT = _LastLayout()
+
+
+def _version(tensor: torch.Tensor) -> Optional[int]:
+    """The in-place modification counter; inference-mode tensors have none (and cannot change outside it)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
+
+
+def _triton_kernel() -> SimpleNamespace:
+    # `from .flash_triton import ...` (not `from . import flash_triton`): the form transformers follows when it
+    # copies a model's code files into a saved folder.
+    try:
+        from .flash_triton import check_device_and_dtype, check_kernel_can_run, flash_attn_varlen
+    except ImportError as error:
+        raise ValueError(f"{error}; or use attn_implementation='sdpa'") from None
+    return SimpleNamespace(check_device_and_dtype=check_device_and_dtype, check_kernel_can_run=check_kernel_can_run,
+                           flash_attn_varlen=flash_attn_varlen)
+
+
+def _triton_flash(q, k, v, mask, *, scale, is_causal, segment_ids) -> torch.Tensor:
+    """[B, H, S, D] attention through our kernel: real rows gathered into the packed layout, one kernel call,
+    scattered back (padding rows are zeros)."""
+    kernel = _triton_kernel()
+    kernel.check_kernel_can_run(q, k, v)
+    layout = _LAST_LAYOUT.get(q, k, mask, is_causal, segment_ids)
+    batch, heads, sq, dim = q.shape
+    packed_q = q.transpose(1, 2).reshape(batch * sq, heads, dim)
+    packed_k, packed_v = (t.transpose(1, 2).reshape(batch * k.shape[2], k.shape[1], dim) for t in (k, v))
+    if layout.q_idx is not None:
+        packed_q = packed_q.index_select(0, layout.q_idx)
+    if layout.k_idx is not None:
+        packed_k, packed_v = packed_k.index_select(0, layout.k_idx), packed_v.index_select(0, layout.k_idx)
+    out = kernel.flash_attn_varlen(
+        packed_q, packed_k, packed_v, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k,
+        scale=scale, causal=layout.causal, window=layout.window,
+    )
+    if layout.q_idx is not None:
+        out = out.new_zeros(batch * sq, heads, dim).index_copy(0, layout.q_idx, out)
+    return out.view(batch, sq, heads, dim).transpose(1, 2)
+
+
+def hf_tiny_flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
+    *,
+    scale: float,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    output_attentions: bool = False,
+    segment_ids: Optional[torch.Tensor] = None,
+) -> BackendOutput:
+    """hf_tiny's own FlashAttention kernel in Triton (hf_tiny/flash_triton.py): padded and packed batches in one
+    varlen call, GQA without repeated K/V, causal and sliding-window masks, fp16/bf16/fp32. Runs on CUDA, and on
+    CPU under Triton's interpreter (TRITON_INTERPRET=1)."""
+    if output_attentions:
+        raise ValueError(
+            "output_attentions=True needs the attention weights, which 'hf_tiny_flash' does not compute; "
+            "use attn_implementation='eager'"
+        )
+    if dropout_p > 0:
+        raise ValueError(
+            f"attn_implementation='hf_tiny_flash' has no attention dropout, got dropout_p={dropout_p}; set the config's "
+            "attention dropout to 0, call model.eval(), or use attn_implementation='sdpa'"
+        )
+    _check_shapes(q, k, v)
+    return _triton_flash(q, k, v, mask, scale=scale, is_causal=is_causal, segment_ids=segment_ids), None
+
+
 ATTENTION_BACKENDS: dict[str, Callable[..., BackendOutput]] = {
     "eager": naive_attention,
     "sdpa": torch_attention,
     "flash_attention_2": flash_attention,
+    "hf_tiny_flash": hf_tiny_flash_attention,
 }
 
 
@@ -422,7 +600,7 @@ def get_attention_backend(name: str) -> Callable[..., BackendOutput]:
         raise ValueError(
             f"attn_implementation={name!r} is not an hf_tiny attention backend; choose one of "
             f"{sorted(ATTENTION_BACKENDS)} ('eager' = naive formula, 'sdpa' = torch SDPA, "
-            "'flash_attention_2' = FlashAttention kernels)"
+            "'flash_attention_2' = FlashAttention kernels, 'hf_tiny_flash' = our Triton FlashAttention kernel)"
         ) from None
 
 
@@ -431,6 +609,8 @@ def check_backend_can_run(name: str, device: torch.device, dtype: torch.dtype) -
     get_attention_backend(name)
     if name == "flash_attention_2":
         check_flash_can_run(torch.device(device), dtype)
+    if name == "hf_tiny_flash":
+        _triton_kernel().check_device_and_dtype(torch.device(device), dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -4,10 +4,16 @@ of single modules must collect even while a family is half-written)."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU, our Triton kernel (tests/test_flash_triton.py) runs under Triton's interpreter, which must be on
+# before triton is first imported (triton.language's own helpers are defined at that import).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

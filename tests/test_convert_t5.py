@@ -181,7 +181,10 @@ def test_t5_reverse_rejects_other_layouts(tmp_path):
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2), (torch.float16, 1e-2)])
 @pytest.mark.parametrize("backend", ("eager", "sdpa"))
 def test_t5_cuda_parity(t5_pair, backend, dtype, tolerance):
-    """On CUDA: ours in dtype vs the official fp32 model; tolerance relative to max |logits|."""
+    """On CUDA: ours in dtype vs the official fp32 model; tolerance relative to max |logits|. In half precision
+    the bound is the larger of that and twice the official model's own error in the same dtype: T5 does not scale
+    its attention scores and this fixture's untied head is N(0, 1), so bf16 rounding alone moves the logits ~7 %
+    (measured on an H100), and the claim is "no worse than official", not "better than bf16"."""
     _, src, dst, _ = t5_pair
     official = T5ForConditionalGeneration.from_pretrained(src, attn_implementation="eager").eval().cuda()
     ours = AutoModelForSeq2SeqLM.from_pretrained(dst, attn_implementation=backend, dtype=dtype).eval().cuda()
@@ -189,9 +192,14 @@ def test_t5_cuda_parity(t5_pair, backend, dtype, tolerance):
     with torch.no_grad():
         a = ours(**batch).logits.float()
         b = official(**batch).logits
+        official_lossy = official.to(dtype)(**batch).logits.float()
     real = batch["decoder_attention_mask"].bool()
     scale = max(1.0, float(b[real].abs().max()))
-    assert float((a[real] - b[real]).abs().max()) <= tolerance * scale
+    bound = tolerance * scale
+    if dtype != torch.float32:
+        bound = max(bound, 2 * float((official_lossy[real] - b[real]).abs().max()))
+    diff = float((a[real] - b[real]).abs().max())
+    assert diff <= bound, f"{backend} {dtype}: max |Δ| {diff:.3g} > {bound:.3g}"
 
 
 @pytest.mark.cuda

@@ -212,8 +212,10 @@ def _relative_import_closure(path: Path) -> set[str]:
             continue
         seen.add(current.name)
         for node in ast.walk(ast.parse(current.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.level == 1 and node.module:
-                todo.append(current.parent / f"{node.module}.py")
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                # `from . import x` is not followed by transformers' copier: listing x here makes the test fail
+                modules = [node.module] if node.module else [alias.name for alias in node.names]
+                todo.extend(current.parent / f"{module}.py" for module in modules)
     return seen
 
 

@@ -57,6 +57,6 @@ def ensure_vllm_venv() -> Path:
 def vllm_environment() -> dict:
     """The environment vLLM runs with: a 1 GiB KV cache (its CPU default wants far more), hf_tiny's test-time
     packages kept off its path."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "TRITON_INTERPRET")}
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     return env

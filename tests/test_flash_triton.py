@@ -1,0 +1,300 @@
+"""Our Triton FlashAttention kernel (hf_tiny/flash_triton.py) against an fp64 reference written from the
+definition, and the `hf_tiny_flash` backend against the naive one inside whole models.
+
+Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py before triton is
+first imported): the same kernel code, each program executed with numpy on CPU tensors. With a
+GPU they run compiled on CUDA. Shapes are small so the interpreter keeps this file to about a minute.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hf_tiny import attention
+
+pytest.importorskip("triton")
+
+HAS_CUDA = torch.cuda.is_available()
+# max |kernel - fp64 reference| / max(1, max |reference|), forward output and each gradient. fp32 multiplies in
+# IEEE fp32; fp16 / bf16 round P (and dS) to the input dtype before the second matrix product, as FlashAttention
+# does, which is what these bounds allow for.
+TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+KERNEL_SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                                HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    """(the flash_triton module, device): compiled on CUDA when there is a GPU, else interpreted on CPU (conftest.py
+    sets TRITON_INTERPRET=1 before anything imports triton)."""
+    from hf_tiny import flash_triton
+
+    if HAS_CUDA:
+        return flash_triton, torch.device("cuda")
+    flash_triton.check_device_and_dtype(torch.device("cpu"), torch.float32)  # a clear error if not interpreted
+    return flash_triton, torch.device("cpu")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The reference: one sequence at a time in fp64, the visibility rule written out element by element.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def visible(q_len: int, k_len: int, causal: bool, window):
+    """Query i (of q_len) sees key j (of k_len): causal aligned bottom-right (j <= i + k_len - q_len), and a
+    window W keeps i + k_len - q_len - j < W (transformers' sliding-window rule)."""
+    rule = [[(not causal or j <= i + k_len - q_len) and (window is None or i + k_len - q_len - j < window)
+             for j in range(k_len)] for i in range(q_len)]
+    return torch.tensor(rule, dtype=torch.bool).reshape(q_len, k_len)
+
+
+def reference_varlen(q, k, v, cu_q, cu_k, *, scale, causal, window):
+    outs = []
+    group = q.shape[1] // k.shape[1]
+    for s in range(len(cu_q) - 1):
+        qs = q[cu_q[s]:cu_q[s + 1]].double()
+        ks = k[cu_k[s]:cu_k[s + 1]].double().repeat_interleave(group, dim=1)
+        vs = v[cu_k[s]:cu_k[s + 1]].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+        allowed = visible(qs.shape[0], ks.shape[0], causal, window)
+        scores = scores.masked_fill(~allowed, -math.inf)
+        weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row that sees no key: zeros
+        outs.append(torch.einsum("hqk,khd->qhd", weights, vs))
+    return torch.cat(outs)
+
+
+def packed_inputs(q_lens, k_lens, heads, kv_heads, dim, dtype, device, seed):
+    generator = torch.Generator().manual_seed(seed)
+    make = lambda rows, h: torch.randn(rows, h, dim, generator=generator).to(device, dtype).requires_grad_()
+    q, k, v = make(sum(q_lens), heads), make(sum(k_lens), kv_heads), make(sum(k_lens), kv_heads)
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    grad_out = torch.randn(sum(q_lens), heads, dim, generator=generator).to(device, dtype)
+    return q, k, v, cu(q_lens), cu(k_lens), grad_out
+
+
+def relative_errors(kernel_module, q, k, v, cu_q, cu_k, grad_out, *, causal, window, scale=None):
+    """max |kernel - reference| / max(1, max |reference|) for out, dq, dk, dv."""
+    scale = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
+    out = kernel_module.flash_attn_varlen(q, k, v, cu_q.to(q.device), cu_k.to(q.device), int(torch.diff(cu_q).max()),
+                                          int(torch.diff(cu_k).max()), scale=scale, causal=causal, window=window)
+    out.backward(grad_out)
+    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
+    expected = reference_varlen(*leaves, cu_q, cu_k, scale=scale, causal=causal, window=window)
+    expected.backward(grad_out.cpu().double())
+    pairs = [(out, expected)] + [(t.grad, leaf.grad) for t, leaf in zip((q, k, v), leaves)]
+    return [float((a.detach().cpu().double() - b).abs().max()) / max(1.0, float(b.abs().max())) for a, b in pairs]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The kernel
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def varlen_cases(draw):
+    causal = draw(st.booleans())
+    window = draw(st.sampled_from([None, None, 1, 3, 8])) if causal else None
+    batch = draw(st.integers(1, 3))
+    q_lens = draw(st.lists(st.integers(0, 40), min_size=batch, max_size=batch))
+    # keys: as many as queries (self-attention), more (after a cache) or fewer (rows that see nothing, causal)
+    k_lens = [draw(st.sampled_from([n, n + draw(st.integers(1, 20)), max(0, n - 3)])) for n in q_lens]
+    kv_heads = draw(st.sampled_from([1, 2]))
+    group = draw(st.sampled_from([1, 2, 4]))  # MHA, GQA, and with kv_heads=1 MQA
+    dim = draw(st.sampled_from([4, 16, 24, 32, 40, 64]))
+    dtype = draw(st.sampled_from([torch.float32, torch.float16, torch.bfloat16]))
+    return dict(q_lens=q_lens, k_lens=k_lens, heads=kv_heads * group, kv_heads=kv_heads, dim=dim, dtype=dtype,
+                causal=causal, window=window, seed=draw(st.integers(0, 2**16)))
+
+
+@KERNEL_SETTINGS
+@given(case=varlen_cases())
+def test_kernel_forward_and_gradients_match_fp64_reference(kernel, case):
+    module, device = kernel
+    if sum(case["k_lens"]) == 0 or sum(case["q_lens"]) == 0:
+        case["q_lens"][0] = case["k_lens"][0] = 5
+    q, k, v, cu_q, cu_k, grad_out = packed_inputs(case["q_lens"], case["k_lens"], case["heads"], case["kv_heads"],
+                                                  case["dim"], case["dtype"], device, case["seed"])
+    errors = relative_errors(module, q, k, v, cu_q, cu_k, grad_out, causal=case["causal"], window=case["window"])
+    bound = TOLERANCE[case["dtype"]]
+    assert max(errors) <= bound, f"out/dq/dk/dv errors {['%.2e' % e for e in errors]} > {bound}: {case}"
+
+
+@pytest.mark.parametrize("dim", [128, 256])
+def test_kernel_wide_heads(kernel, dim):
+    module, device = kernel
+    q, k, v, cu_q, cu_k, grad_out = packed_inputs([9, 20], [9, 33], 2, 1, dim, torch.float16, device, seed=dim)
+    errors = relative_errors(module, q, k, v, cu_q, cu_k, grad_out, causal=True, window=None)
+    assert max(errors) <= TOLERANCE[torch.float16], errors
+
+
+def test_kernel_rows_that_see_no_key_are_zero_with_zero_gradients(kernel):
+    module, device = kernel
+    # causal, 6 queries over 2 keys: the first 4 queries see nothing; an empty second sequence; a window of 1
+    q, k, v, cu_q, cu_k, grad_out = packed_inputs([6, 0], [2, 4], 2, 2, 16, torch.float32, device, seed=3)
+    out = module.flash_attn_varlen(q, k, v, cu_q, cu_k, 6, 4, causal=True)
+    out.backward(grad_out)
+    assert torch.equal(out[:4], torch.zeros_like(out[:4])) and torch.isfinite(out).all()
+    assert torch.equal(q.grad[:4], torch.zeros_like(q.grad[:4])) and torch.isfinite(k.grad).all()
+    assert torch.equal(k.grad[2:], torch.zeros_like(k.grad[2:]))  # keys of the empty query sequence get nothing
+    assert float(out[4:].abs().sum()) > 0
+
+
+def test_kernel_negative_control(kernel):
+    """The comparison can fail: causal=False measured against the causal reference is far off."""
+    module, device = kernel
+    q, k, v, cu_q, cu_k, _ = packed_inputs([12], [12], 2, 2, 16, torch.float32, device, seed=5)
+    scale = 0.25
+    out = module.flash_attn_varlen(q, k, v, cu_q, cu_k, 12, 12, scale=scale, causal=False)
+    expected = reference_varlen(q.detach().cpu(), k.detach().cpu(), v.detach().cpu(), cu_q, cu_k, scale=scale,
+                                causal=True, window=None)
+    assert float((out.detach().cpu().double() - expected).abs().max()) > 0.1
+
+
+def test_kernel_bad_inputs_are_clear_errors(kernel):
+    module, device = kernel
+    q, k, v, cu_q, cu_k, _ = packed_inputs([4], [4], 2, 2, 16, torch.float32, device, seed=0)
+    with pytest.raises(ValueError, match="head_dim 1..256.*got q 16, k 8"):
+        module.flash_attn_varlen(q, k[..., :8], v[..., :8], cu_q, cu_k, 4, 4)
+    with pytest.raises(ValueError, match="float16, bfloat16 or float32.*float64"):
+        module.flash_attn_varlen(q.double(), k.double(), v.double(), cu_q, cu_k, 4, 4)
+    with pytest.raises(ValueError, match=r"query heads \(3\) must be a multiple of key/value heads \(2"):
+        module.flash_attn_varlen(torch.cat([q, q[:, :1]], 1), k, v, cu_q, cu_k, 4, 4)
+    with pytest.raises(ValueError, match="window=4 needs causal=True"):
+        module.flash_attn_varlen(q, k, v, cu_q, cu_k, 4, 4, window=4)
+    with pytest.raises(ValueError, match=r"cu_seqlens_q \(2,\) and cu_seqlens_k \(3,\)"):
+        module.flash_attn_varlen(q, k, v, cu_q, torch.tensor([0, 2, 4]), 4, 4)
+    with pytest.raises(ValueError, match="runs on CUDA tensors.*got device 'meta'"):
+        module.check_device_and_dtype(torch.device("meta"), torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The backend inside models: hf_tiny_flash vs eager on padded, packed, windowed and cached batches
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _causal_model(device, dtype, **overrides):
+    from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM
+
+    torch.manual_seed(0)
+    fields = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=96, max_position_embeddings=64, pad_token_id=0, initializer_range=0.1)
+    fields.update(overrides)
+    return TinyCausalForCausalLM(TinyCausalConfig(**fields)).eval().to(device, dtype)
+
+
+def _logits_both(model, batch):
+    outs = {}
+    for backend in ("eager", "hf_tiny_flash"):
+        model.set_attn_implementation(backend)
+        outs[backend] = model(**batch).logits.float()
+    return outs["eager"], outs["hf_tiny_flash"]
+
+
+@pytest.mark.parametrize("overrides", [{}, {"sliding_window": 5}], ids=["full", "sliding-window-5"])
+def test_backend_left_padded_causal_batch_matches_eager(kernel, overrides):
+    _, device = kernel
+    model = _causal_model(device, torch.float32, **overrides)
+    ids = torch.randint(1, 64, (3, 14), generator=torch.Generator().manual_seed(0)).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    mask[2, :13] = 0
+    with torch.no_grad():
+        eager, ours = _logits_both(model, dict(input_ids=ids, attention_mask=mask))
+    real = mask.bool()
+    assert float((eager[real] - ours[real]).abs().max()) <= 1e-4
+
+
+def test_backend_gradients_match_eager_on_a_padded_batch(kernel):
+    _, device = kernel
+    model = _causal_model(device, torch.float32)
+    ids = torch.randint(1, 64, (2, 10), generator=torch.Generator().manual_seed(1)).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    grads = {}
+    for backend in ("eager", "hf_tiny_flash"):
+        model.zero_grad()
+        model.set_attn_implementation(backend)
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        grads[backend] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for name, grad in grads["eager"].items():
+        assert float((grad - grads["hf_tiny_flash"][name]).abs().max()) <= 1e-4 * max(1.0, float(grad.abs().max())), name
+
+
+def test_backend_packed_rows_match_eager(kernel):
+    """Packed sequences (position ids restarting at 0): one varlen call over the segments."""
+    _, device = kernel
+    model = _causal_model(device, torch.float32)
+    ids = torch.randint(1, 64, (1, 15), generator=torch.Generator().manual_seed(2)).to(device)
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3, 4, 5, 6]], device=device)
+    with torch.no_grad():
+        eager, ours = _logits_both(model, dict(input_ids=ids, position_ids=position_ids))
+        separate = torch.cat([model(input_ids=ids[:, a:b]).logits.float() for a, b in ((0, 5), (5, 8), (8, 15))], 1)
+    assert float((eager - ours).abs().max()) <= 1e-4
+    assert float((separate - ours).abs().max()) <= 1e-4
+
+
+def test_backend_generate_matches_eager_tokens(kernel):
+    """Greedy decoding with a KV cache (one query over many keys, bottom-right causal) on a left-padded batch."""
+    _, device = kernel
+    model = _causal_model(device, torch.float32)
+    ids = torch.randint(1, 64, (2, 7), generator=torch.Generator().manual_seed(4)).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    tokens = {}
+    for backend in ("eager", "hf_tiny_flash"):
+        model.set_attn_implementation(backend)
+        tokens[backend] = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                         pad_token_id=0)
+    assert torch.equal(tokens["eager"], tokens["hf_tiny_flash"])
+
+
+def test_backend_encoder_right_padding_matches_eager(kernel):
+    from hf_tiny import TinyEncoderConfig, TinyEncoderModel
+
+    _, device = kernel
+    torch.manual_seed(0)
+    model = TinyEncoderModel(TinyEncoderConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                               intermediate_size=96, max_position_embeddings=32, hidden_dropout=0.0,
+                                               attention_dropout=0.0)).eval().to(device)
+    ids = torch.randint(1, 64, (2, 9), generator=torch.Generator().manual_seed(5)).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0
+    outs = {}
+    with torch.no_grad():
+        for backend in ("eager", "hf_tiny_flash"):
+            model.set_attn_implementation(backend)
+            outs[backend] = model(input_ids=ids, attention_mask=mask).last_hidden_state
+    real = mask.bool()
+    assert float((outs["eager"][real] - outs["hf_tiny_flash"][real]).abs().max()) <= 1e-4
+
+
+def test_backend_refuses_what_it_cannot_do(kernel):
+    _, device = kernel
+    q = torch.randn(1, 2, 4, 16, device=device)
+    with pytest.raises(ValueError, match="no attention dropout, got dropout_p=0.1"):
+        attention.hf_tiny_flash_attention(q, q, q, scale=0.25, dropout_p=0.1)
+    with pytest.raises(ValueError, match="output_attentions=True.*'eager'"):
+        attention.hf_tiny_flash_attention(q, q, q, scale=0.25, output_attentions=True)
+    with pytest.raises(ValueError, match="additive"):
+        attention.hf_tiny_flash_attention(q, q, q, torch.zeros(1, 1, 4, 4, device=device), scale=0.25)
+
+
+def test_read_mask_finds_sliding_windows_over_real_tokens():
+    """The mask reading the backend relies on: a causal sliding window over left-padded rows comes back as
+    (causal, W); the flash_attention_2 reading (no windows) still refuses it."""
+    from hf_tiny.masks import self_attention_mask
+
+    padding = torch.tensor([[1] * 8, [0, 0, 0] + [1] * 5])
+    mask, is_causal, _ = self_attention_mask(padding, batch_size=2, query_length=8, key_length=8, causal=True,
+                                             sliding_window=3, device=torch.device("cpu"))
+    q = torch.zeros(2, 2, 8, 16)
+    query_valid, key_valid, causal, window = attention._read_mask(mask, q, 8, is_causal, allow_window=True)
+    assert causal and window == 3 and torch.equal(key_valid, padding.bool())
+    with pytest.raises(ValueError, match="padding and causal masks only"):
+        attention._padding_pattern(mask, q, 8, is_causal)
