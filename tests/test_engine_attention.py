@@ -153,7 +153,7 @@ def test_unknown_attention_name_lists_ours_and_the_registered():
     model = hf_tiny.TinyCausalForCausalLM(hf_tiny.TinyCausalConfig(
         vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
     with pytest.raises(ValueError, match=r"'flash_attention_9' is neither an hf_tiny backend \(\['eager', "
-                                         r"'flash_attention_2', 'sdpa'\]\).*registered: .*flex_attention.*paged\|eager"):
+                                         r"'flash_attention_2', 'hf_tiny_flash', 'sdpa'\]\).*registered: .*flex_attention.*paged\|eager"):
         model.set_attn_implementation("flash_attention_9")
     with pytest.raises(ValueError, match="neither an hf_tiny backend"):
         AutoModelForCausalLM.from_config(model.config, attn_implementation="nope")
