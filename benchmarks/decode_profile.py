@@ -1,7 +1,8 @@
 """`python -m benchmarks.decode_profile [--model smollm2] [--batches 1,8] [--new-tokens 32]`: where a greedy decode
 step's time goes, hf_tiny and official transformers side by side (same weights, fp32, sdpa, CPU).
 
-Each side runs generate() once unprofiled (the step time) and once under torch.profiler; the profile's self times
+Each side runs generate() `--repeats` times unprofiled (the median step time) and once under torch.profiler
+(which slows the Python side, so its shares overstate "outside aten ops" a little); the profile's self times
 are grouped: weight matrix products (aten::mm / addmm: the weights are read here), the attention kernel, copies
 (the KV cache's cat / index_copy, contiguous), the other aten operators (norms, RoPE, activations, sampling), and
 the rest of the step's wall time outside any aten operator (Python: modules, generate()'s loop, the cache's
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import statistics
 import time
 from pathlib import Path
 
@@ -64,6 +66,7 @@ def main(argv=None) -> str:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--prompt", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=3, help="unprofiled runs per side; the median is reported")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     args = parser.parse_args(argv)
     device, dtype = torch.device("cpu"), torch.float32
@@ -81,9 +84,12 @@ def main(argv=None) -> str:
         for impl in (OFFICIAL, HF_TINY):
             fn = build_generate(models[impl], shape, device)
             fn()  # warm-up
-            start = time.perf_counter()
-            tokens = fn()
-            step_ms = (time.perf_counter() - start) * 1e3 / args.new_tokens
+            times = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                tokens = fn()
+                times.append((time.perf_counter() - start) * 1e3 / args.new_tokens)
+            step_ms = statistics.median(times)
             profiled = profile_generate(fn, args.new_tokens)
             matmul_s = profiled["ms_per_step"]["weight matmuls"] / 1e3
             rows.append(dict(impl=impl, batch=batch, step_ms=step_ms, tokens=tokens, **profiled,
@@ -105,13 +111,13 @@ def render(rows, args, bandwidth, weight_bytes_b1) -> str:
         "",
         f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}. Command: `python -m "
         f"benchmarks.decode_profile --model {args.model} --batches {args.batches} --prompt {args.prompt} --new-tokens "
-        f"{args.new_tokens}`. Greedy generate() of {args.new_tokens} tokens after a {args.prompt}-token prompt; "
+        f"{args.new_tokens} --repeats {args.repeats}`. Greedy generate() of {args.new_tokens} tokens after a {args.prompt}-token prompt; "
         f"times per generated token (prefill included, 1/{args.new_tokens} of it per step).",
         "",
         f"A step reads {weight_bytes_b1 / 1e6:.0f} MB of weights; read bandwidth measured in this run: "
         f"{bandwidth / 1e9:.1f} GB/s, so the weight reads alone need {weight_bytes_b1 / bandwidth * 1e3:.1f} ms.",
         "",
-        "| side | batch | ms/step (unprofiled) | ms/step profiled | " + " | ".join(GROUPS)
+        "| side | batch | ms/step (unprofiled, median) | ms/step profiled | " + " | ".join(GROUPS)
         + " | aten calls/step | weight-matmul GB/s | tokens identical |",
         "|---|---|---|---|" + "---|" * len(GROUPS) + "---|---|---|",
     ]
