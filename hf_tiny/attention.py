@@ -401,6 +401,15 @@ def flash_attention(
     return out, None
 
 
+def _check_segment_ids(segment_ids: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> None:
+    batch, _, seq, _ = q.shape
+    if k.shape[2] != seq or tuple(segment_ids.shape) != (batch, seq):
+        raise ValueError(
+            f"segment_ids of shape {tuple(segment_ids.shape)} describe packed self-attention over [batch, seq] = "
+            f"{[batch, seq]} with as many keys as queries; got {k.shape[2]} keys"
+        )
+
+
 def _segment_lengths(segment_ids: torch.Tensor) -> torch.Tensor:
     """Lengths of the packed sequences in [B, S] segment ids, in order over the whole batch (a run of equal ids in
     a row is one sequence; row b's come after those of rows < b)."""
@@ -414,11 +423,7 @@ def _flash_packed(q, k, v, segment_ids, *, scale, dropout_p, is_causal) -> torch
     """Self-attention over packed rows: every sequence (a run of equal segment ids in a row) attends only to
     itself. The flash-attn package takes them all in one varlen call; PyTorch's kernel runs them one by one."""
     batch, heads, seq, dim = q.shape
-    if k.shape[2] != seq or tuple(segment_ids.shape) != (batch, seq):
-        raise ValueError(
-            f"segment_ids of shape {tuple(segment_ids.shape)} describe packed self-attention over [batch, seq] = "
-            f"{[batch, seq]} with as many keys as queries; got {k.shape[2]} keys"
-        )
+    _check_segment_ids(segment_ids, q, k)
     lengths = _segment_lengths(segment_ids).to(torch.int32)
     q_, k_, v_ = (t.transpose(1, 2).flatten(0, 1) for t in (q, k, v))  # [B*S, H, D]
     if flash_attn_package_available(q.device):
@@ -469,11 +474,7 @@ def _varlen_layout(q, k, mask, is_causal: bool, segment_ids) -> VarlenLayout:
     sk = k.shape[2]
     device = q.device
     if segment_ids is not None:
-        if sk != sq or tuple(segment_ids.shape) != (batch, sq):
-            raise ValueError(
-                f"segment_ids of shape {tuple(segment_ids.shape)} describe packed self-attention over [batch, seq] = "
-                f"{[batch, sq]} with as many keys as queries; got {sk} keys"
-            )
+        _check_segment_ids(segment_ids, q, k)
         lengths = _segment_lengths(segment_ids)
         cu = _offsets(lengths)
         longest = int(lengths.max())
