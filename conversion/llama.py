@@ -31,11 +31,13 @@ import torch
 from .errors import ConversionError
 from .gguf_files import load_gguf
 from .keymap import KeyMap, Rule, Transform
+from .moe import MOE_MODEL_TYPES, OFFICIAL_PREFIXES, moe_fields_from_official, moe_rules, official_moe_config_fields
+from .moe import official_moe_family
 from .pipeline import Family, Plan, ReversePlan, Source, entry_points
 from .readers import load_checkpoint, official_config, require_model_type
 from .writer import drop_tied_copies
 
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text") + MOE_MODEL_TYPES
 # GGUF general.architecture values read (transformers' GGUF loader turns "gemma3" into model_type gemma3_text)
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 # hf_tiny class -> (Auto class, pipeline tag, prefix of the base model's tensors)
@@ -51,7 +53,9 @@ OFFICIAL_CLASSES = {
         "TinyCausalForSequenceClassification": f"{prefix}ForSequenceClassification",
         "TinyCausalModel": f"{prefix}Model",
     }
-    for model_type, prefix in (("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"))
+    for model_type, prefix in (
+        ("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"), *OFFICIAL_PREFIXES.items()
+    )
 }
 OFFICIAL_CLASSES["gemma3_text"] = {  # Gemma3Model is the multimodal one
     "TinyCausalForCausalLM": "Gemma3ForCausalLM",
@@ -117,10 +121,19 @@ def key_map(config, class_name: str = "TinyCausalForCausalLM") -> KeyMap:
     rules.append((f"{layer}self_attn.o_proj.weight",) * 2)
     if out_bias:
         rules.append((f"{layer}self_attn.o_proj.bias",) * 2)
-    for name in MLP_PROJECTIONS:
-        rules.append((f"{layer}mlp.{name}.weight",) * 2)
-        if config.mlp_bias:
-            rules.append((f"{layer}mlp.{name}.bias",) * 2)
+    if config.num_local_experts:  # dense and sparse layers differ: rules per layer index
+        family = official_family(config)
+        for i, kind in enumerate(config.mlp_layer_types):
+            one_layer = f"{p}layers.{i}."
+            if kind == "sparse":
+                rules += moe_rules(config, family, one_layer)
+            else:
+                rules += [(f"{one_layer}mlp.{name}.weight",) * 2 for name in MLP_PROJECTIONS]
+    else:
+        for name in MLP_PROJECTIONS:
+            rules.append((f"{layer}mlp.{name}.weight",) * 2)
+            if config.mlp_bias:
+                rules.append((f"{layer}mlp.{name}.bias",) * 2)
     norms = GEMMA3_NORMS if config.sandwich_norms else {name: name for name in LAYER_NORMS}
     for official_name, our_name in norms.items():
         rules.append((f"{layer}{official_name}.weight", f"{layer}{our_name}.weight"))
@@ -132,6 +145,13 @@ def key_map(config, class_name: str = "TinyCausalForCausalLM") -> KeyMap:
     if class_name == "TinyCausalForSequenceClassification":
         rules.append(("score.weight", "score.weight"))
     return KeyMap(rules, ignore=IGNORED_BUFFERS)
+
+
+def layer_counts(config) -> int | dict[str, int]:
+    """The key map's placeholder counts: layers ({i}), and experts ({e}) in a MoE model."""
+    if config.num_local_experts:
+        return {"i": config.num_hidden_layers, "e": config.num_local_experts}
+    return config.num_hidden_layers
 
 
 def rope_permutation(num_heads: int) -> Transform:
@@ -214,6 +234,12 @@ def causal_config_from_official(official, *, src):
         values["mlp_bias"] = official.mlp_bias
     elif model_type == "gemma3_text":
         values.update(_gemma3_fields(official, src=src))
+    elif model_type in MOE_MODEL_TYPES:
+        values.update(moe_fields_from_official(official, src=src))
+        if model_type == "qwen2_moe":  # biases on q/k/v (qkv_bias), none on o_proj
+            values.update(attention_bias=official.qkv_bias, attention_output_bias=False, sliding_window=None)
+        elif model_type == "qwen3_moe":
+            values.update(attention_bias=official.attention_bias, qk_norm=True, sliding_window=None)
     elif model_type in ("qwen2", "qwen3"):
         if model_type == "qwen2":
             values["attention_bias"] = True  # Qwen2 has biases on q/k/v and none on o_proj
@@ -298,6 +324,13 @@ def official_config_from_causal(config, official_class: str):
     )
     if config.id2label is not None and official_class.endswith("ForSequenceClassification"):
         values.update(id2label=config.id2label, label2id=config.label2id, problem_type=config.problem_type)
+    if family in MOE_MODEL_TYPES:
+        values.update(official_moe_config_fields(config, family))
+        if family == "mixtral":  # Mixtral's experts are intermediate_size wide; it has no dense layers
+            values["intermediate_size"] = config.moe_intermediate_size
+        elif family == "qwen2_moe":
+            values["layer_types"] = list(config.layer_types)
+        return getattr(transformers, f"{OFFICIAL_PREFIXES[family]}Config")(**values)
     if family == "llama":
         values.update(head_dim=config.head_dim, attention_bias=config.attention_bias, mlp_bias=config.mlp_bias)
         return transformers.LlamaConfig(**values)
@@ -349,6 +382,8 @@ def official_family(config) -> str:
             f"Llama-family official classes have no residual or embedding dropout; got hidden_dropout="
             f"{config.hidden_dropout}, embedding_dropout={config.embedding_dropout} (Phi-3 has a residual one)"
         )
+    if config.num_local_experts:
+        return official_moe_family(config)
     out_bias = config.attention_bias if config.attention_output_bias is None else config.attention_output_bias
     gemma_fields = {name: getattr(config, name) for name in GEMMA3_ONLY}
     if any(value not in (None, False) for value in gemma_fields.values()):
@@ -649,7 +684,7 @@ class LlamaFamily(CausalFamily):
             mapping = key_map(config, class_name)
         official_class = _official_class_name(config, class_name)
         note = f"The official side is {OFFICIAL_NOTES[source.kind]}."
-        return Plan(config, class_name, official_class, mapping, config.num_hidden_layers, state, notes=[note],
+        return Plan(config, class_name, official_class, mapping, layer_counts(config), state, notes=[note],
                     tags=(official_family(config),))
 
     def official_model(self, source: Source, plan: Plan):
@@ -670,7 +705,8 @@ class LlamaFamily(CausalFamily):
     def reverse(self, config, our_class: str, src: Path) -> ReversePlan:
         official_class = _official_class_name(config, our_class)
         return ReversePlan(official_class, official_config_from_causal(config, official_class),
-                           key_map(config, our_class), config.num_hidden_layers)
+                           key_map(config, our_class), layer_counts(config),
+                           stored_as_loaded=not config.num_local_experts)
 
 
 FAMILY = LlamaFamily()

@@ -74,6 +74,10 @@ class ReversePlan:
     official_config: Any
     key_map: KeyMap
     num_layers: int | dict[str, int]
+    # False where the official class's state_dict names are not the names it stores (transformers 5 fuses MoE
+    # experts into 3-D tensors when it loads and splits them when it saves): the written folder is then checked
+    # by loading it only, not against the class's in-memory names beforehand.
+    stored_as_loaded: bool = True
 
 
 class Family:
@@ -299,7 +303,8 @@ def convert_back(family: Family, src: str | os.PathLike, dst: str | os.PathLike,
 
         official_class = getattr(transformers, plan.official_class)
         write_official_folder(
-            tmp, official_class, plan.official_config, official, src, keep_stored_tied_copies=family.keep_stored_tied_copies
+            tmp, official_class, plan.official_config, official, src, keep_stored_tied_copies=family.keep_stored_tied_copies,
+            check_in_memory_names=plan.stored_as_loaded,
         )
     return {"dst": dst, "family": family.name, "architecture": plan.official_class}
 

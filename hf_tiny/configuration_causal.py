@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
+from .moe import ROUTER_SCORINGS
 from .rope import rotary_dim, standardize_rope_parameters
-from .validation import check_bool, check_choice, check_divisible, check_finite_fields, check_positive, check_positive_number
+from .validation import check_bool, check_choice, check_divisible, check_finite_fields, check_non_negative, check_positive
+from .validation import check_positive_number
 from .validation import check_probability, check_token_ids, init_arguments, store_init_fields
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+MLP_LAYER_TYPES = ("dense", "sparse")
 POSITION_EMBEDDING_TYPES = ("rope", "learned")
 
 
@@ -34,6 +39,73 @@ def check_layer_types(owner: str, layer_types, num_hidden_layers: int, sliding_w
             "but sliding_window is None; set sliding_window"
         )
     return layer_types
+
+
+def check_moe_fields(owner: str, values: dict, num_hidden_layers: int, first_k_dense_replace) -> Optional[list[str]]:
+    """The Mixture-of-Experts fields checked; returns mlp_layer_types filled in (None for a dense model)."""
+    experts = values["num_local_experts"]
+    check_non_negative(owner, "0: every layer has a dense feed-forward", num_local_experts=experts)
+    mlp_layer_types = values["mlp_layer_types"]
+    if experts == 0:
+        if first_k_dense_replace is not None or (mlp_layer_types is not None and "sparse" in mlp_layer_types):
+            raise ValueError(
+                f"{owner}: first_k_dense_replace={first_k_dense_replace!r} / mlp_layer_types={mlp_layer_types!r} ask "
+                "for sparse (MoE) layers but num_local_experts=0; set num_local_experts"
+            )
+        return None
+    top_k, groups, best_groups = values["num_experts_per_tok"], values["n_group"], values["topk_group"]
+    check_positive(owner, num_experts_per_tok=top_k, n_group=groups, topk_group=best_groups)
+    if top_k > experts:
+        raise ValueError(f"{owner}: num_experts_per_tok={top_k} exceeds num_local_experts={experts}")
+    check_divisible(owner, "num_local_experts", experts, "n_group", groups)
+    if best_groups > groups:
+        raise ValueError(f"{owner}: topk_group={best_groups} exceeds n_group={groups}")
+    if groups > 1:
+        per_group = experts // groups
+        if per_group < 2:
+            raise ValueError(
+                f"{owner}: grouped routing scores a group by its two best experts; n_group={groups} leaves "
+                f"{per_group} expert(s) per group of num_local_experts={experts}"
+            )
+        if top_k > best_groups * per_group:
+            raise ValueError(
+                f"{owner}: num_experts_per_tok={top_k} exceeds the {best_groups * per_group} experts of the "
+                f"topk_group={best_groups} groups a token may use (num_local_experts={experts}, n_group={groups})"
+            )
+    check_choice(owner, "router_scoring", values["router_scoring"], ROUTER_SCORINGS)
+    check_positive(owner, moe_intermediate_size=values["moe_intermediate_size"])
+    check_non_negative(owner, "0: no shared experts", shared_expert_intermediate_size=values["shared_expert_intermediate_size"])
+    check_bool(owner, norm_topk_prob=values["norm_topk_prob"], shared_expert_gate=values["shared_expert_gate"],
+               output_router_logits=values["output_router_logits"])
+    if values["shared_expert_gate"] and not values["shared_expert_intermediate_size"]:
+        raise ValueError(f"{owner}: shared_expert_gate=True needs shared experts; shared_expert_intermediate_size=0")
+    check_positive_number(owner, routed_scaling_factor=values["routed_scaling_factor"])
+    check_probability(owner, router_jitter_noise=values["router_jitter_noise"])
+    coefficient = values["router_aux_loss_coef"]
+    if isinstance(coefficient, bool) or not isinstance(coefficient, (int, float)) or coefficient < 0:
+        raise ValueError(f"{owner}: router_aux_loss_coef must be a number >= 0, got {coefficient!r}")
+    if not values["mlp_gated"] or values["mlp_bias"]:
+        raise ValueError(
+            f"{owner}: MoE experts are gated (SwiGLU) MLPs without biases; num_local_experts={experts} needs "
+            f"mlp_gated=True and mlp_bias=False, got mlp_gated={values['mlp_gated']}, mlp_bias={values['mlp_bias']}"
+        )
+    if mlp_layer_types is None:
+        dense = 0 if first_k_dense_replace is None else first_k_dense_replace
+        check_non_negative(owner, first_k_dense_replace=dense)
+        if dense > num_hidden_layers:
+            raise ValueError(f"{owner}: first_k_dense_replace={dense} exceeds num_hidden_layers={num_hidden_layers}")
+        return ["dense"] * dense + ["sparse"] * (num_hidden_layers - dense)
+    if first_k_dense_replace is not None:
+        raise ValueError(f"{owner}: pass mlp_layer_types or first_k_dense_replace, not both")
+    if not isinstance(mlp_layer_types, (list, tuple)) or len(mlp_layer_types) != num_hidden_layers:
+        raise ValueError(
+            f"{owner}: mlp_layer_types must list one of {list(MLP_LAYER_TYPES)} per layer "
+            f"(num_hidden_layers={num_hidden_layers}), got {mlp_layer_types!r}"
+        )
+    for index, kind in enumerate(mlp_layer_types):
+        if kind not in MLP_LAYER_TYPES:
+            raise ValueError(f"{owner}: mlp_layer_types[{index}]={kind!r}; choose one of {list(MLP_LAYER_TYPES)}")
+    return list(mlp_layer_types)
 
 
 class TinyCausalConfig(PretrainedConfig):
@@ -75,6 +147,20 @@ class TinyCausalConfig(PretrainedConfig):
     - mlp_gated: True (down(act(gate(x)) * up(x))) or False (down(act(up(x))), GPT-2's c_fc / c_proj).
     - hidden_dropout: dropout on each sublayer's output before the residual add (GPT-2 / Phi-3 resid_pdrop);
       embedding_dropout: on the embeddings (embd_pdrop).
+
+    Mixture-of-Experts (Mixtral, Qwen-MoE, DeepSeek-V3; moe.py), all off when num_local_experts=0:
+    - num_local_experts E routed experts (SwiGLU, moe_intermediate_size wide; default intermediate_size), of which
+      the router picks num_experts_per_tok per token.
+    - router_scoring: "softmax" (Mixtral, Qwen) or "sigmoid" (DeepSeek-V3, with e_score_correction_bias);
+      norm_topk_prob renormalizes the k weights; routed_scaling_factor multiplies them; n_group / topk_group restrict
+      the choice to the best groups of experts (DeepSeek-V3).
+    - shared_expert_intermediate_size > 0: shared experts every token goes through (DeepSeek: n_shared_experts *
+      moe_intermediate_size), scaled by sigmoid(shared_expert_gate(x)) when shared_expert_gate (Qwen2-MoE).
+    - mlp_layer_types: "dense" or "sparse" per layer (default: all sparse); first_k_dense_replace=N is accepted
+      instead and makes the first N layers dense (DeepSeek). Dense layers use intermediate_size.
+    - output_router_logits: return each sparse layer's router logits; with labels the loss then adds
+      router_aux_loss_coef times the load-balancing loss. router_jitter_noise: Mixtral's multiplicative input noise
+      while training.
     """
 
     model_type = "hf_tiny_causal"
@@ -126,6 +212,20 @@ class TinyCausalConfig(PretrainedConfig):
         mlp_gated: bool = True,
         hidden_dropout: float = 0.0,
         embedding_dropout: float = 0.0,
+        num_local_experts: int = 0,
+        num_experts_per_tok: int = 2,
+        moe_intermediate_size: int | None = None,
+        router_scoring: str = "softmax",
+        norm_topk_prob: bool = True,
+        n_group: int = 1,
+        topk_group: int = 1,
+        routed_scaling_factor: float = 1.0,
+        shared_expert_intermediate_size: int = 0,
+        shared_expert_gate: bool = False,
+        mlp_layer_types: list[str] | None = None,
+        router_aux_loss_coef: float = 0.001,
+        router_jitter_noise: float = 0.0,
+        output_router_logits: bool = False,
         tie_word_embeddings: bool = False,
         pad_token_id: int | None = None,
         bos_token_id: int | None = 1,
@@ -183,6 +283,11 @@ class TinyCausalConfig(PretrainedConfig):
                     "which the sdpa and flash kernels never form); use a model with attn_logit_softcapping=None"
                 )
         layer_types = check_layer_types(owner, layer_types, num_hidden_layers, sliding_window)
+        if moe_intermediate_size is None:
+            moe_intermediate_size = intermediate_size
+        mlp_layer_types = check_moe_fields(
+            owner, init_arguments(locals()), num_hidden_layers, kwargs.pop("first_k_dense_replace", None)
+        )
         check_token_ids(owner, vocab_size, pad_token_id=pad_token_id, bos_token_id=bos_token_id)
 
         # Legacy spellings (Llama 2 era config.json files): rope_scaling + rope_theta beside it.
@@ -226,8 +331,24 @@ class TinyCausalConfig(PretrainedConfig):
     def norm_eps(self) -> float:
         return self.rms_norm_eps if self.norm_type == "rmsnorm" else self.layer_norm_eps
 
-    def block_spec(self):
-        """The decoder block: pre-norm, gated (SwiGLU) or plain MLP, grouped-query attention."""
+    def moe_spec(self) -> "MoeSpec":
+        from .moe import MoeSpec
+
+        return MoeSpec(
+            num_experts=self.num_local_experts, top_k=self.num_experts_per_tok,
+            intermediate_size=self.moe_intermediate_size, scoring=self.router_scoring,
+            norm_topk_prob=self.norm_topk_prob, n_group=self.n_group, topk_group=self.topk_group,
+            routed_scaling_factor=self.routed_scaling_factor,
+            shared_intermediate_size=self.shared_expert_intermediate_size, shared_expert_gate=self.shared_expert_gate,
+            jitter_noise=self.router_jitter_noise,
+        )
+
+    def is_sparse_layer(self, layer_idx: int) -> bool:
+        return self.mlp_layer_types is not None and self.mlp_layer_types[layer_idx] == "sparse"
+
+    def block_spec(self, layer_idx: Optional[int] = None):
+        """The decoder block: pre-norm, gated (SwiGLU) or plain MLP, grouped-query attention; layer `layer_idx`'s
+        with its sparse MoE feed-forward when it has one."""
         from .layers import BlockSpec
 
         output_bias = self.attention_bias if self.attention_output_bias is None else self.attention_output_bias
@@ -239,6 +360,7 @@ class TinyCausalConfig(PretrainedConfig):
             attention_output_bias=output_bias, intermediate_size=self.intermediate_size, hidden_act=self.hidden_act,
             mlp_gated=self.mlp_gated, mlp_bias=self.mlp_bias, pre_norm=True, norm_type=self.norm_type,
             norm_eps=self.norm_eps(), hidden_dropout=self.hidden_dropout, qk_norm=self.qk_norm, causal=True, norm_unit_offset=self.rms_norm_unit_offset, sandwich_norms=self.sandwich_norms,
+            moe=self.moe_spec() if layer_idx is not None and self.is_sparse_layer(layer_idx) else None,
         )
 
 

@@ -14,6 +14,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention import ALL_ATTENTION_FUNCTIONS, interface_takes_mask, is_hf_tiny_backend, mask_for_interface
 from .masks import AttentionMask
+from .moe import MoeSpec, SparseMoeFeedForward
 from .rope import apply_rotary
 
 NORM_TYPES = ("layernorm", "rmsnorm")
@@ -131,6 +132,7 @@ class BlockSpec:
     qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3, Gemma 3)
     norm_unit_offset: bool = False  # RMSNorms scale by (1 + weight) (Gemma)
     sandwich_norms: bool = False  # pre_norm only: also a norm on each sublayer's output before the add (Gemma 3)
+    moe: Optional[MoeSpec] = None  # a sparse Mixture-of-Experts feed-forward instead of the dense one
 
 
 class Attention(nn.Module):
@@ -285,10 +287,16 @@ class TransformerBlock(GradientCheckpointingLayer):
         if spec.cross_attention:
             self.cross_attn = Attention(config, spec, layer_idx, is_cross_attention=True)
             self.cross_attn_layernorm = norm()
-        self.mlp = FeedForward(
-            hidden, spec.intermediate_size, spec.hidden_act, gated=spec.mlp_gated, bias=spec.mlp_bias,
-            activation_dropout=spec.activation_dropout,
-        )
+        self.is_sparse = spec.moe is not None
+        if self.is_sparse:
+            self.mlp = SparseMoeFeedForward(
+                hidden, spec.moe, lambda size: FeedForward(hidden, size, spec.hidden_act, gated=True, bias=False)
+            )
+        else:
+            self.mlp = FeedForward(
+                hidden, spec.intermediate_size, spec.hidden_act, gated=spec.mlp_gated, bias=spec.mlp_bias,
+                activation_dropout=spec.activation_dropout,
+            )
         self.post_attention_layernorm = norm()
         self.attn_output_layernorm = norm() if spec.sandwich_norms else None
         self.mlp_output_layernorm = norm() if spec.sandwich_norms else None
@@ -324,7 +332,10 @@ class TransformerBlock(GradientCheckpointingLayer):
         that needs gradients inside a container (T5's relative-position bias folded into the mask, encoder states)
         would be backpropagated through once per checkpointed block. Call it as
         `block(hidden, mask.mask, position_embeddings, encoder_hidden, cross_mask.mask, is_causal=mask.is_causal,
-        ...)`."""
+        ...)`.
+
+        Returns (hidden_states, self-attention weights, cross-attention weights, router logits): the weights are None
+        unless output_attentions, the router logits None unless the feed-forward is a sparse MoE."""
         attn_out, self_weights = self.self_attn(
             self._sublayer_input(hidden_states, self.input_layernorm),
             AttentionMask(attention_mask, is_causal, segment_ids),
@@ -345,7 +356,10 @@ class TransformerBlock(GradientCheckpointingLayer):
             )
             hidden_states = self._sublayer_output(hidden_states, cross_out, self.cross_attn_layernorm)
         mlp_out = self.mlp(self._sublayer_input(hidden_states, self.post_attention_layernorm))
+        router_logits = None
+        if self.is_sparse:
+            mlp_out, router_logits = mlp_out
         hidden_states = self._sublayer_output(
             hidden_states, mlp_out, self.post_attention_layernorm, self.mlp_output_layernorm
         )
-        return hidden_states, self_weights, cross_weights
+        return hidden_states, self_weights, cross_weights, router_logits

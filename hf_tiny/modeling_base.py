@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 from .attention import get_attention_interface
 from .saving import AtomicSaveAndCardMixin
 from .layers import RMSNorm
+from .moe import TopKRouter
 
 
 def resolve_attn_implementation(requested) -> str:
@@ -62,6 +63,10 @@ class HfTinyPreTrainedModel(AtomicSaveAndCardMixin, PreTrainedModel):
                 module.bias.zero_()
         elif isinstance(module, RMSNorm):
             module.reset_weight()
+        elif isinstance(module, TopKRouter):
+            module.weight.normal_(mean=0.0, std=std)
+            if module.e_score_correction_bias is not None:
+                module.e_score_correction_bias.zero_()
         # from_pretrained fills non-persistent buffers with garbage (empty_like on meta): modules that own such
         # buffers (RoPE inv_freq, position ids) rebuild them here.
         init_buffers = getattr(module, "_init_buffers", None)

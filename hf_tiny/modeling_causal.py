@@ -18,6 +18,8 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
     CausalLMOutputWithPast,
+    MoeCausalLMOutputWithPast,
+    MoeModelOutputWithPast,
     SequenceClassifierOutputWithPast,
 )
 
@@ -25,6 +27,7 @@ from .configuration_causal import TinyCausalConfig
 from .attention import interface_takes_mask
 from .chunked_loss import linear_cross_entropy, use_chunked_loss
 from .layers import TransformerBlock, build_norm, dropout_if_active
+from .moe import load_balancing_loss
 from .masks import AttentionMask, packed_causal_mask, static_cache_mask, segment_ids_from_cu_seq_lens, segment_ids_from_position_ids, self_attention_mask
 from .modeling_base import HfTinyPreTrainedModel
 from .rope import RotaryEmbedding
@@ -74,6 +77,7 @@ class TinyCausalPreTrainedModel(HfTinyPreTrainedModel):
         self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, output_attentions,
         output_hidden_states, **packing_kwargs,
     ) -> BaseModelOutputWithPast:
+        """packing_kwargs: the packed / paged extras, and output_router_logits for MoE models."""
         """A head's run of its base model (self.model), always as a ModelOutput."""
         return self.model(
             input_ids=input_ids,
@@ -100,8 +104,9 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         learned = config.position_embedding_type == "learned"
         self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size) if learned else None
         self.embedding_dropout = nn.Dropout(config.embedding_dropout)
-        spec = config.block_spec()
-        self.layers = nn.ModuleList(TransformerBlock(config, spec, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            TransformerBlock(config, config.block_spec(i), i) for i in range(config.num_hidden_layers)
+        )
         self.norm = build_norm(
             config.norm_type, config.hidden_size, config.norm_eps(), unit_offset=config.rms_norm_unit_offset
         )
@@ -275,8 +280,11 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         output_attentions: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
+        output_router_logits: Optional[bool] = None,
         **kwargs,
-    ) -> Union[BaseModelOutputWithPast, tuple]:
+    ) -> Union[BaseModelOutputWithPast, MoeModelOutputWithPast, tuple]:
+        """output_router_logits (MoE models; default config.output_router_logits): also return each sparse layer's
+        router logits ([batch * seq, num_local_experts]) as `router_logits`."""
         _check_extra_kwargs(type(self).__name__, kwargs, PACKING_KWARGS + PAGED_KWARGS)
         orphans = sorted(k for k in PAGED_KWARGS if k != "cache" and k in kwargs and k not in PAGED_RUNNER_ONLY)
         if kwargs.get("cache") is None and orphans:
@@ -341,20 +349,32 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
                         layer_idx=config.layer_types.index(layer_type),
                     )
         position_embeddings = self._position_embeddings(inputs_embeds, position_ids)
-        output = self._run_layers(inputs_embeds, position_ids, masks, position_embeddings, past_key_values, flags)
+        router_logits = self._wants_router_logits(output_router_logits)
+        output = self._run_layers(
+            inputs_embeds, position_ids, masks, position_embeddings, past_key_values, flags, router_logits=router_logits
+        )
         return format_output(output, flags)
 
+    def _wants_router_logits(self, output_router_logits: Optional[bool]) -> bool:
+        wanted = self.config.output_router_logits if output_router_logits is None else bool(output_router_logits)
+        if wanted and not self.config.num_local_experts:
+            raise ValueError(
+                "output_router_logits=True needs a Mixture-of-Experts model; this one has num_local_experts=0"
+            )
+        return wanted
+
     def _run_layers(self, inputs_embeds, position_ids, masks, position_embeddings, past_key_values, flags,
-                    **attention_kwargs) -> BaseModelOutputWithPast:
+                    router_logits: bool = False, **attention_kwargs) -> BaseModelOutputWithPast:
         hidden_states = inputs_embeds
         if self.embed_positions is not None:
             hidden_states = hidden_states + self.embed_positions(self._check_learned_positions(position_ids))
         hidden_states = dropout_if_active(self.embedding_dropout, hidden_states)
         collected = LayerOutputs(flags)
+        all_router_logits = () if router_logits else None
         for layer, layer_type in zip(self.layers, self.config.layer_types):
             mask = masks[layer_type]
             collected.add_hidden(hidden_states)
-            hidden_states, attn_weights, _ = layer(
+            hidden_states, attn_weights, _, layer_router_logits = layer(
                 hidden_states,
                 mask.mask,
                 position_embeddings[layer_type],
@@ -365,14 +385,19 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
                 **attention_kwargs,
             )
             collected.add_attentions(attn_weights)
+            if all_router_logits is not None and layer_router_logits is not None:
+                all_router_logits += (layer_router_logits,)
         hidden_states = self.norm(hidden_states)
         collected.add_hidden(hidden_states)
-        return BaseModelOutputWithPast(
+        fields = dict(
             last_hidden_state=hidden_states,
             past_key_values=past_key_values,
             hidden_states=collected.hidden_states,
             attentions=collected.attentions,
         )
+        if self.config.num_local_experts:
+            return MoeModelOutputWithPast(**fields, router_logits=all_router_logits)
+        return BaseModelOutputWithPast(**fields)
 
     def _rotary_for(self, layer_type: str):
         if layer_type == "sliding_attention" and self.sliding_rotary_emb is not None:
@@ -484,8 +509,9 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
         logits_to_keep: Union[int, torch.Tensor] = 0,
+        output_router_logits: Optional[bool] = None,
         **kwargs,
-    ) -> Union[CausalLMOutputWithPast, tuple]:
+    ) -> Union[CausalLMOutputWithPast, MoeCausalLMOutputWithPast, tuple]:
         """labels: token ids (-100 = ignored), unshifted; the loss predicts token t+1 from tokens <= t.
         num_items_in_batch (passed by Trainer): the loss is then summed and divided by it, so gradient
         accumulation over micro-batches equals one big batch. logits_to_keep: compute logits only for the last
@@ -498,9 +524,10 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         loss_kwargs = {k: v for k, v in extras.items() if k in LOSS_KWARGS}
         chunked = use_chunked_loss(extras.pop("skip_logits", None), labels, training=self.training, head=self.lm_head)
         chunked = chunked and isinstance(logits_to_keep, int) and logits_to_keep == 0
+        router_kwargs = {} if output_router_logits is None else {"output_router_logits": output_router_logits}
         outputs = self._decode(
             input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, output_attentions,
-            output_hidden_states, **{k: v for k, v in extras.items() if k not in LOSS_KWARGS},
+            output_hidden_states, **{k: v for k, v in extras.items() if k not in LOSS_KWARGS}, **router_kwargs,
         )
         hidden_states = outputs.last_hidden_state
         if labels is not None and "shift_labels" not in loss_kwargs:  # labels align with the input tokens (unshifted)
@@ -515,14 +542,37 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         else:
             logits, loss = self._logits_and_loss(hidden_states, labels, logits_to_keep, loss_kwargs)
 
-        output = CausalLMOutputWithPast(
+        fields = dict(
             loss=loss,
             logits=logits,
             past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+        if self.config.num_local_experts:
+            aux_loss = self._aux_loss(outputs.router_logits, attention_mask)
+            if aux_loss is not None and loss is not None:
+                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+            fields.update(loss=loss, aux_loss=aux_loss, router_logits=outputs.router_logits)
+            output = MoeCausalLMOutputWithPast(**fields)
+        else:
+            output = CausalLMOutputWithPast(**fields)
         return format_output(output, self.config.return_dict if return_dict is None else return_dict)
+
+    def _aux_loss(self, router_logits, attention_mask) -> Optional[torch.Tensor]:
+        """The load-balancing loss of this forward's tokens; a 2-D padding mask's last columns are those tokens
+        (earlier ones are cached), other masks (4-D, per layer type) weigh every token."""
+        if not router_logits:
+            return None
+        tokens = router_logits[0].shape[0]
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
+            batch = attention_mask.shape[0]
+            attention_mask = attention_mask[:, attention_mask.shape[1] - tokens // batch :]
+        else:
+            attention_mask = None
+        return load_balancing_loss(
+            router_logits, self.config.num_local_experts, self.config.num_experts_per_tok, attention_mask
+        )
 
 
 class TinyCausalForSequenceClassification(TinyCausalPreTrainedModel):

@@ -248,7 +248,7 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         collected.add_hidden(hidden_states)
         for layer in self.layer_passes():
             # Hidden states positionally: gradient checkpointing (GradientCheckpointingLayer) needs it.
-            hidden_states, attention_weights, _ = layer(hidden_states, mask.mask, is_causal=mask.is_causal, output_attentions=flags.attentions)
+            hidden_states, attention_weights, _, _ = layer(hidden_states, mask.mask, is_causal=mask.is_causal, output_attentions=flags.attentions)
             collected.add_hidden(hidden_states)
             collected.add_attentions(attention_weights)
 

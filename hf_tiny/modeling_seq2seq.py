@@ -216,7 +216,7 @@ class TinySeq2SeqStack(nn.Module):
         for layer in self.layers:
             collected.add_hidden(hidden_states)
             # encoder states are positional so that gradient checkpointing propagates their gradients
-            hidden_states, self_weights, cross_weights = layer(
+            hidden_states, self_weights, cross_weights, _ = layer(
                 hidden_states,
                 self_mask.mask,
                 None,

@@ -26,6 +26,9 @@ OFFICIAL = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
     "gemma3_text": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM),
 }
 
 

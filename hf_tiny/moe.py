@@ -1,0 +1,159 @@
+"""Mixture-of-Experts feed-forward: a router picks k of E expert MLPs for each token, and the token's output is
+the weighted sum of those k experts' outputs (plus, in some models, shared experts that see every token).
+
+Parameters grow with E while the compute per token stays that of k experts. The three routings of today's
+checkpoints are options of one router:
+
+- Mixtral / Qwen-MoE: probabilities = softmax(logits); the k largest; renormalized to sum 1 when
+  norm_topk_prob (Mixtral always, Qwen per config).
+- DeepSeek-V3: scores = sigmoid(logits) (in fp32). The *choice* adds a learned-free correction bias per expert
+  (`e_score_correction_bias`, adjusted outside backprop to balance load), and is restricted to the topk_group
+  best of n_group expert groups (a group's score: the sum of its two best scores); the *weights* are the
+  uncorrected scores of the chosen experts, renormalized when norm_topk_prob, times routed_scaling_factor.
+
+The experts run in a plain loop over experts (each takes the tokens routed to it), which is what every official
+implementation's reference path does; `load_balancing_loss` is the Switch Transformer auxiliary loss as
+transformers computes it for Mixtral / Qwen-MoE.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+ROUTER_SCORINGS = ("softmax", "sigmoid")
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """What one sparse feed-forward is built from (the causal config's MoE fields)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each routed expert
+    scoring: str  # "softmax" | "sigmoid"
+    norm_topk_prob: bool
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_intermediate_size: int = 0  # 0: no shared experts
+    shared_expert_gate: bool = False  # Qwen2-MoE: shared output scaled by sigmoid(linear(x))
+    jitter_noise: float = 0.0  # Mixtral: inputs multiplied by U(1 - j, 1 + j) while training
+
+
+class TopKRouter(nn.Module):
+    """Router logits -> (top-k expert indices, their weights). `weight` is [num_experts, hidden] (official name
+    `gate.weight`); sigmoid routing also holds `e_score_correction_bias` (a buffer: it is not learned by
+    gradient descent)."""
+
+    def __init__(self, hidden_size: int, spec: MoeSpec):
+        super().__init__()
+        self.spec = spec
+        self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size))
+        if spec.scoring == "sigmoid":
+            self.register_buffer("e_score_correction_bias", torch.zeros(spec.num_experts))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """tokens [T, hidden] -> (router_logits [T, E], top_k_index [T, k], top_k_weights [T, k] in fp32)."""
+        spec = self.spec
+        if spec.scoring == "softmax":
+            logits = F.linear(tokens, self.weight)
+            scores = logits.float().softmax(dim=-1)
+            choice_scores = scores
+        else:  # DeepSeek-V3 routes in fp32 whatever the model's dtype
+            logits = F.linear(tokens.float(), self.weight.float())
+            scores = logits.sigmoid()
+            choice_scores = scores + self.e_score_correction_bias
+        if spec.n_group > 1:
+            choice_scores = self._keep_best_groups(choice_scores)
+        top_k_index = torch.topk(choice_scores, spec.top_k, dim=-1).indices
+        top_k_weights = scores.gather(-1, top_k_index)
+        if spec.norm_topk_prob:
+            # sigmoid scores need not sum to anything; the tiny constant is DeepSeek's guard against 0 / 0
+            top_k_weights = top_k_weights / (top_k_weights.sum(dim=-1, keepdim=True) + (1e-20 if spec.scoring == "sigmoid" else 0.0))
+        if spec.routed_scaling_factor != 1.0:
+            top_k_weights = top_k_weights * spec.routed_scaling_factor
+        return logits, top_k_index, top_k_weights
+
+    def _keep_best_groups(self, choice_scores: torch.Tensor) -> torch.Tensor:
+        """Experts outside the topk_group best groups get -inf, so top-k never picks them."""
+        spec = self.spec
+        grouped = choice_scores.unflatten(-1, (spec.n_group, spec.num_experts // spec.n_group))
+        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, n_group]
+        best_groups = group_scores.topk(spec.topk_group, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(-1, best_groups, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
+
+
+class SparseMoeFeedForward(nn.Module):
+    """gate (the router), experts.0 .. experts.{E-1}, and optionally shared_experts (one MLP every token goes
+    through) with Qwen2-MoE's shared_expert_gate. make_mlp(intermediate_size) builds one expert: the block's own
+    SwiGLU feed-forward, so experts carry Llama's projection names (gate_proj, up_proj, down_proj)."""
+
+    def __init__(self, hidden_size: int, spec: MoeSpec, make_mlp: Callable[[int], nn.Module]):
+        super().__init__()
+        self.spec = spec
+        self.gate = TopKRouter(hidden_size, spec)
+        self.experts = nn.ModuleList(make_mlp(spec.intermediate_size) for _ in range(spec.num_experts))
+        self.shared_experts = None
+        self.shared_expert_gate = None
+        if spec.shared_intermediate_size:
+            self.shared_experts = make_mlp(spec.shared_intermediate_size)
+            if spec.shared_expert_gate:
+                self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, S, hidden] -> (output [B, S, hidden], router_logits [B * S, E])."""
+        if self.training and self.spec.jitter_noise > 0:
+            noise = torch.empty_like(hidden_states).uniform_(1.0 - self.spec.jitter_noise, 1.0 + self.spec.jitter_noise)
+            hidden_states = hidden_states * noise
+        tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
+        router_logits, top_k_index, top_k_weights = self.gate(tokens)
+        output = torch.zeros_like(tokens)
+        for expert_index, expert in enumerate(self.experts):
+            # the tokens that chose this expert, and in which of their k slots (a token picks an expert once)
+            token_index, slot = torch.where(top_k_index == expert_index)
+            if token_index.numel() == 0:
+                continue
+            expert_out = expert(tokens[token_index]) * top_k_weights[token_index, slot, None]
+            output.index_add_(0, token_index, expert_out.to(output.dtype))
+        if self.shared_experts is not None:
+            shared = self.shared_experts(tokens)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
+            output = output + shared
+        return output.view_as(hidden_states), router_logits
+
+
+def load_balancing_loss(
+    router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int, attention_mask: Optional[torch.Tensor] = None
+) -> torch.Tensor:
+    """Switch Transformer's auxiliary loss (Fedus et al. 2021, eq. 4-6) over all MoE layers, as transformers
+    computes it for Mixtral and Qwen-MoE: E * sum_e f_e * P_e, where f_e is the share of the top-k assignments that
+    went to expert e and P_e the mean router probability of e, both over every (layer, real token). A uniform
+    router gives top_k (the minimum for a given k).
+
+    router_logits: one [tokens, E] tensor per MoE layer; attention_mask: [batch, seq] with batch * seq = tokens
+    (0 = padding, excluded), or None."""
+    device = router_logits[0].device
+    assignments = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    probabilities = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    real = None if attention_mask is None else attention_mask.reshape(-1).to(device, torch.float32)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    for logits in router_logits:
+        probs = logits.float().softmax(dim=-1)
+        chosen = torch.topk(probs, top_k, dim=-1).indices  # [tokens, k]
+        weight = torch.ones(chosen.shape[0], device=device) if real is None else real
+        assignments = assignments.scatter_add(0, chosen.reshape(-1), weight.repeat_interleave(top_k))
+        probabilities = probabilities + (probs * weight[:, None]).sum(dim=0)
+        rows = rows + weight.sum()
+    return num_experts * torch.sum((assignments / rows) * (probabilities / rows))
+
+
+__all__ = ["MoeSpec", "TopKRouter", "SparseMoeFeedForward", "load_balancing_loss", "ROUTER_SCORINGS"]
