@@ -30,6 +30,7 @@ import torch
 
 from .errors import ConversionError
 from .gguf_files import load_gguf
+from . import deepseek
 from .keymap import KeyMap, Rule, Transform
 from .moe import MOE_MODEL_TYPES, OFFICIAL_PREFIXES, moe_fields_from_official, moe_rules, official_moe_config_fields
 from .moe import official_moe_family
@@ -37,7 +38,7 @@ from .pipeline import Family, Plan, ReversePlan, Source, entry_points
 from .readers import load_checkpoint, official_config, require_model_type
 from .writer import drop_tied_copies
 
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text") + MOE_MODEL_TYPES
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text") + MOE_MODEL_TYPES + (deepseek.MODEL_TYPE,)
 # GGUF general.architecture values read (transformers' GGUF loader turns "gemma3" into model_type gemma3_text)
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 # hf_tiny class -> (Auto class, pipeline tag, prefix of the base model's tensors)
@@ -54,7 +55,8 @@ OFFICIAL_CLASSES = {
         "TinyCausalModel": f"{prefix}Model",
     }
     for model_type, prefix in (
-        ("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"), *OFFICIAL_PREFIXES.items()
+        ("llama", "Llama"), ("mistral", "Mistral"), ("qwen2", "Qwen2"), ("qwen3", "Qwen3"), *OFFICIAL_PREFIXES.items(),
+        (deepseek.MODEL_TYPE, "DeepseekV3"),
     )
 }
 OFFICIAL_CLASSES["gemma3_text"] = {  # Gemma3Model is the multimodal one
@@ -100,8 +102,9 @@ META_CONTEXT_LENGTH = {"llama3.1": 131072, "llama3": 8192, "codellama": 16384, "
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def key_map(config, class_name: str = "TinyCausalForCausalLM") -> KeyMap:
-    """Official (Llama naming) <-> hf_tiny key map of one class; biases follow the config."""
+def key_map(config, class_name: str = "TinyCausalForCausalLM", *, rope_interleave: bool = True) -> KeyMap:
+    """Official (Llama naming) <-> hf_tiny key map of one class; biases follow the config. rope_interleave: an MLA
+    (DeepSeek) checkpoint's rotary rows are interleaved pairs."""
     if class_name not in OUR_CLASSES:
         raise ConversionError(f"unsupported hf_tiny class {class_name!r}; supported: {', '.join(OUR_CLASSES)}")
     p = OUR_CLASSES[class_name][2]
@@ -114,19 +117,25 @@ def key_map(config, class_name: str = "TinyCausalForCausalLM") -> KeyMap:
         rules.append(Rule(embed, (embed, "lm_head.weight")))
     else:
         rules.append((embed, embed))
-    for name in ATTENTION_PROJECTIONS:
-        rules.append((f"{layer}self_attn.{name}.weight",) * 2)
-        if qkv_bias:
-            rules.append((f"{layer}self_attn.{name}.bias",) * 2)
-    rules.append((f"{layer}self_attn.o_proj.weight",) * 2)
-    if out_bias:
-        rules.append((f"{layer}self_attn.o_proj.bias",) * 2)
+    if config.kv_lora_rank is not None:
+        rules += deepseek.attention_rules(config, layer, rope_interleave=rope_interleave)
+    else:
+        for name in ATTENTION_PROJECTIONS:
+            rules.append((f"{layer}self_attn.{name}.weight",) * 2)
+            if qkv_bias:
+                rules.append((f"{layer}self_attn.{name}.bias",) * 2)
+        rules.append((f"{layer}self_attn.o_proj.weight",) * 2)
+        if out_bias:
+            rules.append((f"{layer}self_attn.o_proj.bias",) * 2)
     if config.num_local_experts:  # dense and sparse layers differ: rules per layer index
         family = official_family(config)
         for i, kind in enumerate(config.mlp_layer_types):
             one_layer = f"{p}layers.{i}."
             if kind == "sparse":
-                rules += moe_rules(config, family, one_layer)
+                if family == deepseek.MODEL_TYPE:
+                    rules += deepseek.sparse_rules(config, one_layer)
+                else:
+                    rules += moe_rules(config, family, one_layer)
             else:
                 rules += [(f"{one_layer}mlp.{name}.weight",) * 2 for name in MLP_PROJECTIONS]
     else:
@@ -234,6 +243,8 @@ def causal_config_from_official(official, *, src):
         values["mlp_bias"] = official.mlp_bias
     elif model_type == "gemma3_text":
         values.update(_gemma3_fields(official, src=src))
+    elif model_type == deepseek.MODEL_TYPE:
+        values.update(deepseek.fields_from_official(official, src=src))
     elif model_type in MOE_MODEL_TYPES:
         values.update(moe_fields_from_official(official, src=src))
         if model_type == "qwen2_moe":  # biases on q/k/v (qkv_bias), none on o_proj
@@ -324,6 +335,8 @@ def official_config_from_causal(config, official_class: str):
     )
     if config.id2label is not None and official_class.endswith("ForSequenceClassification"):
         values.update(id2label=config.id2label, label2id=config.label2id, problem_type=config.problem_type)
+    if family == deepseek.MODEL_TYPE:
+        return transformers.DeepseekV3Config(**values, **deepseek.official_fields(config))
     if family in MOE_MODEL_TYPES:
         values.update(official_moe_config_fields(config, family))
         if family == "mixtral":  # Mixtral's experts are intermediate_size wide; it has no dense layers
@@ -382,6 +395,9 @@ def official_family(config) -> str:
             f"Llama-family official classes have no residual or embedding dropout; got hidden_dropout="
             f"{config.hidden_dropout}, embedding_dropout={config.embedding_dropout} (Phi-3 has a residual one)"
         )
+    if config.kv_lora_rank is not None:
+        deepseek.check_holds(config)
+        return deepseek.MODEL_TYPE
     if config.num_local_experts:
         return official_moe_family(config)
     out_bias = config.attention_bias if config.attention_output_bias is None else config.attention_output_bias
@@ -681,7 +697,7 @@ class LlamaFamily(CausalFamily):
             if class_name == "TinyCausalForCausalLM" and config.tie_word_embeddings:
                 state = drop_tied_copies(state, "model.embed_tokens.weight", ["lm_head.weight"], src=source.path,
                                          hint=UNTIED_HINT)
-            mapping = key_map(config, class_name)
+            mapping = key_map(config, class_name, rope_interleave=source.raw_config.get("rope_interleave", True))
         official_class = _official_class_name(config, class_name)
         note = f"The official side is {OFFICIAL_NOTES[source.kind]}."
         return Plan(config, class_name, official_class, mapping, layer_counts(config), state, notes=[note],

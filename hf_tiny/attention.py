@@ -52,14 +52,24 @@ def repeat_kv(hidden: torch.Tensor, n_rep: int) -> torch.Tensor:
     return hidden.reshape(batch, kv_heads * n_rep, seq, dim)
 
 
-def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: Optional[str] = None) -> int:
+    """The heads' repeat factor of GQA. Values may be narrower or wider than keys (MLA's v_head_dim), except in
+    the flash kernels (`backend` names one), which need one head_dim for q, k and v."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"attention expects 4-D q, k, v [batch, heads, seq, head_dim]; got q {tuple(q.shape)}, "
             f"k {tuple(k.shape)}, v {tuple(v.shape)}"
         )
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            "k and v must have the same [batch, heads, seq] and q, k the same head_dim; got "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+        )
+    if backend is not None and v.shape[-1] != q.shape[-1]:
+        raise ValueError(
+            f"attn_implementation={backend!r} needs one head_dim for queries, keys and values; got q/k "
+            f"{q.shape[-1]} and v {v.shape[-1]} (MLA's v_head_dim); use attn_implementation='sdpa' or 'eager'"
+        )
     heads, kv_heads = q.shape[1], k.shape[1]
     if heads % kv_heads != 0:
         raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads})")
@@ -372,7 +382,7 @@ def flash_attention(
             "output_attentions=True needs the attention weights, which 'flash_attention_2' does not compute; "
             "use attn_implementation='eager'"
         )
-    _check_shapes(q, k, v)
+    _check_shapes(q, k, v, backend="flash_attention_2")
     check_flash_can_run(q.device, q.dtype)
     sk = k.shape[2]
     if q.device.type == "cuda" and not flash_attn_package_available(q.device) and dropout_p == 0.0:
@@ -582,7 +592,7 @@ def hf_tiny_flash_attention(
             f"attn_implementation='hf_tiny_flash' has no attention dropout, got dropout_p={dropout_p}; set the config's "
             "attention dropout to 0, call model.eval(), or use attn_implementation='sdpa'"
         )
-    _check_shapes(q, k, v)
+    _check_shapes(q, k, v, backend="hf_tiny_flash")
     return _triton_flash(q, k, v, mask, scale=scale, is_causal=is_causal, segment_ids=segment_ids), None
 
 
@@ -749,3 +759,42 @@ def mask_for_interface(
     elif visible is not None:
         mask = torch.where(visible, mask.to(dtype), 0.0)
     return mask.to(dtype).expand(batch, mask.shape[1], query_length, key_length).contiguous(), visible
+
+
+class AttentionModule(torch.nn.Module):
+    """What every attention module (layers.Attention, mla.LatentAttention) shares: the call of the attention
+    interface named by `config._attn_implementation`, looked up at every call (so set_attn_implementation works
+    live): one of our backends, or any function in transformers' ALL_ATTENTION_FUNCTIONS (flex_attention,
+    paged|eager, vLLM's, a user's). Subclasses set the attributes those functions read: config, layer_idx,
+    num_key_value_groups, is_causal, scaling, head_dim, dropout."""
+
+    def attend(self, query, key, value, attention_mask, output_attentions: bool, attention_kwargs: dict):
+        """q [B, H, S, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv], attention_mask an AttentionMask (or None) ->
+        (output [B, S, H, Dv], weights or None)."""
+        mask, is_causal, segment_ids = attention_mask if attention_mask is not None else (None, False, None)
+        implementation = self.config._attn_implementation
+        if segment_ids is not None:
+            attention_kwargs["segment_ids"] = segment_ids
+        visible = None
+        if not is_hf_tiny_backend(implementation):
+            attention_kwargs.pop("segment_ids", None)
+            if interface_takes_mask(implementation):
+                mask, visible = mask_for_interface(implementation, mask, is_causal, query, key.shape[2])
+            else:  # vLLM's function (or another that masks by its own metadata): no mask, as transformers does
+                mask, is_causal = None, self.is_causal
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, None)  # validated at load
+        out, weights = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            mask,
+            scaling=self.scaling,
+            dropout=self.dropout if self.training else 0.0,
+            is_causal=is_causal,
+            output_attentions=output_attentions,
+            **attention_kwargs,
+        )
+        if visible is not None:  # query rows that see no key (padding) give zeros, as in our own backends
+            out = out.masked_fill(~visible[:, 0, :, 0, None, None], 0.0)
+        return out, weights

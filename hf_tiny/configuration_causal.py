@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from transformers import PretrainedConfig
@@ -106,6 +107,44 @@ def check_moe_fields(owner: str, values: dict, num_hidden_layers: int, first_k_d
         if kind not in MLP_LAYER_TYPES:
             raise ValueError(f"{owner}: mlp_layer_types[{index}]={kind!r}; choose one of {list(MLP_LAYER_TYPES)}")
     return list(mlp_layer_types)
+
+
+def check_mla_fields(owner: str, values: dict) -> int:
+    """Multi-head Latent Attention's fields checked (kv_lora_rank is set); returns the query/key head_dim,
+    qk_nope_head_dim + qk_rope_head_dim."""
+    check_positive(
+        owner, kv_lora_rank=values["kv_lora_rank"], qk_nope_head_dim=values["qk_nope_head_dim"],
+        qk_rope_head_dim=values["qk_rope_head_dim"], v_head_dim=values["v_head_dim"],
+    )
+    if values["q_lora_rank"] is not None:
+        check_positive(owner, q_lora_rank=values["q_lora_rank"])
+    if values["qk_rope_head_dim"] % 2:
+        raise ValueError(f"{owner}: qk_rope_head_dim must be even (rotary pairs), got {values['qk_rope_head_dim']}")
+    check_bool(owner, mla_absorb=values["mla_absorb"])
+    head_dim = values["qk_nope_head_dim"] + values["qk_rope_head_dim"]
+    if values["head_dim"] is not None and values["head_dim"] != head_dim:
+        raise ValueError(
+            f"{owner}: with MLA (kv_lora_rank={values['kv_lora_rank']}) head_dim is qk_nope_head_dim + "
+            f"qk_rope_head_dim = {head_dim}; got head_dim={values['head_dim']} (leave it unset)"
+        )
+    heads, kv_heads = values["num_attention_heads"], values["num_key_value_heads"]
+    if kv_heads is not None and kv_heads != heads:
+        raise ValueError(
+            f"{owner}: MLA expands per-head keys and values from its latent; num_key_value_heads={kv_heads} must "
+            f"equal num_attention_heads={heads} (or be unset)"
+        )
+    conflicts = {
+        name: values[name]
+        for name, off in (("position_embedding_type", "rope"), ("qk_norm", False), ("sliding_window", None),
+                          ("attention_output_bias", None), ("query_pre_attn_scalar", None))
+        if values[name] != off
+    }
+    if conflicts:
+        raise ValueError(
+            f"{owner}: MLA (kv_lora_rank={values['kv_lora_rank']}) has rotary keys, no q/k norm, no sliding window, "
+            f"one attention_bias and the default scale; got {conflicts}"
+        )
+    return head_dim
 
 
 class TinyCausalConfig(PretrainedConfig):
@@ -226,6 +265,12 @@ class TinyCausalConfig(PretrainedConfig):
         router_aux_loss_coef: float = 0.001,
         router_jitter_noise: float = 0.0,
         output_router_logits: bool = False,
+        kv_lora_rank: int | None = None,
+        q_lora_rank: int | None = None,
+        qk_nope_head_dim: int | None = None,
+        qk_rope_head_dim: int | None = None,
+        v_head_dim: int | None = None,
+        mla_absorb: bool = False,
         tie_word_embeddings: bool = False,
         pad_token_id: int | None = None,
         bos_token_id: int | None = 1,
@@ -247,7 +292,9 @@ class TinyCausalConfig(PretrainedConfig):
             num_key_value_heads=num_key_value_heads,
             max_position_embeddings=max_position_embeddings,
         )
-        if head_dim is None:
+        if kv_lora_rank is not None:
+            head_dim = check_mla_fields(owner, init_arguments(locals()))
+        elif head_dim is None:
             check_divisible(owner, "hidden_size", hidden_size, "num_attention_heads", num_attention_heads)
             head_dim = hidden_size // num_attention_heads
         check_positive(owner, head_dim=head_dim)
@@ -314,8 +361,11 @@ class TinyCausalConfig(PretrainedConfig):
             )
 
         if position_embedding_type == "rope":
+            rotated = head_dim if kv_lora_rank is None else qk_rope_head_dim
             for params in (rope_parameters.values() if set(rope_parameters) == set(LAYER_TYPES) else (rope_parameters,)):
-                rotary_dim(params, head_dim, owner=owner)
+                if kv_lora_rank is not None and rotary_dim(params, rotated, owner=owner) != rotated:
+                    raise ValueError(f"{owner}: MLA rotates all qk_rope_head_dim={rotated} dimensions; drop partial_rotary_factor")
+                rotary_dim(params, rotated, owner=owner)
         store_init_fields(self, TinyCausalConfig.__init__, locals())
         super().__init__(**kwargs)
 
@@ -346,6 +396,35 @@ class TinyCausalConfig(PretrainedConfig):
     def is_sparse_layer(self, layer_idx: int) -> bool:
         return self.mlp_layer_types is not None and self.mlp_layer_types[layer_idx] == "sparse"
 
+    def mla_spec(self) -> Optional["MlaSpec"]:
+        from .mla import MlaSpec
+
+        if self.kv_lora_rank is None:
+            return None
+        return MlaSpec(
+            kv_lora_rank=self.kv_lora_rank, q_lora_rank=self.q_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim, bias=self.attention_bias,
+        )
+
+    def rotary_head_dim(self) -> int:
+        """The dimensions RoPE rotates per head: MLA's qk_rope_head_dim, else head_dim."""
+        return self.head_dim if self.kv_lora_rank is None else self.qk_rope_head_dim
+
+    def cache_layout(self) -> tuple[int, int]:
+        """(heads, key dimension) of what the KV cache stores per layer and token: MLA stores one latent."""
+        if self.kv_lora_rank is not None:
+            return 1, self.kv_lora_rank
+        return self.num_key_value_heads, self.head_dim
+
+    def _mla_scale(self) -> Optional[float]:
+        """DeepSeek's YaRN: scores also scaled by mscale(factor, mscale_all_dim)^2 (official yarn_apply_mscale)."""
+        params = self.rope_parameters_for("full_attention")
+        mscale_all_dim = params.get("mscale_all_dim")
+        if params["rope_type"] == "default" or not mscale_all_dim or params.get("factor", 1.0) <= 1:
+            return None
+        mscale = 0.1 * mscale_all_dim * math.log(params["factor"]) + 1.0
+        return self.head_dim**-0.5 * mscale * mscale
+
     def block_spec(self, layer_idx: Optional[int] = None):
         """The decoder block: pre-norm, gated (SwiGLU) or plain MLP, grouped-query attention; layer `layer_idx`'s
         with its sparse MoE feed-forward when it has one."""
@@ -353,6 +432,8 @@ class TinyCausalConfig(PretrainedConfig):
 
         output_bias = self.attention_bias if self.attention_output_bias is None else self.attention_output_bias
         scale = None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar**-0.5
+        if self.kv_lora_rank is not None:
+            scale = self._mla_scale()
         return BlockSpec(
             hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
             num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, attention_scale=scale,
@@ -361,6 +442,7 @@ class TinyCausalConfig(PretrainedConfig):
             mlp_gated=self.mlp_gated, mlp_bias=self.mlp_bias, pre_norm=True, norm_type=self.norm_type,
             norm_eps=self.norm_eps(), hidden_dropout=self.hidden_dropout, qk_norm=self.qk_norm, causal=True, norm_unit_offset=self.rms_norm_unit_offset, sandwich_norms=self.sandwich_norms,
             moe=self.moe_spec() if layer_idx is not None and self.is_sparse_layer(layer_idx) else None,
+            mla=self.mla_spec(),
         )
 
 

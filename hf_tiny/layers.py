@@ -12,56 +12,17 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, EncoderDecoderCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .attention import ALL_ATTENTION_FUNCTIONS, interface_takes_mask, is_hf_tiny_backend, mask_for_interface
+from .attention import AttentionModule
 from .masks import AttentionMask
 from .moe import MoeSpec, SparseMoeFeedForward
+from .norms import NORM_TYPES, RMSNorm, build_norm  # noqa: F401  (NORM_TYPES, RMSNorm: imported from here too)
+from .mla import LatentAttention, MlaSpec
 from .rope import apply_rotary
-
-NORM_TYPES = ("layernorm", "rmsnorm")
 
 
 def dropout_if_active(dropout: nn.Dropout, x: torch.Tensor) -> torch.Tensor:
     # Skipping the module call in eval / at p=0 saves a Python call and an aten op per sublayer and token.
     return dropout(x) if dropout.training and dropout.p > 0 else x
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm, statistics in fp32.
-
-    Llama / T5: weight * x, the product in the input dtype (weights initialized to 1).
-    unit_offset=True (Gemma): (1 + weight) * x, the product in fp32 and then cast (weights initialized to 0). The
-    offset is applied here rather than folded into the stored weight, so checkpoints convert bit for bit.
-    """
-
-    def __init__(self, hidden_size: int, eps: float = 1e-6, *, unit_offset: bool = False):
-        super().__init__()
-        self.unit_offset = unit_offset
-        self.weight = nn.Parameter(torch.zeros(hidden_size) if unit_offset else torch.ones(hidden_size))
-        self.variance_epsilon = eps
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        input_dtype = hidden_states.dtype
-        hidden_states = hidden_states.to(torch.float32)
-        variance = hidden_states.pow(2).mean(-1, keepdim=True)
-        hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        if self.unit_offset:
-            return (hidden_states * (1.0 + self.weight.float())).to(input_dtype)
-        return self.weight * hidden_states.to(input_dtype)
-
-    def reset_weight(self) -> None:
-        self.weight.data.fill_(0.0 if self.unit_offset else 1.0)
-
-    def extra_repr(self) -> str:
-        offset = ", unit_offset=True" if self.unit_offset else ""
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}{offset}"
-
-
-def build_norm(norm_type: str, hidden_size: int, eps: float, *, unit_offset: bool = False) -> nn.Module:
-    if norm_type == "layernorm":
-        return nn.LayerNorm(hidden_size, eps=eps)
-    if norm_type == "rmsnorm":
-        return RMSNorm(hidden_size, eps=eps, unit_offset=unit_offset)
-    raise ValueError(f"unknown norm_type {norm_type!r}; choose one of {list(NORM_TYPES)}")
 
 
 class FeedForward(nn.Module):
@@ -133,9 +94,10 @@ class BlockSpec:
     norm_unit_offset: bool = False  # RMSNorms scale by (1 + weight) (Gemma)
     sandwich_norms: bool = False  # pre_norm only: also a norm on each sublayer's output before the add (Gemma 3)
     moe: Optional[MoeSpec] = None  # a sparse Mixture-of-Experts feed-forward instead of the dense one
+    mla: Optional[MlaSpec] = None  # Multi-head Latent Attention (DeepSeek) instead of the q/k/v projections
 
 
-class Attention(nn.Module):
+class Attention(AttentionModule):
     """One attention module for encoder self-attention, causal self-attention and cross-attention.
 
     Owns the projections, RoPE, the KV-cache update and the head reshaping; the math is the attention interface
@@ -229,34 +191,8 @@ class Attention(nn.Module):
         if position_embeddings is not None:
             query = apply_rotary(query, *position_embeddings)
 
-        mask, is_causal, segment_ids = attention_mask if attention_mask is not None else (None, False, None)
-        implementation = self.config._attn_implementation
-        if segment_ids is not None:
-            attention_kwargs["segment_ids"] = segment_ids
-        visible = None
-        if not is_hf_tiny_backend(implementation):
-            attention_kwargs.pop("segment_ids", None)
-            if interface_takes_mask(implementation):
-                mask, visible = mask_for_interface(implementation, mask, is_causal, query, key.shape[2])
-            else:  # vLLM's function (or another that masks by its own metadata): no mask, as transformers does
-                mask, is_causal = None, self.is_causal
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, None)  # validated at load
-        out, weights = attention_interface(
-            self,
-            query,
-            key,
-            value,
-            mask,
-            scaling=self.scaling,
-            dropout=self.dropout if self.training else 0.0,
-            is_causal=is_causal,
-            output_attentions=output_attentions,
-            **attention_kwargs,
-        )
-        if visible is not None:  # query rows that see no key (padding) give zeros, as in our own backends
-            out = out.masked_fill(~visible[:, 0, :, 0, None, None], 0.0)
-        out = out.reshape(batch, seq_len, -1)  # the interface returns [B, S, H, D]
-        return self.o_proj(out), weights
+        out, weights = self.attend(query, key, value, attention_mask, output_attentions, attention_kwargs)
+        return self.o_proj(out.reshape(batch, seq_len, -1)), weights
 
 
 
@@ -282,7 +218,7 @@ class TransformerBlock(GradientCheckpointingLayer):
             return build_norm(spec.norm_type, hidden, spec.norm_eps, unit_offset=spec.norm_unit_offset)
 
         self.has_cross_attention = spec.cross_attention
-        self.self_attn = Attention(config, spec, layer_idx)
+        self.self_attn = LatentAttention(config, spec, layer_idx) if spec.mla else Attention(config, spec, layer_idx)
         self.input_layernorm = norm()
         if spec.cross_attention:
             self.cross_attn = Attention(config, spec, layer_idx, is_cross_attention=True)

@@ -9,7 +9,7 @@ from transformers import PreTrainedModel
 
 from .attention import get_attention_interface
 from .saving import AtomicSaveAndCardMixin
-from .layers import RMSNorm
+from .norms import RMSNorm
 from .moe import TopKRouter
 
 

@@ -112,10 +112,13 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         )
         # One rotary module per distinct rope_parameters: `rotary_emb` for full-attention layers (and every layer
         # when the parameters are not keyed by layer type), `sliding_rotary_emb` for sliding layers with their own.
-        self.rotary_emb = None if learned else RotaryEmbedding(config, config.rope_parameters_for("full_attention"))
+        rotated = config.rotary_head_dim()
+        self.rotary_emb = None if learned else RotaryEmbedding(
+            config, config.rope_parameters_for("full_attention"), head_dim=rotated
+        )
         sliding = config.rope_parameters_for("sliding_attention")
         own_sliding_rope = not learned and sliding != config.rope_parameters_for("full_attention")
-        self.sliding_rotary_emb = RotaryEmbedding(config, sliding) if own_sliding_rope else None
+        self.sliding_rotary_emb = RotaryEmbedding(config, sliding, head_dim=rotated) if own_sliding_rope else None
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -314,9 +317,9 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         device = inputs_embeds.device
         past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
         if past_key_values is not None and not is_compiling():
+            cache_heads, cache_dim = config.cache_layout()
             check_cache_matches(
-                past_key_values, batch_size=batch_size, num_key_value_heads=config.num_key_value_heads,
-                head_dim=config.head_dim,
+                past_key_values, batch_size=batch_size, num_key_value_heads=cache_heads, head_dim=cache_dim,
             )
         masks_by_type = self._masks_by_layer_type(attention_mask)
         if masks_by_type is None and attention_mask is not None and not is_compiling() and (

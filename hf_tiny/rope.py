@@ -319,8 +319,9 @@ class RotaryEmbedding(nn.Module):
     transformers' `dynamic_rope_update` (which is stateful the same way).
     """
 
-    def __init__(self, config, rope_parameters: Optional[dict] = None):
-        """rope_parameters: this module's own (one layer type's); by default config.rope_parameters."""
+    def __init__(self, config, rope_parameters: Optional[dict] = None, head_dim: Optional[int] = None):
+        """rope_parameters: this module's own (one layer type's); by default config.rope_parameters. head_dim: the
+        dimensions the rotation covers when they are not config.head_dim (MLA's qk_rope_head_dim)."""
         super().__init__()
         self.rope_parameters = standardize_rope_parameters(
             rope_parameters if rope_parameters is not None else getattr(config, "rope_parameters", None),
@@ -328,7 +329,8 @@ class RotaryEmbedding(nn.Module):
             owner=type(config).__name__,
         )
         self.rope_type = self.rope_parameters["rope_type"]
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        if head_dim is None:
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.head_dim = rotary_dim(self.rope_parameters, head_dim, owner=type(config).__name__)
         self.max_position_embeddings = config.max_position_embeddings
         inv_freq, self.attention_scaling = compute_inv_freq(
