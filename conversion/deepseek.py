@@ -97,6 +97,7 @@ def fields_from_official(official, *, src) -> dict:
     values = dict(
         head_dim=None,  # official stores qk_rope_head_dim there; ours is the query/key head width
         num_key_value_heads=official.num_attention_heads,  # unused by official MLA (its default is 128)
+        num_nextn_predict_layers=getattr(official, "num_nextn_predict_layers", 0) or 0,
         attention_bias=official.attention_bias,
         kv_lora_rank=official.kv_lora_rank,
         q_lora_rank=official.q_lora_rank,
@@ -159,7 +160,7 @@ def official_fields(config) -> dict:
         v_head_dim=config.v_head_dim,
         attention_bias=config.attention_bias,
         rope_interleave=True,  # DeepSeek's layout: attention_rules interleave the rotary rows back
-        num_nextn_predict_layers=0,
+        num_nextn_predict_layers=config.num_nextn_predict_layers,
     )
     if experts:
         values.update(
@@ -177,3 +178,24 @@ def official_fields(config) -> dict:
     else:
         values.update(first_k_dense_replace=config.num_hidden_layers)
     return values
+
+
+def mtp_layers_held(config, state: dict, class_name: str, *, src):
+    """(config, card note) for a checkpoint whose config announces num_nextn_predict_layers = D: D modules when the
+    checkpoint holds all D (decoder layers num_hidden_layers .. + D - 1), none when it holds none (official
+    transformers drops them when it saves, and keeps the field), an error when it holds some."""
+    depth = config.num_nextn_predict_layers
+    first = config.num_hidden_layers
+    held = [k for k in range(depth) if f"model.layers.{first + k}.eh_proj.weight" in state]
+    if held == list(range(depth)) and class_name == "TinyCausalForCausalLM":
+        return config, (f"The checkpoint's {depth} Multi-Token Prediction module(s) (layers {first}..{first + depth - 1}) "
+                        "are kept as `mtp.*`; official transformers ignores them, so the parity rows cover the main model.")
+    if held and class_name == "TinyCausalForCausalLM":
+        missing = sorted(set(range(depth)) - set(held))
+        raise ConversionError(
+            f"{src}: config.json says num_nextn_predict_layers={depth} but the checkpoint holds MTP module(s) "
+            f"{held} only (missing depth(s) {missing}: no model.layers.{first + missing[0]}.eh_proj.weight)"
+        )
+    config.num_nextn_predict_layers = 0
+    reason = "the checkpoint holds none" if not held else f"{class_name} has no MTP head"
+    return config, f"config.json announces num_nextn_predict_layers={depth}, but {reason}: converted without MTP modules."

@@ -109,14 +109,37 @@ def key_map(config, class_name: str = "TinyCausalForCausalLM", *, rope_interleav
         raise ConversionError(f"unsupported hf_tiny class {class_name!r}; supported: {', '.join(OUR_CLASSES)}")
     p = OUR_CLASSES[class_name][2]
     layer = f"{p}layers.{{i}}."
+    rules: list = []
+    embed = f"{p}embed_tokens.weight"
+    mtp_layers = range(config.num_nextn_predict_layers) if class_name == "TinyCausalForCausalLM" else range(0)
+    # MTP modules' copies of the embedding and the head (DeepSeek stores one per module; the model shares them)
+    embed_copies = tuple(f"model.layers.{config.num_hidden_layers + k}.embed_tokens.weight" for k in mtp_layers)
+    head_copies = tuple(f"model.layers.{config.num_hidden_layers + k}.shared_head.head.weight" for k in mtp_layers)
+    if class_name == "TinyCausalForCausalLM" and config.tie_word_embeddings:
+        rules.append(Rule((embed, *embed_copies, *head_copies), (embed, "lm_head.weight")))
+    else:
+        rules.append(Rule((embed, *embed_copies), embed))
+    if config.num_local_experts:  # dense and sparse layers differ: rules per layer index
+        for i, kind in enumerate(config.mlp_layer_types):
+            rules += _layer_rules(config, f"{p}layers.{i}.", kind, rope_interleave)
+    else:
+        rules += _layer_rules(config, layer, "dense", rope_interleave)
+    rules.append((f"{p}norm.weight",) * 2)
+    if class_name == "TinyCausalForCausalLM" and not config.tie_word_embeddings:
+        rules.append(Rule(("lm_head.weight", *head_copies), "lm_head.weight"))
+    if class_name == "TinyCausalForSequenceClassification":
+        rules.append(("score.weight", "score.weight"))
+    for k in mtp_layers:
+        rules += _mtp_rules(config, k, rope_interleave)
+    return KeyMap(rules, ignore=IGNORED_BUFFERS)
+
+
+def _layer_rules(config, layer: str, mlp_kind: str, rope_interleave: bool) -> list:
+    """The rules of one decoder layer (layer: its prefix, a template with {i} or a concrete one), the same names on
+    both sides."""
     qkv_bias = config.attention_bias
     out_bias = config.attention_bias if config.attention_output_bias is None else config.attention_output_bias
     rules: list = []
-    embed = f"{p}embed_tokens.weight"
-    if class_name == "TinyCausalForCausalLM" and config.tie_word_embeddings:
-        rules.append(Rule(embed, (embed, "lm_head.weight")))
-    else:
-        rules.append((embed, embed))
     if config.kv_lora_rank is not None:
         rules += deepseek.attention_rules(config, layer, rope_interleave=rope_interleave)
     else:
@@ -127,17 +150,12 @@ def key_map(config, class_name: str = "TinyCausalForCausalLM", *, rope_interleav
         rules.append((f"{layer}self_attn.o_proj.weight",) * 2)
         if out_bias:
             rules.append((f"{layer}self_attn.o_proj.bias",) * 2)
-    if config.num_local_experts:  # dense and sparse layers differ: rules per layer index
+    if mlp_kind == "sparse":
         family = official_family(config)
-        for i, kind in enumerate(config.mlp_layer_types):
-            one_layer = f"{p}layers.{i}."
-            if kind == "sparse":
-                if family == deepseek.MODEL_TYPE:
-                    rules += deepseek.sparse_rules(config, one_layer)
-                else:
-                    rules += moe_rules(config, family, one_layer)
-            else:
-                rules += [(f"{one_layer}mlp.{name}.weight",) * 2 for name in MLP_PROJECTIONS]
+        if family == deepseek.MODEL_TYPE:
+            rules += deepseek.sparse_rules(config, layer)
+        else:
+            rules += moe_rules(config, family, layer)
     else:
         for name in MLP_PROJECTIONS:
             rules.append((f"{layer}mlp.{name}.weight",) * 2)
@@ -148,12 +166,24 @@ def key_map(config, class_name: str = "TinyCausalForCausalLM", *, rope_interleav
         rules.append((f"{layer}{official_name}.weight", f"{layer}{our_name}.weight"))
     if config.qk_norm:
         rules += [(f"{layer}self_attn.q_norm.weight",) * 2, (f"{layer}self_attn.k_norm.weight",) * 2]
-    rules.append((f"{p}norm.weight",) * 2)
-    if class_name == "TinyCausalForCausalLM" and not config.tie_word_embeddings:
-        rules.append(("lm_head.weight", "lm_head.weight"))
-    if class_name == "TinyCausalForSequenceClassification":
-        rules.append(("score.weight", "score.weight"))
-    return KeyMap(rules, ignore=IGNORED_BUFFERS)
+    return rules
+
+
+def _mtp_rules(config, k: int, rope_interleave: bool) -> list:
+    """Multi-Token Prediction module k: stored by DeepSeek as decoder layer num_hidden_layers + k (its block's
+    tensors, plus enorm, hnorm, eh_proj, shared_head.norm, and copies of the embedding and head mapped above);
+    ours is mtp.{k} (mtp.{k}.block the decoder block)."""
+    official = f"model.layers.{config.num_hidden_layers + k}."
+    ours = f"mtp.{k}."
+    kind = "sparse" if config.num_local_experts else "dense"
+    rules = []
+    for rule in _layer_rules(config, official, kind, rope_interleave):
+        rule = rule if isinstance(rule, Rule) else Rule(*rule)
+        target = tuple(key.replace(official, f"{ours}block.", 1) for key in rule.target)
+        rules.append(Rule(rule.source, target, rule.transform, rule.optional))
+    rules += [(f"{official}{name}.weight", f"{ours}{name}.weight") for name in ("enorm", "hnorm", "eh_proj")]
+    rules.append((f"{official}shared_head.norm.weight", f"{ours}norm.weight"))
+    return rules
 
 
 def layer_counts(config) -> int | dict[str, int]:
@@ -697,11 +727,15 @@ class LlamaFamily(CausalFamily):
             if class_name == "TinyCausalForCausalLM" and config.tie_word_embeddings:
                 state = drop_tied_copies(state, "model.embed_tokens.weight", ["lm_head.weight"], src=source.path,
                                          hint=UNTIED_HINT)
+            notes = []
+            if config.num_nextn_predict_layers:
+                config, mtp_note = deepseek.mtp_layers_held(config, state, class_name, src=source.path)
+                notes.append(mtp_note)
             mapping = key_map(config, class_name, rope_interleave=source.raw_config.get("rope_interleave", True))
         official_class = _official_class_name(config, class_name)
         note = f"The official side is {OFFICIAL_NOTES[source.kind]}."
-        return Plan(config, class_name, official_class, mapping, layer_counts(config), state, notes=[note],
-                    tags=(official_family(config),))
+        return Plan(config, class_name, official_class, mapping, layer_counts(config), state,
+                    notes=[note, *([] if source.kind == "meta" else notes)], tags=(official_family(config),))
 
     def official_model(self, source: Source, plan: Plan):
         import transformers
@@ -720,9 +754,11 @@ class LlamaFamily(CausalFamily):
 
     def reverse(self, config, our_class: str, src: Path) -> ReversePlan:
         official_class = _official_class_name(config, our_class)
+        mtp = range(config.num_hidden_layers, config.num_hidden_layers + config.num_nextn_predict_layers)
         return ReversePlan(official_class, official_config_from_causal(config, official_class),
                            key_map(config, our_class), layer_counts(config),
-                           stored_as_loaded=not config.num_local_experts)
+                           stored_as_loaded=not config.num_local_experts,
+                           dropped_by_official=tuple(rf"model\.layers\.{index}\..*" for index in mtp))
 
 
 FAMILY = LlamaFamily()

@@ -78,6 +78,8 @@ class ReversePlan:
     # experts into 3-D tensors when it loads and splits them when it saves): the written folder is then checked
     # by loading it only, not against the class's in-memory names beforehand.
     stored_as_loaded: bool = True
+    # regexes of tensors the official class drops on purpose when it loads (DeepSeek's MTP layers)
+    dropped_by_official: tuple = ()
 
 
 class Family:
@@ -304,7 +306,7 @@ def convert_back(family: Family, src: str | os.PathLike, dst: str | os.PathLike,
         official_class = getattr(transformers, plan.official_class)
         write_official_folder(
             tmp, official_class, plan.official_config, official, src, keep_stored_tied_copies=family.keep_stored_tied_copies,
-            check_in_memory_names=plan.stored_as_loaded,
+            check_in_memory_names=plan.stored_as_loaded, dropped_by_official=plan.dropped_by_official,
         )
     return {"dst": dst, "family": family.name, "architecture": plan.official_class}
 

@@ -200,6 +200,14 @@ class TinyCausalConfig(PretrainedConfig):
     - output_router_logits: return each sparse layer's router logits; with labels the loss then adds
       router_aux_loss_coef times the load-balancing loss. router_jitter_noise: Mixtral's multiplicative input noise
       while training.
+
+    Multi-head Latent Attention (DeepSeek-V2/V3; mla.py), on when kv_lora_rank is set: q_lora_rank (None: no query
+    compression), qk_nope_head_dim + qk_rope_head_dim per query/key head (head_dim is their sum), v_head_dim; the
+    cache holds the kv_lora_rank-wide latent and the shared rotary key. mla_absorb: attend over the latent with
+    the up-projections folded into queries and outputs (same result, no expanded keys).
+
+    Multi-Token Prediction (DeepSeek-V3; mtp.py): num_nextn_predict_layers modules predicting tokens 2 .. D + 1
+    ahead, trained with weight mtp_loss_weight (lambda) and used by generate(use_mtp=True) to draft tokens.
     """
 
     model_type = "hf_tiny_causal"
@@ -271,6 +279,8 @@ class TinyCausalConfig(PretrainedConfig):
         qk_rope_head_dim: int | None = None,
         v_head_dim: int | None = None,
         mla_absorb: bool = False,
+        num_nextn_predict_layers: int = 0,
+        mtp_loss_weight: float = 0.3,
         tie_word_embeddings: bool = False,
         pad_token_id: int | None = None,
         bos_token_id: int | None = 1,
@@ -332,6 +342,14 @@ class TinyCausalConfig(PretrainedConfig):
         layer_types = check_layer_types(owner, layer_types, num_hidden_layers, sliding_window)
         if moe_intermediate_size is None:
             moe_intermediate_size = intermediate_size
+        check_non_negative(owner, "0: no Multi-Token Prediction modules", num_nextn_predict_layers=num_nextn_predict_layers)
+        if isinstance(mtp_loss_weight, bool) or not isinstance(mtp_loss_weight, (int, float)) or mtp_loss_weight < 0:
+            raise ValueError(f"{owner}: mtp_loss_weight must be a number >= 0, got {mtp_loss_weight!r}")
+        if num_nextn_predict_layers and "sliding_attention" in layer_types:
+            raise ValueError(
+                f"{owner}: Multi-Token Prediction modules (num_nextn_predict_layers={num_nextn_predict_layers}) attend "
+                "with full attention; a model with sliding_attention layers is not supported"
+            )
         mlp_layer_types = check_moe_fields(
             owner, init_arguments(locals()), num_hidden_layers, kwargs.pop("first_k_dense_replace", None)
         )
@@ -394,6 +412,9 @@ class TinyCausalConfig(PretrainedConfig):
         )
 
     def is_sparse_layer(self, layer_idx: int) -> bool:
+        """Layers past num_hidden_layers are the MTP modules' blocks: sparse in a MoE model (DeepSeek-V3)."""
+        if layer_idx >= self.num_hidden_layers:
+            return bool(self.num_local_experts)
         return self.mlp_layer_types is not None and self.mlp_layer_types[layer_idx] == "sparse"
 
     def mla_spec(self) -> Optional["MlaSpec"]:

@@ -9,6 +9,7 @@ work by habit. Generation goes through transformers' GenerationMixin and Cache A
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
@@ -28,6 +29,7 @@ from .attention import interface_takes_mask
 from .chunked_loss import linear_cross_entropy, use_chunked_loss
 from .layers import TransformerBlock, build_norm, dropout_if_active
 from .moe import load_balancing_loss
+from .mtp import MtpLayer, mtp_shift_labels, speculative_greedy
 from .masks import AttentionMask, packed_causal_mask, static_cache_mask, segment_ids_from_cu_seq_lens, segment_ids_from_position_ids, self_attention_mask
 from .modeling_base import HfTinyPreTrainedModel
 from .rope import RotaryEmbedding
@@ -402,6 +404,16 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
             return MoeModelOutputWithPast(**fields, router_logits=all_router_logits)
         return BaseModelOutputWithPast(**fields)
 
+    def mtp_mask(self, attention_mask: Optional[torch.Tensor], position_ids: torch.Tensor, batch_size: int, length: int) -> AttentionMask:
+        """The mask of a Multi-Token Prediction block over `length` positions without a cache: the 2-D padding
+        mask's, packed rows' (restarting position_ids), or plain causal; full attention."""
+        device = self.embed_tokens.weight.device
+        if attention_mask is None and position_ids.shape[0] == batch_size:
+            segment_ids = segment_ids_from_position_ids(position_ids)
+            if bool((segment_ids != segment_ids[:, :1]).any()):
+                return packed_causal_mask(segment_ids)
+        return self._build_mask(attention_mask, None, 0, batch_size, length, device, None, layer_idx=0)
+
     def _rotary_for(self, layer_type: str):
         if layer_type == "sliding_attention" and self.sliding_rotary_emb is not None:
             return self.sliding_rotary_emb
@@ -442,6 +454,17 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         )
 
 
+_UNSET = object()  # an argument not given (None is a value: "no eos token")
+
+
+@dataclass
+class MtpCausalLMOutput(MoeCausalLMOutputWithPast):
+    """The causal LM output of a model with Multi-Token Prediction modules: mtp_loss is L_MTP (already weighted by
+    mtp_loss_weight and included in `loss`) when training with labels."""
+
+    mtp_loss: Optional[torch.FloatTensor] = None
+
+
 class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
@@ -452,6 +475,11 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         self.model = TinyCausalModel(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp = None
+        if config.num_nextn_predict_layers:
+            self.mtp = nn.ModuleList(
+                MtpLayer(config, config.num_hidden_layers + k) for k in range(config.num_nextn_predict_layers)
+            )
         self.post_init()
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, inputs_embeds=None, **kwargs):
@@ -552,7 +580,21 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
-        if self.config.num_local_experts:
+        if self.mtp is not None:
+            mtp_loss = None
+            if labels is not None and self.training and self.config.mtp_loss_weight:
+                mtp_loss = self._mtp_loss(
+                    hidden_states, input_ids, inputs_embeds, attention_mask, position_ids, labels, extras, loss_kwargs
+                )
+                loss = loss + mtp_loss
+            aux_loss = self._aux_loss(outputs.router_logits, attention_mask) if self.config.num_local_experts else None
+            if aux_loss is not None and loss is not None:
+                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+            output = MtpCausalLMOutput(
+                **{**fields, "loss": loss}, aux_loss=aux_loss, mtp_loss=mtp_loss,
+                router_logits=getattr(outputs, "router_logits", None),
+            )
+        elif self.config.num_local_experts:
             aux_loss = self._aux_loss(outputs.router_logits, attention_mask)
             if aux_loss is not None and loss is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
@@ -561,6 +603,85 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         else:
             output = CausalLMOutputWithPast(**fields)
         return format_output(output, self.config.return_dict if return_dict is None else return_dict)
+
+    def _mtp_loss(self, hidden_states, input_ids, inputs_embeds, attention_mask, position_ids, labels, extras, loss_kwargs):
+        """L_MTP = mtp_loss_weight / D * sum_k L^k (mtp.py, eq. 21-25): depth k runs on positions 0 .. T-k-1 with the
+        embeddings of tokens k .. T-1 and predicts tokens k+1 .. T (labels, unshifted, -100 ignored)."""
+        if input_ids is None or any(key.startswith("cu_seq_lens") for key in extras):
+            raise ValueError(
+                "the Multi-Token Prediction loss needs input_ids (it embeds tokens t+1 .. t+D) and no cu_seq_lens_*; "
+                "pass input_ids, or set mtp_loss_weight=0"
+            )
+        if attention_mask is not None and (not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2):
+            raise ValueError("the Multi-Token Prediction loss takes a 2-D padding attention_mask (or none)")
+        batch, length = input_ids.shape
+        depths = len(self.mtp)
+        ignore_index = loss_kwargs.get("ignore_index", -100)
+        total = hidden_states.new_zeros(())
+        previous = hidden_states
+        for depth, layer in enumerate(self.mtp, start=1):
+            n = length - depth
+            if n < 1:
+                break
+            positions = torch.arange(n, device=input_ids.device)[None] if position_ids is None else position_ids[..., :n]
+            mask = self.model.mtp_mask(None if attention_mask is None else attention_mask[:, :n], positions, batch, n)
+            rotary = self.model._position_embeddings(previous, positions)["full_attention"]
+            previous = layer(previous[:, :n], self.model._embed(input_ids[:, depth:]), mask, rotary)
+            total = total + linear_cross_entropy(
+                layer.norm(previous), self.lm_head.weight, mtp_shift_labels(labels, depth, ignore_index),
+                bias=self.lm_head.bias, ignore_index=ignore_index,
+                num_items_in_batch=loss_kwargs.get("num_items_in_batch"),
+                softcap=self.config.final_logit_softcapping,
+            )
+        return self.config.mtp_loss_weight / depths * total
+
+    def generate(self, *args, use_mtp: bool = False, **kwargs):
+        """generate(..., use_mtp=True): greedy decoding with the Multi-Token Prediction modules drafting (mtp.py's
+        speculative_greedy), one sequence at a time (left-padded batches are split by attention_mask). Takes
+        input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id; returns the ids like generate() and
+        leaves the acceptance counts in self.mtp_stats. Anything else (sampling, beams) is an error."""
+        if not use_mtp:
+            return super().generate(*args, **kwargs)
+        return self._generate_with_mtp(*args, **kwargs)
+
+    def _generate_with_mtp(self, input_ids=None, attention_mask=None, *, max_new_tokens=None, eos_token_id=_UNSET,
+                           pad_token_id=_UNSET, do_sample=False, num_beams=1, **unsupported):
+        if self.mtp is None:
+            raise ValueError("generate(use_mtp=True) needs Multi-Token Prediction modules; num_nextn_predict_layers=0")
+        if unsupported or do_sample or num_beams != 1:
+            raise ValueError(
+                "generate(use_mtp=True) is greedy self-speculative decoding: do_sample=False and num_beams=1 only, and "
+                f"input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id; got do_sample={do_sample}, "
+                f"num_beams={num_beams}, other arguments {sorted(unsupported)}"
+            )
+        if input_ids is None or input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be a [batch, length] tensor, got {None if input_ids is None else tuple(input_ids.shape)}")
+        generation = self.generation_config
+        max_new_tokens = generation.max_new_tokens if max_new_tokens is None else max_new_tokens
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        # as generate(): an argument given (None included) replaces the generation config's value
+        eos = generation.eos_token_id if eos_token_id is _UNSET else eos_token_id
+        eos_ids = set() if eos is None else ({eos} if isinstance(eos, int) else set(eos))
+        pad = generation.pad_token_id if pad_token_id is _UNSET else pad_token_id
+        if pad is None:
+            pad = min(eos_ids, default=0)
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        rows, self.mtp_stats = [], {"rounds": 0, "drafted": 0, "accepted": 0}
+        for row, mask in zip(input_ids, attention_mask):
+            real = int(mask.sum())
+            if real == 0 or not bool(mask[mask.shape[0] - real :].all()):
+                raise ValueError("generate(use_mtp=True) takes left-padded rows (each row's real tokens last, at least one)")
+            new, stats = speculative_greedy(self, row[mask.shape[0] - real :][None], max_new_tokens, eos_ids)
+            rows.append(new)
+            for key in stats:
+                self.mtp_stats[key] += stats[key]
+        width = max(len(new) for new in rows)
+        tail = torch.full((input_ids.shape[0], width), pad, dtype=input_ids.dtype, device=input_ids.device)
+        for index, new in enumerate(rows):
+            tail[index, : len(new)] = torch.tensor(new, dtype=input_ids.dtype)
+        return torch.cat((input_ids, tail), dim=1)
 
     def _aux_loss(self, router_logits, attention_mask) -> Optional[torch.Tensor]:
         """The load-balancing loss of this forward's tokens; a 2-D padding mask's last columns are those tokens
