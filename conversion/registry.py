@@ -17,6 +17,7 @@ FAMILIES = {
     "albert": "conversion.albert",
     "llama": "conversion.llama",
     "gpt2": "conversion.gpt2",
+    "mpt": "conversion.mpt",
     "phi3": "conversion.phi3",
     "bart": "conversion.bart",
     "t5": "conversion.t5",
@@ -113,7 +114,7 @@ def _encoder_variant_of(raw: dict, src: Path) -> tuple[str, str]:
 
 
 def _causal_variant_of(raw: dict, src: Path) -> tuple[str, str]:
-    """GPT-2 for learned positions, Phi-3 for what only Phi-3 holds (longrope, partial rotary), else the Llama
+    """GPT-2 for learned positions, MPT for ALiBi, Phi-3 for what only Phi-3 holds (longrope, partial rotary), else the Llama
     family (which picks Llama, Mistral, Qwen2, Qwen3 or Gemma 3 from the fields)."""
     from hf_tiny import TinyCausalConfig
 
@@ -123,6 +124,8 @@ def _causal_variant_of(raw: dict, src: Path) -> tuple[str, str]:
     config = hf_tiny_config_from_dict(raw, TinyCausalConfig, src=src)
     if config.position_embedding_type == "learned":
         return "gpt2", "model_type 'hf_tiny_causal' with position_embedding_type 'learned'"
+    if config.position_embedding_type == "alibi":
+        return "mpt", "model_type 'hf_tiny_causal' with position_embedding_type 'alibi'"
     if needs_phi3(config):
         rope = config.rope_parameters_for("full_attention")
         return "phi3", (f"model_type 'hf_tiny_causal' with rope_type {rope['rope_type']!r} and partial_rotary_factor "

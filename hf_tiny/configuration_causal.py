@@ -17,7 +17,7 @@ from .validation import check_probability, check_token_ids, init_arguments, stor
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 MLP_LAYER_TYPES = ("dense", "sparse")
-POSITION_EMBEDDING_TYPES = ("rope", "learned")
+POSITION_EMBEDDING_TYPES = ("rope", "learned", "alibi")
 
 
 def check_layer_types(owner: str, layer_types, num_hidden_layers: int, sliding_window) -> list[str]:
@@ -180,6 +180,8 @@ class TinyCausalConfig(PretrainedConfig):
     - final_logit_softcapping: logits = c * tanh(logits / c) (None: off).
 
     GPT-2 is this block with other choices of its parts:
+    - position_embedding_type "alibi" (BLOOM, MPT; alibi.py): no position embeddings; each head adds -m_h * (i - j) to
+      its scores, slopes m_h from alibi_bias_max (8). norm_bias=False: LayerNorms without bias (MPT).
     - position_embedding_type: "rope" (default) or "learned" (absolute positions added to the token embeddings,
       `embed_positions`, max_position_embeddings of them; no rotation).
     - norm_type: "rmsnorm" (eps rms_norm_eps) or "layernorm" (with bias, eps layer_norm_eps), for every norm.
@@ -256,6 +258,8 @@ class TinyCausalConfig(PretrainedConfig):
         position_embedding_type: str = "rope",
         norm_type: str = "rmsnorm",
         layer_norm_eps: float = 1e-5,
+        norm_bias: bool = True,
+        alibi_bias_max: float = 8.0,
         mlp_gated: bool = True,
         hidden_dropout: float = 0.0,
         embedding_dropout: float = 0.0,
@@ -345,6 +349,13 @@ class TinyCausalConfig(PretrainedConfig):
         check_non_negative(owner, "0: no Multi-Token Prediction modules", num_nextn_predict_layers=num_nextn_predict_layers)
         if isinstance(mtp_loss_weight, bool) or not isinstance(mtp_loss_weight, (int, float)) or mtp_loss_weight < 0:
             raise ValueError(f"{owner}: mtp_loss_weight must be a number >= 0, got {mtp_loss_weight!r}")
+        check_bool(owner, norm_bias=norm_bias)
+        check_positive_number(owner, alibi_bias_max=alibi_bias_max)
+        if num_nextn_predict_layers and position_embedding_type != "rope":
+            raise ValueError(
+                f"{owner}: Multi-Token Prediction modules (num_nextn_predict_layers={num_nextn_predict_layers}) rotate "
+                f"with RoPE; position_embedding_type={position_embedding_type!r} is not supported with them"
+            )
         if num_nextn_predict_layers and "sliding_attention" in layer_types:
             raise ValueError(
                 f"{owner}: Multi-Token Prediction modules (num_nextn_predict_layers={num_nextn_predict_layers}) attend "
@@ -378,6 +389,13 @@ class TinyCausalConfig(PretrainedConfig):
                 rope_parameters, max_position_embeddings=max_position_embeddings, rope_theta=legacy_theta, owner=owner
             )
 
+        if position_embedding_type == "alibi" and rope_parameters != standardize_rope_parameters(
+            None, max_position_embeddings=max_position_embeddings, owner=owner
+        ):
+            raise ValueError(
+                f"{owner}: position_embedding_type='alibi' takes no rotary embeddings (ALiBi replaces them); got "
+                f"rope_parameters={rope_parameters}"
+            )
         if position_embedding_type == "rope":
             rotated = head_dim if kv_lora_rank is None else qk_rope_head_dim
             for params in (rope_parameters.values() if set(rope_parameters) == set(LAYER_TYPES) else (rope_parameters,)):
@@ -461,7 +479,7 @@ class TinyCausalConfig(PretrainedConfig):
             attention_dropout=self.attention_dropout, attention_bias=self.attention_bias,
             attention_output_bias=output_bias, intermediate_size=self.intermediate_size, hidden_act=self.hidden_act,
             mlp_gated=self.mlp_gated, mlp_bias=self.mlp_bias, pre_norm=True, norm_type=self.norm_type,
-            norm_eps=self.norm_eps(), hidden_dropout=self.hidden_dropout, qk_norm=self.qk_norm, causal=True, norm_unit_offset=self.rms_norm_unit_offset, sandwich_norms=self.sandwich_norms,
+            norm_eps=self.norm_eps(), norm_bias=self.norm_bias, hidden_dropout=self.hidden_dropout, qk_norm=self.qk_norm, causal=True, norm_unit_offset=self.rms_norm_unit_offset, sandwich_norms=self.sandwich_norms,
             moe=self.moe_spec() if layer_idx is not None and self.is_sparse_layer(layer_idx) else None,
             mla=self.mla_spec(),
         )

@@ -93,6 +93,7 @@ class BlockSpec:
     qk_norm: bool = False  # RMSNorm over each head's query and key before RoPE (Qwen3, Gemma 3)
     norm_unit_offset: bool = False  # RMSNorms scale by (1 + weight) (Gemma)
     sandwich_norms: bool = False  # pre_norm only: also a norm on each sublayer's output before the add (Gemma 3)
+    norm_bias: bool = True  # LayerNorms with a bias (MPT: without)
     moe: Optional[MoeSpec] = None  # a sparse Mixture-of-Experts feed-forward instead of the dense one
     mla: Optional[MlaSpec] = None  # Multi-head Latent Attention (DeepSeek) instead of the q/k/v projections
 
@@ -215,7 +216,7 @@ class TransformerBlock(GradientCheckpointingLayer):
         self.pre_norm = spec.pre_norm
 
         def norm():
-            return build_norm(spec.norm_type, hidden, spec.norm_eps, unit_offset=spec.norm_unit_offset)
+            return build_norm(spec.norm_type, hidden, spec.norm_eps, unit_offset=spec.norm_unit_offset, bias=spec.norm_bias)
 
         self.has_cross_attention = spec.cross_attention
         self.self_attn = LatentAttention(config, spec, layer_idx) if spec.mla else Attention(config, spec, layer_idx)

@@ -30,7 +30,9 @@ from .chunked_loss import linear_cross_entropy, use_chunked_loss
 from .layers import TransformerBlock, build_norm, dropout_if_active
 from .moe import load_balancing_loss
 from .mtp import MtpLayer, mtp_shift_labels, speculative_greedy
+from .alibi import alibi_bias, alibi_slopes
 from .masks import AttentionMask, packed_causal_mask, static_cache_mask, segment_ids_from_cu_seq_lens, segment_ids_from_position_ids, self_attention_mask
+from .masks import with_position_bias
 from .modeling_base import HfTinyPreTrainedModel
 from .rope import RotaryEmbedding
 from .forward_utils import LayerOutputs, check_token_inputs, format_output, output_flags
@@ -105,21 +107,23 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         learned = config.position_embedding_type == "learned"
         self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size) if learned else None
+        no_rope = config.position_embedding_type != "rope"
         self.embedding_dropout = nn.Dropout(config.embedding_dropout)
         self.layers = nn.ModuleList(
             TransformerBlock(config, config.block_spec(i), i) for i in range(config.num_hidden_layers)
         )
         self.norm = build_norm(
-            config.norm_type, config.hidden_size, config.norm_eps(), unit_offset=config.rms_norm_unit_offset
+            config.norm_type, config.hidden_size, config.norm_eps(), unit_offset=config.rms_norm_unit_offset,
+            bias=config.norm_bias,
         )
         # One rotary module per distinct rope_parameters: `rotary_emb` for full-attention layers (and every layer
         # when the parameters are not keyed by layer type), `sliding_rotary_emb` for sliding layers with their own.
         rotated = config.rotary_head_dim()
-        self.rotary_emb = None if learned else RotaryEmbedding(
+        self.rotary_emb = None if no_rope else RotaryEmbedding(
             config, config.rope_parameters_for("full_attention"), head_dim=rotated
         )
         sliding = config.rope_parameters_for("sliding_attention")
-        own_sliding_rope = not learned and sliding != config.rope_parameters_for("full_attention")
+        own_sliding_rope = not no_rope and sliding != config.rope_parameters_for("full_attention")
         self.sliding_rotary_emb = RotaryEmbedding(config, sliding, head_dim=rotated) if own_sliding_rope else None
         self.gradient_checkpointing = False
         self.post_init()
@@ -338,6 +342,7 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         layer_types = dict.fromkeys(config.layer_types)
         if not interface_takes_mask(config._attn_implementation):
             # vLLM: one row of flattened sequences whose boundaries its attention function knows; no mask is used
+            self._refuse_alibi(f"attn_implementation={config._attn_implementation!r}")
             masks = {layer_type: AttentionMask(None, True) for layer_type in layer_types}
         else:
             segment_ids = self._packed_segments(
@@ -353,12 +358,36 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
                         attention_mask if masks_by_type is None else masks_by_type[layer_type], past_key_values, past_length, batch_size, query_length, device, window,
                         layer_idx=config.layer_types.index(layer_type),
                     )
+            if config.position_embedding_type == "alibi":
+                masks = {
+                    layer_type: self._with_alibi(mask, past_key_values, past_length, query_length, layer_type, inputs_embeds.dtype)
+                    for layer_type, mask in masks.items()
+                }
         position_embeddings = self._position_embeddings(inputs_embeds, position_ids)
         router_logits = self._wants_router_logits(output_router_logits)
         output = self._run_layers(
             inputs_embeds, position_ids, masks, position_embeddings, past_key_values, flags, router_logits=router_logits
         )
         return format_output(output, flags)
+
+    def _with_alibi(self, mask: AttentionMask, past_key_values, past_length, query_length: int, layer_type: str, dtype):
+        """The layer type's mask with ALiBi's distance bias folded in (one float mask; queries are the positions
+        past_length .., keys those the cache holds after the update, _key_layout)."""
+        key_length, key_offset = self._key_layout(
+            past_key_values, past_length, query_length, self.config.layer_types.index(layer_type)
+        )
+        device = self.embed_tokens.weight.device
+        queries = torch.arange(query_length, device=device) + past_length
+        keys = torch.arange(key_length, device=device) + key_offset
+        slopes = alibi_slopes(self.config.num_attention_heads, self.config.alibi_bias_max)
+        return with_position_bias(mask, alibi_bias(slopes, queries, keys), dtype)
+
+    def _refuse_alibi(self, where: str) -> None:
+        if self.config.position_embedding_type == "alibi":
+            raise ValueError(
+                f"ALiBi adds a distance bias to the attention scores through the mask, which {where} does not take; "
+                "use attn_implementation='sdpa' or 'eager'"
+            )
 
     def _wants_router_logits(self, output_router_logits: Optional[bool]) -> bool:
         wanted = self.config.output_router_logits if output_router_logits is None else bool(output_router_logits)
@@ -436,6 +465,7 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         restarting per request, the masks ready per layer type (None when the attention function reads the
         boundaries itself), and the paged cache passed through to the attention function, which stores K/V."""
         config = self.config
+        self._refuse_alibi("continuous batching (a paged cache)")
         check_token_inputs(config, input_ids, inputs_embeds)
         if position_ids is None:
             raise ValueError("continuous batching (a paged `cache`) needs position_ids for the flattened requests")

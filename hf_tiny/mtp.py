@@ -35,7 +35,8 @@ class MtpLayer(nn.Module):
         hidden = config.hidden_size
 
         def norm():
-            return build_norm(config.norm_type, hidden, config.norm_eps(), unit_offset=config.rms_norm_unit_offset)
+            return build_norm(config.norm_type, hidden, config.norm_eps(), unit_offset=config.rms_norm_unit_offset,
+                              bias=config.norm_bias)
 
         self.enorm, self.hnorm = norm(), norm()
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)

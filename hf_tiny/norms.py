@@ -39,9 +39,10 @@ class RMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}{offset}"
 
 
-def build_norm(norm_type: str, hidden_size: int, eps: float, *, unit_offset: bool = False) -> nn.Module:
+def build_norm(norm_type: str, hidden_size: int, eps: float, *, unit_offset: bool = False, bias: bool = True) -> nn.Module:
+    """bias: the LayerNorm's additive bias (MPT's have none); RMSNorm has none anyway."""
     if norm_type == "layernorm":
-        return nn.LayerNorm(hidden_size, eps=eps)
+        return nn.LayerNorm(hidden_size, eps=eps, bias=bias)
     if norm_type == "rmsnorm":
         return RMSNorm(hidden_size, eps=eps, unit_offset=unit_offset)
     raise ValueError(f"unknown norm_type {norm_type!r}; choose one of {list(NORM_TYPES)}")
