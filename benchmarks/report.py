@@ -331,3 +331,12 @@ def render_plot(results: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def write_result(lines: list[str], output: Path) -> Path:
+    """A results page: written to `output` (folders made) and printed."""
+    text = "\n".join(lines) + "\n"
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(text)
+    print(text)
+    return output

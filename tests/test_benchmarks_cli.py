@@ -25,3 +25,28 @@ def test_arguments_parse_when_the_report_dependencies_are_there(monkeypatch):
     monkeypatch.setattr(run, "missing_report_dependencies", lambda: [])
     args = run.parse_args(["--quick", "--device", "cpu"])
     assert args.device == "cpu"
+
+
+def test_kv_cache_benchmark_measures_what_the_shapes_say(tmp_path):
+    """The table's measured bytes come from the cache objects; they must equal the shapes' count (a cache that
+    stored expanded MLA keys would show 2 x 16 x 128 x 2 bytes instead of 1,152)."""
+    from benchmarks import kv_cache
+
+    output = kv_cache.main(["--tokens", "8", "--layers", "1", "--output", str(tmp_path / "kv.md")])
+    rows = [line for line in output.read_text().splitlines() if line.startswith("| M") or line.startswith("| G")]
+    assert len(rows) == 4
+    for row in rows:
+        measured, expected = (cell.strip().replace(",", "") for cell in row.split("|")[2:4])
+        assert float(measured) == float(expected), row
+    assert "| MLA (kv_lora_rank 512, rope 64) | 1,152 |" in output.read_text()
+
+
+def test_mtp_benchmark_runs_end_to_end_and_reports_identical_tokens(tmp_path):
+    from benchmarks import mtp_speculative
+
+    output = mtp_speculative.main([
+        "--steps", "4", "--rows", "16", "--hidden", "32", "--layers", "1", "--new-tokens", "6", "--prompts", "1",
+        "--repeats", "1", "--work-dir", str(tmp_path / "work"), "--output", str(tmp_path / "mtp.md"),
+    ])
+    text = output.read_text()
+    assert "| tokens identical to plain greedy | True |" in text and "speed-up" in text
