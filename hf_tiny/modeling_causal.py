@@ -81,8 +81,8 @@ class TinyCausalPreTrainedModel(HfTinyPreTrainedModel):
         self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, output_attentions,
         output_hidden_states, **packing_kwargs,
     ) -> BaseModelOutputWithPast:
-        """packing_kwargs: the packed / paged extras, and output_router_logits for MoE models."""
-        """A head's run of its base model (self.model), always as a ModelOutput."""
+        """A head's run of its base model (self.model), always as a ModelOutput; packing_kwargs: the packed / paged
+        extras, and output_router_logits for MoE models."""
         return self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
