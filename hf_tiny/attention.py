@@ -762,39 +762,33 @@ def mask_for_interface(
 
 
 class AttentionModule(torch.nn.Module):
-    """What every attention module (layers.Attention, mla.LatentAttention) shares: the call of the attention
-    interface named by `config._attn_implementation`, looked up at every call (so set_attn_implementation works
-    live): one of our backends, or any function in transformers' ALL_ATTENTION_FUNCTIONS (flex_attention,
-    paged|eager, vLLM's, a user's). Subclasses set the attributes those functions read: config, layer_idx,
-    num_key_value_groups, is_causal, scaling, head_dim, dropout."""
+    """What every attention module (layers.Attention, mla.LatentAttention) shares around its call of the attention
+    interface: the mask in the form the named interface takes, and the zeroing of rows that see no key after it.
 
-    def attend(self, query, key, value, attention_mask, output_attentions: bool, attention_kwargs: dict):
-        """q [B, H, S, D], k [B, Hkv, T, D], v [B, Hkv, T, Dv], attention_mask an AttentionMask (or None) ->
-        (output [B, S, H, Dv], weights or None)."""
+    The call itself stays in each module's forward, written `attention_interface = ALL_ATTENTION_FUNCTIONS
+    .get_interface(...)` then one `attention_interface(self, q, k, v, mask, scaling=self.scaling, ...)`: vLLM's
+    Transformers backend finds a model's attention layers by reading exactly that in the forward's source.
+    The interface is looked up at every call (set_attn_implementation works live): one of our backends, or any
+    function in transformers' ALL_ATTENTION_FUNCTIONS (flex_attention, paged|eager, vLLM's, a user's). Subclasses
+    set the attributes those functions read: config, layer_idx, num_key_value_groups, is_causal, scaling, head_dim,
+    dropout."""
+
+    def interface_mask(self, attention_mask, query: torch.Tensor, key: torch.Tensor, attention_kwargs: dict):
+        """(mask, is_causal, visible rows or None) for the interface named by config._attn_implementation, from an
+        AttentionMask (or None); packed rows' segment_ids go into attention_kwargs for our own backends."""
         mask, is_causal, segment_ids = attention_mask if attention_mask is not None else (None, False, None)
         implementation = self.config._attn_implementation
-        if segment_ids is not None:
-            attention_kwargs["segment_ids"] = segment_ids
         visible = None
-        if not is_hf_tiny_backend(implementation):
-            attention_kwargs.pop("segment_ids", None)
-            if interface_takes_mask(implementation):
-                mask, visible = mask_for_interface(implementation, mask, is_causal, query, key.shape[2])
-            else:  # vLLM's function (or another that masks by its own metadata): no mask, as transformers does
-                mask, is_causal = None, self.is_causal
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, None)  # validated at load
-        out, weights = attention_interface(
-            self,
-            query,
-            key,
-            value,
-            mask,
-            scaling=self.scaling,
-            dropout=self.dropout if self.training else 0.0,
-            is_causal=is_causal,
-            output_attentions=output_attentions,
-            **attention_kwargs,
-        )
-        if visible is not None:  # query rows that see no key (padding) give zeros, as in our own backends
-            out = out.masked_fill(~visible[:, 0, :, 0, None, None], 0.0)
-        return out, weights
+        if is_hf_tiny_backend(implementation):
+            if segment_ids is not None:
+                attention_kwargs["segment_ids"] = segment_ids
+        elif interface_takes_mask(implementation):
+            mask, visible = mask_for_interface(implementation, mask, is_causal, query, key.shape[2])
+        else:  # vLLM's function (or another that masks by its own metadata): no mask, as transformers does
+            mask, is_causal = None, self.is_causal
+        return mask, is_causal, visible
+
+    @staticmethod
+    def zero_invisible_rows(out: torch.Tensor, visible: Optional[torch.Tensor]) -> torch.Tensor:
+        """Query rows that see no key (padding) give zeros, as in our own backends; out is [B, S, H, D]."""
+        return out if visible is None else out.masked_fill(~visible[:, 0, :, 0, None, None], 0.0)

@@ -12,7 +12,7 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, EncoderDecoderCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .attention import AttentionModule
+from .attention import ALL_ATTENTION_FUNCTIONS, AttentionModule
 from .masks import AttentionMask
 from .moe import MoeSpec, SparseMoeFeedForward
 from .norms import NORM_TYPES, RMSNorm, build_norm  # noqa: F401  (NORM_TYPES, RMSNorm: imported from here too)
@@ -102,10 +102,8 @@ class Attention(AttentionModule):
     """One attention module for encoder self-attention, causal self-attention and cross-attention.
 
     Owns the projections, RoPE, the KV-cache update and the head reshaping; the math is the attention interface
-    named by `config._attn_implementation`, looked up at every call (so set_attn_implementation works live): one of
-    our backends, or any function in transformers' ALL_ATTENTION_FUNCTIONS (flex_attention, paged|eager, vLLM's,
-    a user's). Those read the attributes transformers' attention modules carry: layer_idx, num_key_value_groups,
-    is_causal, scaling, head_dim, config.
+    named by `config._attn_implementation` (AttentionModule says how it is called). Interfaces read the attributes
+    transformers' attention modules carry: layer_idx, num_key_value_groups, is_causal, scaling, head_dim, config.
     """
 
     def __init__(self, config, spec: BlockSpec, layer_idx: int, *, is_cross_attention: bool = False):
@@ -192,8 +190,22 @@ class Attention(AttentionModule):
         if position_embeddings is not None:
             query = apply_rotary(query, *position_embeddings)
 
-        out, weights = self.attend(query, key, value, attention_mask, output_attentions, attention_kwargs)
-        return self.o_proj(out.reshape(batch, seq_len, -1)), weights
+        mask, is_causal, visible = self.interface_mask(attention_mask, query, key, attention_kwargs)
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+        out, weights = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            mask,
+            scaling=self.scaling,
+            dropout=self.dropout if self.training else 0.0,
+            is_causal=is_causal,
+            output_attentions=output_attentions,
+            **attention_kwargs,
+        )
+        out = self.zero_invisible_rows(out, visible).reshape(batch, seq_len, -1)  # the interface returns [B, S, H, D]
+        return self.o_proj(out), weights
 
 
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from .attention import AttentionModule
+from .attention import ALL_ATTENTION_FUNCTIONS, AttentionModule
 from .norms import RMSNorm
 from .rope import apply_rotary
 
@@ -118,9 +118,7 @@ class LatentAttention(AttentionModule):
             up = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
             w_uk, w_uv = up.split([self.nope_dim, self.v_dim], dim=1)  # [H, nope, rank], [H, v, rank]
             query = torch.cat((torch.einsum("bhsn,hnr->bhsr", q_nope, w_uk), q_rope), dim=-1)
-            key = torch.cat((latent, k_rope), dim=-1)  # one "head" shared by all query heads
-            out, weights = self.attend(query, key, latent, attention_mask, output_attentions, attention_kwargs)
-            out = torch.einsum("bshr,hvr->bshv", out, w_uv)
+            key, value = torch.cat((latent, k_rope), dim=-1), latent  # one "head" shared by all query heads
         else:
             k_nope, value = (
                 self.kv_b_proj(latent[:, 0]).unflatten(-1, (self.num_heads, -1)).transpose(1, 2)
@@ -128,7 +126,23 @@ class LatentAttention(AttentionModule):
             )
             key = torch.cat((k_nope, k_rope.expand(-1, self.num_heads, -1, -1)), dim=-1)
             query = torch.cat((q_nope, q_rope), dim=-1)
-            out, weights = self.attend(query, key, value, attention_mask, output_attentions, attention_kwargs)
+        mask, is_causal, visible = self.interface_mask(attention_mask, query, key, attention_kwargs)
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+        out, weights = attention_interface(
+            self,
+            query,
+            key,
+            value,
+            mask,
+            scaling=self.scaling,
+            dropout=self.dropout if self.training else 0.0,
+            is_causal=is_causal,
+            output_attentions=output_attentions,
+            **attention_kwargs,
+        )
+        out = self.zero_invisible_rows(out, visible)  # [B, S, H, rank] absorbed, [B, S, H, v_head_dim] expanded
+        if self.absorbed:
+            out = torch.einsum("bshr,hvr->bshv", out, w_uv)
         return self.o_proj(out.reshape(batch, seq_len, -1)), weights
 
 

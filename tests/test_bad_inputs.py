@@ -143,7 +143,7 @@ def config_cases():
         ({"layer_types": ["global"] * layers, "sliding_window": 4}, ["layer_types[0]='global'"], "unknown-layer-type"),
         ({"rope_parameters": {"full_attention": {"rope_type": "default"}, "local": {}}},
          ["rope_parameters keyed by layer type", "'local'"], "rope-keyed-by-unknown-type"),
-        ({"position_embedding_type": "alibi"}, ["position_embedding_type", "'alibi'"], "unknown-position-type"),
+        ({"position_embedding_type": "xpos"}, ["position_embedding_type", "'xpos'"], "unknown-position-type"),
         ({"norm_type": "batchnorm"}, ["norm_type", "'batchnorm'"], "unknown-norm-type"),
         ({"norm_type": "layernorm", "rms_norm_unit_offset": True}, ["rms_norm_unit_offset=True", "'layernorm'"],
          "unit-offset-on-layernorm"),

@@ -219,3 +219,30 @@ def test_flex_attention_causal_without_padding_is_causal(static_flex_compilation
         expected = ours(ids).logits
         ours.set_attn_implementation("flex_attention")
         assert max_diff(ours(ids).logits, expected) <= TOLERANCE * max(1.0, float(expected.abs().max()))
+
+
+@pytest.mark.parametrize("module", ["layers.Attention", "mla.LatentAttention"])
+def test_attention_forward_shows_vllm_one_interface_call_in_its_source(module):
+    """vLLM's Transformers backend finds a model's attention layers by reading each module's forward source: a
+    local assigned from ALL_ATTENTION_FUNCTIONS.get_interface(...) and exactly one call of it, with scaling=.
+    Moving that call into a helper method made every vLLM engine refuse the model ("does not dispatch through the
+    Transformers attention interface"); this reads the source the same way (written here, not vLLM's code)."""
+    import ast
+    import importlib
+    import inspect
+    import textwrap
+
+    module_name, class_name = module.split(".")
+    cls = getattr(importlib.import_module(f"hf_tiny.{module_name}"), class_name)
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    names = {
+        target.id
+        for node in ast.walk(tree) if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call)
+        and isinstance(node.value.func, ast.Attribute) and isinstance(node.value.func.value, ast.Name)
+        and node.value.func.value.id == "ALL_ATTENTION_FUNCTIONS"
+        for target in node.targets if isinstance(target, ast.Name)
+    }
+    calls = [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+             and node.func.id in names]
+    assert len(calls) == 1, f"{module}.forward must call the attention interface exactly once, found {len(calls)}"
+    assert [kw.arg for kw in calls[0].keywords if kw.arg == "scaling"] == ["scaling"]
