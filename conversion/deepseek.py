@@ -119,7 +119,7 @@ def fields_from_official(official, *, src) -> dict:
             shared_expert_intermediate_size=shared,
             mlp_layer_types=["dense"] * dense + ["sparse"] * (layers - dense),
             router_aux_loss_coef=0.0,  # DeepSeek-V3 balances with the correction bias; official adds no aux loss
-            output_router_logits=official.output_router_logits,
+            output_router_logits=bool(getattr(official, "output_router_logits", False)),  # a field from transformers 5.2x
         )
     return values
 

@@ -32,6 +32,7 @@ passed as `cache=` (transformers' continuous batching) before the math, as trans
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import weakref
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -631,6 +632,19 @@ def check_backend_can_run(name: str, device: torch.device, dtype: torch.dtype) -
 AttentionInterfaceFn = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 
+def paged_cache_update(cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int, kwargs: dict):
+    """Stores this step's K/V [1, Hkv, S, D] in transformers' PagedAttentionCache and returns the sequences' K/V
+    [1, Hkv, T, D]. Its API changed in transformers 5.2x: it takes the runner's kwargs (updated in place) and returns
+    [1, Hkv, T, D]; before, it took read_index / write_index and returned [T, Hkv, D]."""
+    if "kwargs" in inspect.signature(cache.update).parameters:
+        return cache.update(key_states=key, value_states=value, layer_idx=layer_idx, kwargs=kwargs)
+    key, value = cache.update(
+        key_states=key, value_states=value, layer_idx=layer_idx, read_index=kwargs["read_index"],
+        write_index=kwargs["write_index"],
+    )
+    return key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0)
+
+
 def as_attention_interface(backend: Callable[..., BackendOutput]) -> AttentionInterfaceFn:
     """One of our pure backends in transformers' attention-interface convention (module first, output
     [B, S, H, D]). Keyword arguments it does not use (sliding_window, position_ids, ...) are accepted and ignored:
@@ -641,7 +655,7 @@ def as_attention_interface(backend: Callable[..., BackendOutput]) -> AttentionIn
         output_attentions=False, segment_ids=None, cache=None, **kwargs,
     ):
         if cache is not None:  # a paged cache (continuous batching) stores this step's K/V and returns the sequence's
-            key, value = cache.update(key_states=key, value_states=value, layer_idx=module.layer_idx, kwargs=kwargs)
+            key, value = paged_cache_update(cache, key, value, module.layer_idx, kwargs)
         out, weights = backend(
             query, key, value, attention_mask,
             scale=module.scaling if scaling is None else scaling,

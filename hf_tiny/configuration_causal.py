@@ -403,7 +403,11 @@ class TinyCausalConfig(PretrainedConfig):
                     raise ValueError(f"{owner}: MLA rotates all qk_rope_head_dim={rotated} dimensions; drop partial_rotary_factor")
                 rotary_dim(params, rotated, owner=owner)
         store_init_fields(self, TinyCausalConfig.__init__, locals())
+        # PretrainedConfig.__init__ standardizes rope_parameters itself, differently per transformers version (5.17
+        # adds rope_theta into a dict keyed by layer type, then fails validating it); ours is standardized already.
+        standardized = self.__dict__.pop("rope_parameters")
         super().__init__(**kwargs)
+        self.rope_parameters = standardized
 
     def rope_parameters_for(self, layer_type: str) -> dict:
         """The rope parameters a layer of this type rotates with."""

@@ -55,7 +55,9 @@ PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_
 # transformers' continuous batching (generate_batch) runs the model on all requests' tokens flattened into one row,
 # with a paged cache that the attention function fills (cache=, read_index=, write_index=, block_table=) and the
 # sequence boundaries in cu_seq_lens_* / max_length_* (per layer type); its masks arrive ready (4-D, per layer type).
-PAGED_KWARGS = ("cache", "read_index", "write_index", "block_table", "is_causal", "logits_indices", "logits_processor_args")
+# transformers before 5.2x names the longest sequences max_seqlen_q / max_seqlen_k there (later: max_length_q / _k).
+PAGED_KWARGS = ("cache", "read_index", "write_index", "block_table", "is_causal", "logits_indices", "logits_processor_args",
+                "max_seqlen_q", "max_seqlen_k")
 # Read by continuous batching itself, never by the model (it slices the logits at logits_indices after forward).
 PAGED_RUNNER_ONLY = ("logits_indices", "logits_processor_args", "is_causal")
 # Older transformers versions pass cache_position from generate(); positions come from position_ids / the cache.
