@@ -310,3 +310,38 @@ def test_configs_no_official_moe_class_holds_refuse_to_convert_back(changes, mes
     with pytest.raises(ConversionError, match=message):
         llama.convert_back(tmp_path / "ours", tmp_path / "back")
     assert not (tmp_path / "back").exists()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_gradient_checkpointing_keeps_loss_aux_loss_and_gradients(reentrant):
+    config = TinyCausalConfig(**{**MOE, "output_router_logits": True, "router_aux_loss_coef": 0.5})
+    torch.manual_seed(0)
+    model = hf_tiny.TinyCausalForCausalLM(config).train()
+    ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(1))
+    plain = model(ids, labels=ids)
+    plain.loss.backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    checkpointed = model(ids, labels=ids)
+    checkpointed.loss.backward()
+    assert torch.equal(checkpointed.aux_loss, plain.aux_loss) and torch.equal(checkpointed.loss, plain.loss)
+    assert expected.keys() == {name for name, p in model.named_parameters() if p.grad is not None}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            assert torch.allclose(p.grad, expected[name], atol=1e-7), name
+
+
+def test_lora_reaches_the_experts_by_their_llama_names():
+    from peft import LoraConfig, get_peft_model
+
+    model = hf_tiny.TinyCausalForCausalLM(TinyCausalConfig(**MOE))
+    peft_model = get_peft_model(model, LoraConfig(target_modules=["gate_proj", "up_proj", "down_proj"], r=4))
+    wrapped = {name for name, _ in peft_model.named_modules() if name.endswith(".lora_A")}
+    # 2 layers x 8 experts x 3 projections; the router (mlp.gate) is not a target
+    assert len(wrapped) == 2 * 8 * 3 and not any(".mlp.gate.lora" in name for name in wrapped)
+    ids = torch.randint(0, 32, (2, 5), generator=torch.Generator().manual_seed(0))
+    peft_model(ids, labels=ids).loss.backward()
+    # the experts some token was routed to train their adapters (lora_B starts at zero; its gradient does not)
+    trained = [name for name, p in peft_model.named_parameters() if "lora_B" in name and p.grad is not None and p.grad.abs().sum() > 0]
+    assert len(trained) >= 2 * 2 * 3, trained
