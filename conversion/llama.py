@@ -699,7 +699,8 @@ class LlamaFamily(CausalFamily):
     name = "llama"
     model_types = HF_MODEL_TYPES
     gguf_architectures = GGUF_ARCHITECTURES
-    card_family = "hf_tiny_causal (Llama-style decoder: Llama, Mistral, Qwen2, Qwen3, Gemma 3)"
+    card_family = ("hf_tiny_causal (Llama-style decoder: Llama, Mistral, Qwen2, Qwen3, Gemma 3, Mixtral, Qwen2-MoE, "
+                   "Qwen3-MoE, DeepSeek-V3)")
     tags = ("llama", "causal-lm", "text-generation")
 
     def read(self, src: Path) -> Source:
