@@ -126,3 +126,9 @@ def use_chunked_loss(skip_logits: Optional[bool], labels, *, training: bool, hea
     if skip_logits is None:
         skip_logits = training and labels is not None
     return bool(skip_logits) and plain_linear_head(head)
+
+
+def labels_ahead(labels: torch.Tensor, ahead: int, ignore_index: int = -100) -> torch.Tensor:
+    """The target of position i is token i + ahead of the unshifted labels, for positions 0 .. T - ahead (the last
+    gets ignore_index): ahead=1 is the causal LM's shift; an MTP module of depth k predicts ahead = k + 1."""
+    return torch.nn.functional.pad(labels[..., ahead:], (0, 1), value=ignore_index)

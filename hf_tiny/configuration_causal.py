@@ -11,7 +11,7 @@ from transformers.activations import ACT2FN
 from .moe import ROUTER_SCORINGS
 from .rope import rotary_dim, standardize_rope_parameters
 from .validation import check_bool, check_choice, check_divisible, check_finite_fields, check_non_negative, check_positive
-from .validation import check_positive_number
+from .validation import check_non_negative_number, check_positive_number
 from .validation import check_probability, check_token_ids, init_arguments, store_init_fields
 
 
@@ -82,9 +82,7 @@ def check_moe_fields(owner: str, values: dict, num_hidden_layers: int, first_k_d
         raise ValueError(f"{owner}: shared_expert_gate=True needs shared experts; shared_expert_intermediate_size=0")
     check_positive_number(owner, routed_scaling_factor=values["routed_scaling_factor"])
     check_probability(owner, router_jitter_noise=values["router_jitter_noise"])
-    coefficient = values["router_aux_loss_coef"]
-    if isinstance(coefficient, bool) or not isinstance(coefficient, (int, float)) or coefficient < 0:
-        raise ValueError(f"{owner}: router_aux_loss_coef must be a number >= 0, got {coefficient!r}")
+    check_non_negative_number(owner, router_aux_loss_coef=values["router_aux_loss_coef"])
     if not values["mlp_gated"] or values["mlp_bias"]:
         raise ValueError(
             f"{owner}: MoE experts are gated (SwiGLU) MLPs without biases; num_local_experts={experts} needs "
@@ -347,8 +345,7 @@ class TinyCausalConfig(PretrainedConfig):
         if moe_intermediate_size is None:
             moe_intermediate_size = intermediate_size
         check_non_negative(owner, "0: no Multi-Token Prediction modules", num_nextn_predict_layers=num_nextn_predict_layers)
-        if isinstance(mtp_loss_weight, bool) or not isinstance(mtp_loss_weight, (int, float)) or mtp_loss_weight < 0:
-            raise ValueError(f"{owner}: mtp_loss_weight must be a number >= 0, got {mtp_loss_weight!r}")
+        check_non_negative_number(owner, mtp_loss_weight=mtp_loss_weight)
         check_bool(owner, norm_bias=norm_bias)
         check_positive_number(owner, alibi_bias_max=alibi_bias_max)
         if num_nextn_predict_layers and position_embedding_type != "rope":

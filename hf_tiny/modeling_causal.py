@@ -26,10 +26,10 @@ from transformers.modeling_outputs import (
 
 from .configuration_causal import TinyCausalConfig
 from .attention import interface_takes_mask
-from .chunked_loss import linear_cross_entropy, use_chunked_loss
+from .chunked_loss import labels_ahead, linear_cross_entropy, use_chunked_loss
 from .layers import TransformerBlock, build_norm, dropout_if_active
 from .moe import load_balancing_loss
-from .mtp import MtpLayer, mtp_shift_labels, speculative_greedy
+from .mtp import MtpLayer, speculative_greedy
 from .alibi import alibi_bias, alibi_slopes
 from .masks import AttentionMask, packed_causal_mask, static_cache_mask, segment_ids_from_cu_seq_lens, segment_ids_from_position_ids, self_attention_mask
 from .masks import with_position_bias
@@ -548,7 +548,7 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
     def _chunked_loss(self, hidden_states, labels, *, ignore_index=-100, shift_labels=None, num_items_in_batch=None):
         """transformers' ForCausalLMLoss (labels shifted left, -100 appended) through the chunked head."""
         if shift_labels is None:
-            shift_labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+            shift_labels = labels_ahead(labels, 1, ignore_index)
         return linear_cross_entropy(
             hidden_states,
             self.lm_head.weight,
@@ -612,31 +612,24 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
+        router_logits = getattr(outputs, "router_logits", None)
+        mtp_loss = None
+        if self.mtp is not None and labels is not None and self.training and self.config.mtp_loss_weight:
+            mtp_loss = self._mtp_loss(hidden_states, input_ids, attention_mask, position_ids, labels, extras, loss_kwargs)
+            loss = loss + mtp_loss
+        aux_loss = self._aux_loss(router_logits, attention_mask)
+        if aux_loss is not None and loss is not None:
+            loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+        fields["loss"] = loss
         if self.mtp is not None:
-            mtp_loss = None
-            if labels is not None and self.training and self.config.mtp_loss_weight:
-                mtp_loss = self._mtp_loss(
-                    hidden_states, input_ids, inputs_embeds, attention_mask, position_ids, labels, extras, loss_kwargs
-                )
-                loss = loss + mtp_loss
-            aux_loss = self._aux_loss(outputs.router_logits, attention_mask) if self.config.num_local_experts else None
-            if aux_loss is not None and loss is not None:
-                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
-            output = MtpCausalLMOutput(
-                **{**fields, "loss": loss}, aux_loss=aux_loss, mtp_loss=mtp_loss,
-                router_logits=getattr(outputs, "router_logits", None),
-            )
+            output = MtpCausalLMOutput(**fields, aux_loss=aux_loss, mtp_loss=mtp_loss, router_logits=router_logits)
         elif self.config.num_local_experts:
-            aux_loss = self._aux_loss(outputs.router_logits, attention_mask)
-            if aux_loss is not None and loss is not None:
-                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
-            fields.update(loss=loss, aux_loss=aux_loss, router_logits=outputs.router_logits)
-            output = MoeCausalLMOutputWithPast(**fields)
+            output = MoeCausalLMOutputWithPast(**fields, aux_loss=aux_loss, router_logits=router_logits)
         else:
             output = CausalLMOutputWithPast(**fields)
         return format_output(output, self.config.return_dict if return_dict is None else return_dict)
 
-    def _mtp_loss(self, hidden_states, input_ids, inputs_embeds, attention_mask, position_ids, labels, extras, loss_kwargs):
+    def _mtp_loss(self, hidden_states, input_ids, attention_mask, position_ids, labels, extras, loss_kwargs):
         """L_MTP = mtp_loss_weight / D * sum_k L^k (mtp.py, eq. 21-25): depth k runs on positions 0 .. T-k-1 with the
         embeddings of tokens k .. T-1 and predicts tokens k+1 .. T (labels, unshifted, -100 ignored)."""
         if input_ids is None or any(key.startswith("cu_seq_lens") for key in extras):
@@ -659,11 +652,10 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
             mask = self.model.mtp_mask(None if attention_mask is None else attention_mask[:, :n], positions, batch, n)
             rotary = self.model._position_embeddings(previous, positions)["full_attention"]
             previous = layer(previous[:, :n], self.model._embed(input_ids[:, depth:]), mask, rotary)
-            total = total + linear_cross_entropy(
-                layer.norm(previous), self.lm_head.weight, mtp_shift_labels(labels, depth, ignore_index),
-                bias=self.lm_head.bias, ignore_index=ignore_index,
+            total = total + self._chunked_loss(
+                layer.norm(previous), None, ignore_index=ignore_index,
+                shift_labels=labels_ahead(labels, depth + 1, ignore_index),
                 num_items_in_batch=loss_kwargs.get("num_items_in_batch"),
-                softcap=self.config.final_logit_softcapping,
             )
         return self.config.mtp_loss_weight / depths * total
 

@@ -60,12 +60,6 @@ class MtpLayer(nn.Module):
         return hidden
 
 
-def mtp_shift_labels(labels: torch.Tensor, depth: int, ignore_index: int = -100) -> torch.Tensor:
-    """The targets of depth k at positions 0 .. T-k-1: position i predicts t_{i+k+1}; the last position has none."""
-    targets = labels[:, depth + 1 :]
-    return nn.functional.pad(targets, (0, 1), value=ignore_index)
-
-
 @torch.no_grad()
 def speculative_greedy(model, prompt: torch.Tensor, max_new_tokens: int, eos_token_ids: set) -> tuple[list, dict]:
     """Self-speculative greedy decoding of one sequence (prompt [1, n], no padding): each round the MTP modules
@@ -144,4 +138,4 @@ def _truncate(cache, length: int, layer_idx: int) -> None:
         cache.crop(length - current)
 
 
-__all__ = ["MtpLayer", "mtp_shift_labels", "speculative_greedy"]
+__all__ = ["MtpLayer", "speculative_greedy"]

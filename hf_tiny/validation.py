@@ -27,6 +27,13 @@ def check_positive_number(owner: str, **fields) -> None:
             raise ValueError(f"{owner}: {name} must be a positive number, got {value!r}")
 
 
+def check_non_negative_number(owner: str, **fields) -> None:
+    """Numbers >= 0 (loss weights; 0 turns the term off)."""
+    for name, value in fields.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ValueError(f"{owner}: {name} must be a number >= 0, got {value!r}")
+
+
 def _non_finite(value, path: str):
     """(path, value) of the first NaN / inf float inside value (nested dicts and lists), or None."""
     if isinstance(value, float) and not math.isfinite(value):
