@@ -9,14 +9,20 @@ from .measure import MIB
 from .models import HF_TINY, OFFICIAL
 from .workloads import DECODE, DECODE_COMPILED, PREFILL, TRAIN
 
-# Issue 6 targets: (ratio name, comparison, bound)
+# Issue 17's targets, hf_tiny / official: (ratio name, comparison, bound). Memory of a training step has its own
+# bound (the chunked loss and the recomputed activations); other memory rows must simply not be worse.
 TARGETS = {
-    PREFILL: ("time", "<=", 0.90),
-    TRAIN: ("time", "<=", 0.90),
+    PREFILL: ("time", "<=", 0.95),
+    TRAIN: ("time", "<=", 1.00),
     DECODE: ("tokens/s", ">=", 1.20),
     DECODE_COMPILED: ("tokens/s", ">=", 1.20),
     "memory": ("peak", "<=", 1.00),
+    "memory " + TRAIN: ("peak", "<=", 0.60),
 }
+
+
+def memory_target_key(case: str) -> str:
+    return "memory " + case if "memory " + case in TARGETS else "memory"
 
 
 def _met(ratio: Optional[float], key: str) -> str:
@@ -122,7 +128,8 @@ def _memory_table(results: dict) -> list[str]:
         ratio_text = "—" if ratio is None else f"{ratio:.2f}"
         lines.append(
             f"| {row['model']} | {row['case']} | {row['shape']} | {_mem_cell(row.get(OFFICIAL))} | "
-            f"{_mem_cell(row.get(HF_TINY))} | {ratio_text} | {_target_text('memory')} | {_met(ratio, 'memory')} |"
+            f"{_mem_cell(row.get(HF_TINY))} | {ratio_text} | {_target_text(memory_target_key(row['case']))} | "
+            f"{_met(ratio, memory_target_key(row['case']))} |"
         )
     return lines
 

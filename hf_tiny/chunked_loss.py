@@ -20,6 +20,8 @@ from typing import Optional, Union
 import torch
 from torch.autograd.function import once_differentiable
 
+from .recompute import plain_linear
+
 # Logits elements per chunk (fp32: 32 MiB): large enough that each chunk's matrix product runs at full speed.
 CHUNK_LOGIT_ELEMENTS = 1 << 23
 
@@ -110,14 +112,6 @@ def linear_cross_entropy(
     return _LinearCrossEntropy.apply(hidden, weight, bias, targets, divisor, ignore_index, softcap, chunk)
 
 
-def plain_linear_head(module) -> bool:
-    """The chunked loss reads the head's weight directly: only for a plain nn.Linear holding ordinary tensors (a
-    PEFT-wrapped, quantized or sharded head runs its own forward, so the unchunked path is used)."""
-    if type(module) is not torch.nn.Linear:
-        return False
-    return all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in module.parameters(recurse=False))
-
-
 def use_chunked_loss(skip_logits: Optional[bool], labels, *, training: bool, head) -> bool:
     """An LM head's choice: skip_logits (Liger-Kernel's name) True = the loss without logits, False = logits as
     usual, None = skip while training with labels. Skipping needs labels and a plain linear head."""
@@ -125,7 +119,7 @@ def use_chunked_loss(skip_logits: Optional[bool], labels, *, training: bool, hea
         raise ValueError("skip_logits=True needs labels: without them there is no loss and the logits are the output")
     if skip_logits is None:
         skip_logits = training and labels is not None
-    return bool(skip_logits) and plain_linear_head(head)
+    return bool(skip_logits) and plain_linear(head)  # a PEFT-wrapped, quantized or hooked head: unchunked
 
 
 def labels_ahead(labels: torch.Tensor, ahead: int, ignore_index: int = -100) -> torch.Tensor:

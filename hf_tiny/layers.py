@@ -15,6 +15,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 from .attention import ALL_ATTENTION_FUNCTIONS, AttentionModule
 from .masks import AttentionMask
 from .moe import MoeSpec, SparseMoeFeedForward
+from .recompute import active as recomputing, linear_of_recomputed, regenerable
 from .norms import NORM_TYPES, RMSNorm, build_norm  # noqa: F401  (NORM_TYPES, RMSNorm: imported from here too)
 from .mla import LatentAttention, MlaSpec
 from .rope import apply_rotary
@@ -52,6 +53,8 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Written as vLLM's GLU fuser reads source: act_fn called once, as act_fn(gate(x)) * up(x), so that it
         # runs gate and up as one fused GEMM (gate_up_proj) and the activation-and-multiply as one kernel.
+        if recomputing() and not (self.dropout.training and self.dropout.p > 0):
+            return self._recomputing(x)
         if not self.gated:
             return self._plain(x)
         hidden = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
@@ -59,6 +62,16 @@ class FeedForward(nn.Module):
 
     def _plain(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(dropout_if_active(self.dropout, self.act_fn(self.up_proj(x))))
+
+    def _recomputing(self, x: torch.Tensor) -> torch.Tensor:
+        """Training: the down projection's input (and the activation) recomputed in backward from the gate and up
+        outputs, which are kept (recompute.py)."""
+        if not self.gated:
+            return linear_of_recomputed(self.act_fn, self.down_proj, self.up_proj(x))
+        return linear_of_recomputed(self._glu, self.down_proj, self.gate_proj(x), self.up_proj(x))
+
+    def _glu(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.act_fn(gate) * up
 
 
 @dataclass(frozen=True)
@@ -252,7 +265,8 @@ class TransformerBlock(GradientCheckpointingLayer):
         self.dropout = nn.Dropout(spec.hidden_dropout)
 
     def _sublayer_input(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-        return norm(x) if self.pre_norm else x
+        # Training: the projections after the norm keep "norm(x)" rather than its result (recompute.py).
+        return regenerable(norm, x) if self.pre_norm else x
 
     def _sublayer_output(
         self, residual: torch.Tensor, out: torch.Tensor, norm: nn.Module, output_norm: Optional[nn.Module] = None

@@ -28,6 +28,7 @@ from .configuration_causal import TinyCausalConfig
 from .attention import interface_takes_mask
 from .chunked_loss import labels_ahead, linear_cross_entropy, use_chunked_loss
 from .layers import TransformerBlock, build_norm, dropout_if_active
+from .recompute import lean_forward
 from .moe import load_balancing_loss
 from .mtp import MtpLayer, speculative_greedy
 from .alibi import alibi_bias, alibi_slopes
@@ -280,6 +281,7 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
 
     # ------------------------------------------------------------------------------------------------------------
 
+    @lean_forward
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,

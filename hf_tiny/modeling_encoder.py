@@ -29,6 +29,7 @@ from transformers.utils import ModelOutput
 
 from .configuration_encoder import TinyEncoderConfig
 from .layers import TransformerBlock
+from .recompute import lean_forward
 from .masks import self_attention_mask
 from .modeling_base import HfTinyPreTrainedModel
 from .forward_utils import LayerOutputs, check_token_inputs, format_output, output_flags
@@ -222,6 +223,7 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         hidden = self.dropout(self.embed_norm(hidden))
         return self.embed_projection(hidden) if self.embed_projection is not None else hidden
 
+    @lean_forward
     def forward(
         self,
         input_ids: Optional[torch.Tensor] = None,

@@ -28,6 +28,7 @@ from transformers.modeling_outputs import (
 from .configuration_seq2seq import TinySeq2SeqConfig
 from .chunked_loss import linear_cross_entropy, use_chunked_loss
 from .layers import TransformerBlock, build_norm
+from .recompute import lean_forward
 from .masks import AttentionMask, cross_attention_mask, self_attention_mask, with_position_bias
 from .modeling_base import HfTinyPreTrainedModel
 from .forward_utils import LayerOutputs, OutputFlags, check_token_inputs, format_output, output_flags
@@ -166,6 +167,7 @@ class TinySeq2SeqStack(nn.Module):
         )
         return self.relative_attention_bias(buckets).permute(2, 0, 1)[None]
 
+    @lean_forward
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,

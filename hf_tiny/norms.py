@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .recompute import active as recomputing, recomputed_in_backward
+
 NORM_TYPES = ("layernorm", "rmsnorm")
 
 
@@ -23,13 +25,18 @@ class RMSNorm(nn.Module):
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if recomputing():  # training: keep the input only, not the normalized copy (recompute.py)
+            return recomputed_in_backward(self._normalize, hidden_states, self.weight)
+        return self._normalize(hidden_states, self.weight)
+
+    def _normalize(self, hidden_states: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
         if self.unit_offset:
-            return (hidden_states * (1.0 + self.weight.float())).to(input_dtype)
-        return self.weight * hidden_states.to(input_dtype)
+            return (hidden_states * (1.0 + weight.float())).to(input_dtype)
+        return weight * hidden_states.to(input_dtype)
 
     def reset_weight(self) -> None:
         self.weight.data.fill_(0.0 if self.unit_offset else 1.0)
