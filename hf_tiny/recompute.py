@@ -90,7 +90,7 @@ class _Recipe:
             )
         device_type, autocast_on, autocast_dtype = self.autocast
         with torch.no_grad(), torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
-            return self.module(self.input).contiguous()
+            return self.module.forward(self.input).contiguous()  # hooked modules are never marked
 
 
 class _Regenerated:
@@ -135,9 +135,21 @@ def regenerable(module, input: torch.Tensor) -> torch.Tensor:
     """module(input), marked so that autograd keeps "module(input)" instead of the result (see the module doc).
     module must be deterministic and its result contiguous."""
     output = module(input)
-    if _State.regenerating and active() and output.is_contiguous() and output.data_ptr() != input.data_ptr():
+    if _State.regenerating and active() and not _has_hooks(module) and output.is_contiguous() and (
+        output.data_ptr() != input.data_ptr()
+    ):
         output._hf_tiny_recipe = _Recipe(module, input)
     return output
+
+
+def _has_hooks(module) -> bool:
+    """A hook may change the output or have side effects: such a module's output is kept, not recomputed."""
+    from torch.nn.modules import module as module_globals
+
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
+        or module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks
+    )
 
 
 @contextmanager

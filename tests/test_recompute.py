@@ -196,6 +196,25 @@ def test_functions_pass_gradcheck_in_float64():
     assert torch.autograd.gradcheck(lambda *t: _RecomputedInBackward.apply(rms_norm, *t), (gate, norm_weight))
 
 
+def test_a_hooked_norm_keeps_its_output_and_the_hook_runs_once():
+    model = causal_model("llama")
+    inputs = batch()
+    _, expected = loss_and_grads(model, inputs, keep_all=True)
+    calls = []
+
+    def scale(module, args, output):  # a hook that changes the output: recomputing without it would be wrong
+        calls.append(1)
+        return output * 1.5
+
+    model.model.layers[0].input_layernorm.register_forward_hook(scale)
+    _, reference = loss_and_grads(model, inputs, keep_all=True)
+    calls.clear()
+    _, grads = loss_and_grads(model, inputs, keep_all=False)
+    assert len(calls) == 1
+    assert max(relative(grads[name], reference[name]) for name in grads) <= 1e-6
+    assert max(relative(grads[name], expected[name]) for name in grads) > 1e-3  # the hook matters (control)
+
+
 def test_an_input_changed_in_place_before_backward_is_an_error():
     model = causal_model("llama")
     captured = {}
