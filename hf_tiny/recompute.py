@@ -1,7 +1,7 @@
 """Cheap activations recomputed in backward instead of kept: the training step's activation memory.
 
 A forward with gradients keeps, per layer, whatever each operator's backward needs. For a Llama block at
-SmolLM2's width that is ~87 MiB per 2,048 tokens, and a third of it is element-wise results that cost almost
+SmolLM2's width that is ~87 MiB per 2,048 tokens, and over a third of it is element-wise results that cost almost
 nothing to compute again: the RMSNorm's normalized input, the activation act(gate) and the product act(gate) * up
 that the down projection keeps as its input (each [tokens, intermediate]). Two autograd functions drop those:
 
@@ -21,7 +21,7 @@ stores "norm(x)" instead of h (or of a view of h) wherever autograd saves it, an
 unpacks it (x is kept anyway, by the norm's own backward). It is left off when the caller has saved-tensor hooks of
 its own (torch.autograd.graph.save_on_cpu: ours would replace theirs) and under torch.compile.
 
-The model's layer loop turns this on (`lean_activations`) when gradients are being recorded and gradient
+The model's forward turns this on (`lean_forward`) when gradients are being recorded and gradient
 checkpointing is off (checkpointing already recomputes whole blocks, and its replay must save what its forward
 saved). The modules ask `active()`: a plain bool, so tracing a module outside that loop (vLLM reads the norm's
 and the feed-forward's structure with torch.fx) sees the ordinary code.
@@ -106,14 +106,33 @@ class _Regenerated:
         return self.recipe.value().as_strided(self.size, self.stride, self.offset)
 
 
+class _Kept:
+    """A saved tensor kept as it is, with its version: autograd skips its in-place check for tensors that go
+    through saved-tensor hooks, so the hook does it."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.version = tensor, tensor._version
+
+    def checked(self) -> torch.Tensor:
+        if self.tensor._version != self.version:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"a {tuple(self.tensor.shape)} {self.tensor.dtype} tensor is at version {self.tensor._version}; "
+                f"expected version {self.version} instead"
+            )
+        return self.tensor
+
+
 def _pack(tensor: torch.Tensor):
     base = tensor if tensor._base is None else tensor._base
     recipe = getattr(base, "_hf_tiny_recipe", None)
-    return tensor if recipe is None else _Regenerated(recipe, tensor, base)
+    return _Kept(tensor) if recipe is None else _Regenerated(recipe, tensor, base)
 
 
 def _unpack(packed):
-    return packed.tensor() if isinstance(packed, _Regenerated) else packed
+    return packed.tensor() if isinstance(packed, _Regenerated) else packed.checked()
 
 
 @contextmanager

@@ -226,6 +226,21 @@ def test_an_input_changed_in_place_before_backward_is_an_error():
         loss.backward()
 
 
+def test_an_in_place_change_of_any_saved_tensor_is_still_detected():
+    """Autograd does not check versions of tensors that go through saved-tensor hooks; ours does (the attention
+    output here is kept by o_proj and is not one of the recomputed tensors)."""
+    model = causal_model("llama")
+    captured = {}
+    model.model.layers[0].self_attn.o_proj.register_forward_pre_hook(
+        lambda module, args: captured.__setitem__("attention", args[0])
+    )
+    loss = model(**batch()).loss
+    with torch.no_grad():
+        captured["attention"].mul_(2.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 def test_recomputation_is_off_without_gradients_and_outside_a_model_forward():
     model = causal_model("llama")
     seen = []
