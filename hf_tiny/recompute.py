@@ -49,7 +49,8 @@ def active() -> bool:
 
 @contextmanager
 def lean_activations(enabled: bool) -> Iterator[None]:
-    """Within this context (a model's layer loop) the norms and feed-forwards recompute their cheap activations."""
+    """Within this context (a model's forward, see lean_forward) the norms and feed-forwards recompute their cheap
+    activations."""
     previous = _State.active
     _State.active = enabled
     try:
