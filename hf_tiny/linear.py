@@ -12,8 +12,9 @@ The results equal F.linear's up to the order of the additions (as they do betwee
 different row counts): greedy tokens are unchanged on every model in the tests and benchmarks.
 
 Everything else is nn.Linear's: parameters, state dict, init, and what tools see. PEFT, quantizers and vLLM's
-Transformers backend find it with isinstance(module, nn.Linear) and wrap or replace it as usual; gradients, other
-devices and dtypes, autocast and torch.compile use F.linear.
+Transformers backend find it with isinstance(module, nn.Linear) and wrap or replace it as usual; a forward that
+records gradients (training, or inference outside no_grad / inference_mode), other devices and dtypes, autocast,
+small weights and torch.compile use F.linear.
 """
 
 from __future__ import annotations
@@ -25,42 +26,48 @@ from torch import nn
 # Where the weight-first product wins (benchmarks/few_rows.py, SmolLM2's shapes, 2 threads): for 2 to 128 rows
 # when the weight has at least 8 output rows per input row (k/v's 192-row weights lose from 32 rows on, and above
 # ~128 rows both products are bound by arithmetic, not by reading the weight); for one row when each thread's
-# slice has at least 256 output rows (192 rows in two slices lose).
+# slice has at least 256 output rows (192 rows in two slices lose). Small weights keep F.linear: their product is
+# over before the extra operators pay (the benchmarks' "overhead" model, weights of at most 98,304 elements,
+# decoded 0.85x as fast with it; SmolLM2's smallest weight has 110,592).
 MAX_FEW_ROWS = 128
 MIN_OUTPUTS_PER_ROW = 8
 MIN_SLICE = 256
+MIN_WEIGHT_ELEMENTS = 100_000
 
 
 class Linear(nn.Linear):
-    """nn.Linear; in fp32 CPU inference on few rows it computes the same product weight-first (see above)."""
+    """nn.Linear; in fp32 CPU inference (no gradients recorded) on few rows it computes the same product
+    weight-first (see above)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = _few_rows(self.weight, x)
+        weight = self.weight
+        # Cheapest tests first: this runs at every projection of every decoding step.
+        if (torch.is_grad_enabled() or type(x) is not torch.Tensor or x.dtype is not torch.float32 or not x.is_cpu
+                or weight.numel() < MIN_WEIGHT_ELEMENTS or torch.compiler.is_compiling()):
+            return F.linear(x, weight, self.bias)
+        rows = _few_rows(weight, x)
         if rows:
-            return few_rows_linear(x, self.weight, self.bias, rows)
-        return F.linear(x, self.weight, self.bias)
+            return few_rows_linear(x, weight, self.bias, rows)
+        return F.linear(x, weight, self.bias)
 
 
 def weight_first(out_features: int, rows: int) -> bool:
-    """Whether hf_tiny computes a product of `rows` rows with an [out_features, *] fp32 weight weight-first."""
+    """Whether hf_tiny computes a product of `rows` rows with an [out_features, *] fp32 weight (of at least
+    MIN_WEIGHT_ELEMENTS) weight-first."""
     if rows == 1:
         return _slices_per_thread(out_features) > 1
     return 1 < rows <= MAX_FEW_ROWS and rows * MIN_OUTPUTS_PER_ROW <= out_features
 
 
 def _few_rows(weight: torch.Tensor, x: torch.Tensor) -> int:
-    """The number of rows of x when the weight-first product applies, else 0. Runs at every projection of every
-    step, so the cheapest tests come first (~5 us in all)."""
-    if torch.compiler.is_compiling() or type(x) is not torch.Tensor:  # tracers and tensor subclasses: F.linear
-        return 0
-    if not x.is_cpu or x.dtype != torch.float32 or weight.dtype != torch.float32:
-        return 0
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return 0
-    if type(weight) not in (torch.Tensor, nn.Parameter) or not weight.is_contiguous():  # DTensor, quantized
+    """For a float32 CPU x with no gradients recorded: the number of rows of x when the weight-first product
+    applies, else 0."""
+    if weight.dtype is not torch.float32 or type(weight) not in (torch.Tensor, nn.Parameter):  # DTensor, quantized
         return 0
     shape = x.shape
-    if not shape or shape[-1] != weight.shape[1] or shape[-1] == 0 or torch.is_autocast_enabled("cpu"):
+    if not shape or shape[-1] != weight.shape[1] or shape[-1] == 0 or not weight.is_contiguous():
+        return 0
+    if torch.is_autocast_enabled("cpu"):
         return 0
     rows = x.numel() // shape[-1]
     return rows if weight_first(weight.shape[0], rows) else 0

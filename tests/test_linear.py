@@ -78,8 +78,8 @@ def test_one_row_slices_per_thread(threads, spy, num_threads, out_features, slic
     threads(num_threads)
     assert linear_module._slices_per_thread(out_features) == slices
     torch.manual_seed(0)
-    layer = Linear(64, out_features, bias=True)
-    x = torch.randn(1, 64)
+    layer = Linear(256, out_features, bias=True)
+    x = torch.randn(1, 256)
     ours, official = _error_bound(layer, x)
     assert ours <= 4 * official + 1e-6
     assert len(spy) == (slices > 1)  # one slice: F.linear itself
@@ -87,13 +87,16 @@ def test_one_row_slices_per_thread(threads, spy, num_threads, out_features, slic
 
 def test_taken_only_for_fp32_cpu_inference_on_few_rows(spy, threads):
     threads(2)
-    layer = Linear(32, 1024)
-    x = torch.randn(4, 32)
-    layer(x)  # parameters require grad: training keeps F.linear, so gradients are official's
+    layer = Linear(128, 1024)
+    x = torch.randn(4, 128)
+    layer(x)  # gradients recorded: training keeps F.linear, so gradients are official's
+    layer.requires_grad_(False)
+    layer(x)  # still recorded (frozen weights, as under PEFT): F.linear
     assert spy == []
     with torch.no_grad():
-        layer(torch.randn(MAX_FEW_ROWS + 1, 32))  # compute-bound: F.linear
-        Linear(32, 192)(torch.randn(32, 32))  # fewer than 8 outputs per row: F.linear
+        layer(torch.randn(MAX_FEW_ROWS + 1, 128))  # compute-bound: F.linear
+        Linear(576, 192)(torch.randn(32, 576))  # fewer than 8 outputs per row: F.linear
+        Linear(96, 1024)(torch.randn(4, 96))  # a small weight: F.linear
         layer.to(torch.bfloat16)(x.bfloat16())  # no gain in bf16
         layer.float()
         with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -102,7 +105,7 @@ def test_taken_only_for_fp32_cpu_inference_on_few_rows(spy, threads):
         layer.to_empty(device="cpu")
         assert spy == []
         layer(x)
-        layer(torch.randn(32))
+        layer(torch.randn(128))
     assert spy == [4, 1]
 
 
@@ -119,19 +122,26 @@ def test_is_an_nn_linear_to_tools():
     assert not plain_linear(layer)
 
 
-def test_decoding_with_it_matches_decoding_without(monkeypatch):
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decoding_with_it_matches_decoding_without(monkeypatch, spy, threads, batch):
+    threads(2)
+    # wide enough that q, gate / up / down and the head take the weight-first product (k / v stay F.linear)
     config = TinyCausalConfig(
-        vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=512, hidden_size=384, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=6,
         num_key_value_heads=2, max_position_embeddings=64,
     )
     torch.manual_seed(0)
     model = TinyCausalForCausalLM(config).eval()
-    ids = torch.randint(3, 97, (3, 5))
+    ids = torch.randint(3, 512, (batch, 5))
     kwargs = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
     with torch.no_grad():
         fast = model.generate(ids, **kwargs)
+        assert batch in spy, "decoding steps did not take the weight-first product"
         monkeypatch.setattr(linear_module, "MAX_FEW_ROWS", 0)
+        monkeypatch.setattr(linear_module, "MIN_SLICE", 10**9)
+        spy.clear()
         plain = model.generate(ids, **kwargs)
+        assert spy == []
     assert torch.equal(fast.sequences, plain.sequences)
     for a, b in zip(fast.scores, plain.scores):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
