@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import time
 
 import torch
 import torch.nn.functional as F
 
 from hf_tiny.linear import few_rows_linear, weight_first
+
+from .fusion import best_time
 
 SHAPES = {
     # name: (out_features, in_features, how many in the model)
@@ -31,16 +32,6 @@ SHAPES = {
         "lm_head": (49152, 576, 1),
     },
 }
-
-
-def best_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def measure(out_features: int, in_features: int, count: int, rows: int, repeats: int) -> dict:
