@@ -3,8 +3,8 @@
 Decoding multiplies every weight by a handful of rows (one per sequence in the batch), so its speed is the rate
 at which the products read the weights. On a CPU in fp32, `x @ Wᵀ` (F.linear) does that badly for few rows:
 MKL runs one row on one thread, and 2 to ~100 rows through a skinny-GEMM path that reads weights at half the rate
-or less. The same numbers computed as `W @ xᵀ` (the weight as the product's tall left operand) read it 1.1-4.2x
-faster for 2-16 rows, and one row split into one product per thread (a batched `W_i @ x`) 1.3-1.8x faster.
+or less. The same numbers computed as `W @ xᵀ` (the weight as the product's tall left operand) read it 1.0-4.2x
+faster for 2-16 rows, and one row split into one product per thread (a batched `W_i @ x`) 1.2-2.0x faster.
 Measured per SmolLM2 shape and row count by `python -m benchmarks.few_rows`; the last run is in
 benchmarks/results/few-rows-cpu-*.md. bf16 gains nothing (oneDNN's kernels), so only fp32 takes this path.
 
