@@ -42,12 +42,11 @@ class Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         # Cheapest tests first: this runs at every projection of every decoding step.
-        if (torch.is_grad_enabled() or type(x) is not torch.Tensor or x.dtype is not torch.float32 or not x.is_cpu
-                or weight.numel() < MIN_WEIGHT_ELEMENTS or torch.compiler.is_compiling()):
-            return F.linear(x, weight, self.bias)
-        rows = _few_rows(weight, x)
-        if rows:
-            return few_rows_linear(x, weight, self.bias, rows)
+        if not (torch.is_grad_enabled() or type(x) is not torch.Tensor or x.dtype is not torch.float32
+                or not x.is_cpu or weight.numel() < MIN_WEIGHT_ELEMENTS or torch.compiler.is_compiling()):
+            rows = _few_rows(weight, x)
+            if rows:
+                return few_rows_linear(x, weight, self.bias, rows)
         return F.linear(x, weight, self.bias)
 
 
@@ -65,7 +64,7 @@ def _few_rows(weight: torch.Tensor, x: torch.Tensor) -> int:
     if weight.dtype is not torch.float32 or type(weight) not in (torch.Tensor, nn.Parameter):  # DTensor, quantized
         return 0
     shape = x.shape
-    if not shape or shape[-1] != weight.shape[1] or shape[-1] == 0 or not weight.is_contiguous():
+    if not shape or shape[-1] != weight.shape[1] or not weight.is_contiguous():
         return 0
     if torch.is_autocast_enabled("cpu"):
         return 0
