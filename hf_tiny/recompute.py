@@ -187,11 +187,9 @@ def keep_all_activations() -> Iterator[None]:
 
 def plain_linear(module) -> bool:
     """True for an nn.Linear (or hf_tiny's, linear.py) whose forward is F.linear on ordinary tensors: not another
-    subclass (PEFT, quantized), no hooks (accelerate's device placement replaces forward on the instance), no DTensor /
-    quantized parameters."""
-    if type(module) not in (torch.nn.Linear, Linear) or "forward" in module.__dict__:
-        return False
-    if module._forward_hooks or module._forward_pre_hooks:
+    subclass (PEFT, quantized), no hooks of its own or global ones (accelerate's device placement replaces forward on the
+    instance), no DTensor / quantized parameters."""
+    if type(module) not in (torch.nn.Linear, Linear) or _has_hooks(module):
         return False
     return all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in module.parameters(recurse=False))
 

@@ -161,6 +161,23 @@ def test_chunked_equals_unchunked_loss_with_every_loss_kwarg(tmp_path):
     assert abs(float(model(input_ids=ids, labels=labels, ignore_index=7).loss.detach()) - float(base.detach())) > 1e-3
 
 
+def test_a_global_module_hook_sees_the_head(tmp_path):
+    """A hook registered for every module (torch.nn.modules.module.register_module_forward_hook) must see lm_head
+    run: the chunked loss, which reads the head's weight without calling it, steps aside for it."""
+    model = ours_from(tiny_official("llama"), tmp_path).train()
+    ids = torch.randint(3, 97, (1, 6))
+    assert model(input_ids=ids, labels=ids).logits is None  # control: chunked without the hook
+    seen = []
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda module, args, output: seen.append(module) if module is model.lm_head else None
+    )
+    try:
+        out = model(input_ids=ids, labels=ids)
+    finally:
+        handle.remove()
+    assert seen and out.logits.shape == (1, 6, 97)
+
+
 def test_logits_are_returned_in_eval_and_when_asked(tmp_path):
     model = ours_from(tiny_official("llama"), tmp_path)
     ids = torch.randint(3, 97, (1, 6))
