@@ -3,7 +3,8 @@ step's time goes, hf_tiny and official transformers side by side (same weights, 
 
 Each side runs generate() `--repeats` times unprofiled (the median step time) and once under torch.profiler
 (which slows the Python side, so its shares overstate "outside aten ops" a little); the profile's self times
-are grouped: weight matrix products (aten::mm / addmm: the weights are read here), the attention kernel, copies
+are grouped: weight matrix products (aten::mm / addmm, and bmm / baddbmm outside attention: hf_tiny's one-row
+product; the weights are read here), the attention kernel (with whatever runs inside it), copies
 (the KV cache's cat / index_copy, contiguous), the other aten operators (norms, RoPE, activations, sampling), and
 the rest of the step's wall time outside any aten operator (Python: modules, generate()'s loop, the cache's
 bookkeeping). The weight bytes a step must read divided by the time in the matrix products is the bandwidth those
@@ -26,18 +27,29 @@ from .run import RESULTS_DIR, cpu_model, load_pair
 from .workloads import Shape, build_generate
 
 GROUPS = ("weight matmuls", "attention kernel", "copies", "other aten ops", "outside aten ops")
-MATMULS = ("aten::mm", "aten::addmm")
+# bmm / baddbmm: hf_tiny's one-row product, one slice of the weight per thread (hf_tiny/linear.py)
+WEIGHT_PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 COPIES = ("aten::cat", "aten::index_copy_", "aten::copy_", "aten::clone", "aten::contiguous")
 
 
-def group_of(name: str) -> str:
-    if name in MATMULS:
-        return "weight matmuls"
-    if "scaled_dot_product" in name:
+def group_of(event) -> str:
+    """The group of one profiled aten call (a torch.profiler FunctionEvent): whatever runs inside an attention
+    operator (the math backend's bmm, softmax) is attention, not a weight product."""
+    if _inside_attention(event):
         return "attention kernel"
-    if name in COPIES:
+    if event.name in WEIGHT_PRODUCTS:
+        return "weight matmuls"
+    if event.name in COPIES:
         return "copies"
     return "other aten ops"
+
+
+def _inside_attention(event) -> bool:
+    while event is not None:
+        if "scaled_dot_product" in event.name:
+            return True
+        event = event.cpu_parent
+    return False
 
 
 def profile_generate(fn, steps: int) -> dict:
@@ -48,16 +60,20 @@ def profile_generate(fn, steps: int) -> dict:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     wall_us = (time.perf_counter() - start) * 1e6
-    by_group = dict.fromkeys(GROUPS, 0.0)
-    calls = 0
-    for event in prof.key_averages():
-        if not event.key.startswith("aten::"):
-            continue
-        by_group[group_of(event.key)] += event.self_cpu_time_total
-        calls += event.count
+    by_group = group_self_times(prof.events())
+    calls = sum(1 for event in prof.events() if event.name.startswith("aten::"))
     by_group["outside aten ops"] = max(0.0, wall_us - sum(by_group.values()))
     return {"ms_per_step": {g: us / 1e3 / steps for g, us in by_group.items()}, "aten_calls_per_step": calls / steps,
             "profiled_ms_per_step": wall_us / 1e3 / steps}
+
+
+def group_self_times(events) -> dict:
+    """Self CPU time (µs) of the aten calls among `events`, by group; "outside aten ops" left at 0."""
+    by_group = dict.fromkeys(GROUPS, 0.0)
+    for event in events:
+        if event.name.startswith("aten::"):
+            by_group[group_of(event)] += event.self_cpu_time_total
+    return by_group
 
 
 def main(argv=None) -> str:

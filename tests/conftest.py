@@ -84,6 +84,14 @@ def gemma3_gguf(tmp_path_factory) -> Path:
     return joined
 
 
+@pytest.fixture
+def threads():
+    """torch.set_num_threads for one test, restored after it."""
+    previous = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(previous)
+
+
 @pytest.fixture(scope="module")
 def single_torch_thread():
     """Tiny models gain nothing from intra-op threads, and on a shared 2-core machine OpenMP's spin-waiting makes

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
 
 from benchmarks import run, vllm_rows
 
@@ -88,3 +89,29 @@ def test_mtp_benchmark_runs_end_to_end_and_reports_identical_tokens(tmp_path):
     ])
     text = output.read_text()
     assert "| tokens identical to plain greedy | True |" in text and "speed-up" in text
+
+
+def test_decode_profile_counts_the_one_row_product_as_a_weight_product_and_attention_math_as_attention(threads):
+    """hf_tiny's one-row product is a bmm (one weight slice per thread); the math attention backend runs bmm too.
+    The profile must put the first with the weight products and the second with attention."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks import decode_profile
+    from hf_tiny.linear import Linear
+
+    linear = Linear(512, 1024, bias=False)
+    q = k = v = torch.randn(1, 2, 5, 8)
+    threads(2)
+    with torch.no_grad():
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            linear(torch.randn(1, 1, 512))
+            with sdpa_kernel(SDPBackend.MATH):
+                torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    events = [e for e in prof.events() if e.name.startswith("aten::")]
+    products = [e for e in events if e.name in ("aten::bmm", "aten::baddbmm")]
+    groups = {decode_profile.group_of(e) for e in products}
+    assert groups == {"weight matmuls", "attention kernel"}, [(e.name, decode_profile.group_of(e)) for e in products]
+    by_group = decode_profile.group_self_times(prof.events())
+    assert by_group["weight matmuls"] > 0 and by_group["attention kernel"] > 0 and by_group["outside aten ops"] == 0
+

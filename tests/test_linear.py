@@ -18,13 +18,6 @@ from hf_tiny.recompute import plain_linear
 
 
 @pytest.fixture
-def threads():
-    previous = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture
 def spy(monkeypatch):
     calls = []
 
