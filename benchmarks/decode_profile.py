@@ -22,58 +22,17 @@ from pathlib import Path
 import torch
 
 from . import roofline
+from .measure import GROUPS, profile_groups
 from .models import HF_TINY, MODELS, OFFICIAL
 from .run import RESULTS_DIR, cpu_model, load_pair
 from .workloads import Shape, build_generate
 
-GROUPS = ("weight matmuls", "attention kernel", "copies", "other aten ops", "outside aten ops")
-# bmm / baddbmm: hf_tiny's one-row product, one slice of the weight per thread (hf_tiny/linear.py)
-WEIGHT_PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
-COPIES = ("aten::cat", "aten::index_copy_", "aten::copy_", "aten::clone", "aten::contiguous")
-
-
-def group_of(event) -> str:
-    """The group of one profiled aten call (a torch.profiler FunctionEvent): whatever runs inside an attention
-    operator (the math backend's bmm, softmax) is attention, not a weight product."""
-    if _inside_attention(event):
-        return "attention kernel"
-    if event.name in WEIGHT_PRODUCTS:
-        return "weight matmuls"
-    if event.name in COPIES:
-        return "copies"
-    return "other aten ops"
-
-
-def _inside_attention(event) -> bool:
-    while event is not None:
-        if "scaled_dot_product" in event.name:
-            return True
-        event = event.cpu_parent
-    return False
-
 
 def profile_generate(fn, steps: int) -> dict:
     """Per decode step: ms by group, aten calls; profiled wall time included."""
-    from torch.profiler import ProfilerActivity, profile
-
-    start = time.perf_counter()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    wall_us = (time.perf_counter() - start) * 1e6
-    by_group = group_self_times(prof.events())
-    calls = sum(1 for event in prof.events() if event.name.startswith("aten::"))
-    by_group["outside aten ops"] = max(0.0, wall_us - sum(by_group.values()))
-    return {"ms_per_step": {g: us / 1e3 / steps for g, us in by_group.items()}, "aten_calls_per_step": calls / steps,
-            "profiled_ms_per_step": wall_us / 1e3 / steps}
-
-
-def group_self_times(events) -> dict:
-    """Self CPU time (µs) of the aten calls among `events`, by group; "outside aten ops" left at 0."""
-    by_group = dict.fromkeys(GROUPS, 0.0)
-    for event in events:
-        if event.name.startswith("aten::"):
-            by_group[group_of(event)] += event.self_cpu_time_total
-    return by_group
+    profiled = profile_groups(fn)
+    return {"ms_per_step": {g: profiled[g] / 1e3 / steps for g in GROUPS},
+            "aten_calls_per_step": profiled["aten_calls"] / steps, "profiled_ms_per_step": profiled["wall"] / 1e3 / steps}
 
 
 def main(argv=None) -> str:

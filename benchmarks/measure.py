@@ -138,6 +138,58 @@ def count_aten_ops(fn: Callable[[], object]) -> int:
     return sum(event.count for event in prof.key_averages() if event.key.startswith("aten::"))
 
 
+# Where a step's time goes, by the aten calls' self times (profile_groups).
+GROUPS = ("weight matmuls", "attention kernel", "copies", "other aten ops", "outside aten ops")
+# bmm / baddbmm: hf_tiny's one-row product, one slice of the weight per thread (hf_tiny/linear.py)
+WEIGHT_PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+COPIES = ("aten::cat", "aten::index_copy_", "aten::copy_", "aten::clone", "aten::contiguous")
+
+
+def group_of(event) -> str:
+    """The group of one profiled aten call (a torch.profiler FunctionEvent): whatever runs inside an attention
+    operator (the math backend's bmm, softmax) is attention, not a weight product."""
+    if _inside_attention(event):
+        return "attention kernel"
+    if event.name in WEIGHT_PRODUCTS:
+        return "weight matmuls"
+    if event.name in COPIES:
+        return "copies"
+    return "other aten ops"
+
+
+def _inside_attention(event) -> bool:
+    while event is not None:
+        if "scaled_dot_product" in event.name:
+            return True
+        event = event.cpu_parent
+    return False
+
+
+def group_self_times(events, wall_us: float) -> dict:
+    """Self CPU time (µs) of the aten calls among `events` by group, and as "outside aten ops" the rest of the
+    wall time `wall_us` they were profiled in (Python, at least 0)."""
+    by_group = dict.fromkeys(GROUPS, 0.0)
+    for event in events:
+        if event.name.startswith("aten::"):
+            by_group[group_of(event)] += event.self_cpu_time_total
+    by_group["outside aten ops"] = max(0.0, wall_us - sum(by_group.values()))
+    return by_group
+
+
+def profile_groups(fn: Callable[[], object]) -> dict:
+    """One call of fn under torch.profiler (CPU side): {group: µs} (group_self_times), "wall" (µs, profiled) and
+    "aten_calls". The profiler slows the Python side, so "outside aten ops" is somewhat overstated."""
+    from torch.profiler import ProfilerActivity, profile
+
+    start = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    wall_us = (time.perf_counter() - start) * 1e6
+    events = prof.events()
+    aten_calls = sum(1 for event in events if event.name.startswith("aten::"))
+    return {**group_self_times(events, wall_us), "wall": wall_us, "aten_calls": aten_calls}
+
+
 def count_python_calls(fn: Callable[[], object]) -> int:
     """Python-level function calls (built-ins included) of one call of fn, counted by cProfile; like aten calls,
     a load-independent measure of the interpreter work a call costs."""

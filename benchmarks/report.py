@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Optional
 
 from . import vllm_rows
-from .measure import MIB
+from .measure import GROUPS, MIB
 from .models import HF_TINY, OFFICIAL
 from .workloads import DECODE, DECODE_COMPILED, PREFILL, TRAIN
 
@@ -110,6 +110,21 @@ def _calls_table(results: dict) -> list[str]:
         lines.append(
             f"| {row['model']} | {row['case']}{unit} | {row['shape']} | {cells(calls['aten'])} | {cells(calls['python'])} |"
         )
+    return lines
+
+
+def _step_profile_table(results: dict) -> list[str]:
+    lines = [
+        "| model | shape | side | profiled ms/step | " + " | ".join(GROUPS) + " | weight products GB/s |",
+        "|---|---|---|---|" + "---|" * len(GROUPS) + "---|",
+    ]
+    for row in results["cases"]:
+        for impl, step in (row.get("step_profile") or {}).items():
+            wall = step["wall"]
+            groups = " | ".join(f"{step[g]:.1f} ({step[g] / wall:.0%})" if wall else f"{step[g]:.1f}" for g in GROUPS)
+            products = step["weight matmuls"]
+            rate = f"{row['step_weight_bytes'] / products / 1e6:.1f}" if products else "—"  # bytes / ms -> GB/s
+            lines.append(f"| {row['model']} | {row['shape']} | {impl} | {wall:.1f} | {groups} | {rate} |")
     return lines
 
 
@@ -247,6 +262,17 @@ def render_markdown(results: dict) -> str:
     if any(row.get("calls") for row in results["cases"]):
         out += ["", "## Work per call, independent of machine load (aten calls: torch.profiler; Python calls: cProfile)", ""]
         out += _calls_table(results)
+    profiled = [row for row in results["cases"] if row.get("step_profile")]
+    if profiled:
+        steps = profiled[0]["step_profile_steps"]
+        out += ["", "## Where a decode step's time goes (torch.profiler self times, ms per step)", "",
+                f"A generate of {steps + 1} tokens minus one of 1 token (the prefill drops out), over {steps} steps. "
+                "Weight products: "
+                "aten mm / addmm, and bmm / baddbmm outside attention (hf_tiny's one-row product); the weights read "
+                "per step over their time is the bandwidth those products reach (compare the read bandwidth under "
+                "Roofline). The profiler slows Python, so \"outside aten ops\" is overstated and a profiled step is "
+                "slower than a timed one.", ""]
+        out += _step_profile_table(results)
     if results["memory"]:
         out += ["", f"## Peak memory above the loaded model ({results['memory_method']})", ""]
         out += _memory_table(results)

@@ -237,6 +237,11 @@ def bench_model(name, plan, args, device, dtype, results) -> None:
             }
             if args.ops and case in (PREFILL, DECODE):  # a training step's profile shows autograd, not us
                 row["calls"] = count_ops(case, models, fns, spec.family, shape, device)
+            if args.ops and case == DECODE:
+                row["step_profile"] = profile_decode_step(models, shape, device)
+                row["step_profile_steps"] = PROFILED_STEPS
+                row["step_weight_bytes"] = roofline.generate_bytes(arch, batch=shape.batch, prompt=0, new_tokens=1,
+                                                                   bytes_per_value=bytes_per_value)
             if case == PREFILL:
                 positions = 1 if extra and extra.get("logits_to_keep") == 1 else shape.seq
                 row["flops"] = roofline.forward_flops(arch, shape.batch, shape.seq, logits_positions=positions if arch.causal else 0)
@@ -313,6 +318,20 @@ def count_ops(case, models, fns, family, shape, device) -> dict:
                 short = counter(build_generate(model, shape, device, new_tokens=1))
                 counts[kind][impl] = (long - short) / 8
     return counts
+
+
+PROFILED_STEPS = 16
+
+
+def profile_decode_step(models, shape, device) -> dict:
+    """{impl: {group: ms per decode step}} (measure.GROUPS, and "wall": the profiled step): a generate of
+    PROFILED_STEPS + 1 tokens minus a 1-token one, so the prompt's prefill drops out, divided by PROFILED_STEPS."""
+    steps = {}
+    for impl, model in models.items():
+        long = measure.profile_groups(build_generate(model, shape, device, new_tokens=PROFILED_STEPS + 1))
+        short = measure.profile_groups(build_generate(model, shape, device, new_tokens=1))
+        steps[impl] = {key: max(0.0, long[key] - short[key]) / PROFILED_STEPS / 1e3 for key in (*measure.GROUPS, "wall")}
+    return steps
 
 
 def sweep_backends(device: torch.device, dtype: torch.dtype) -> list[str]:

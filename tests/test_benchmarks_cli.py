@@ -97,7 +97,7 @@ def test_decode_profile_counts_the_one_row_product_as_a_weight_product_and_atten
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.profiler import ProfilerActivity, profile
 
-    from benchmarks import decode_profile
+    from benchmarks import measure
     from hf_tiny.linear import Linear
 
     linear = Linear(512, 1024, bias=False)
@@ -110,8 +110,37 @@ def test_decode_profile_counts_the_one_row_product_as_a_weight_product_and_atten
                 torch.nn.functional.scaled_dot_product_attention(q, k, v)
     events = [e for e in prof.events() if e.name.startswith("aten::")]
     products = [e for e in events if e.name in ("aten::bmm", "aten::baddbmm")]
-    groups = {decode_profile.group_of(e) for e in products}
-    assert groups == {"weight matmuls", "attention kernel"}, [(e.name, decode_profile.group_of(e)) for e in products]
-    by_group = decode_profile.group_self_times(prof.events())
-    assert by_group["weight matmuls"] > 0 and by_group["attention kernel"] > 0 and by_group["outside aten ops"] == 0
+    groups = {measure.group_of(e) for e in products}
+    assert groups == {"weight matmuls", "attention kernel"}, [(e.name, measure.group_of(e)) for e in products]
+    by_group = measure.group_self_times(prof.events(), wall_us=1e9)
+    assert by_group["weight matmuls"] > 0 and by_group["attention kernel"] > 0
+    assert by_group["outside aten ops"] == pytest.approx(1e9 - sum(v for g, v in by_group.items() if g != "outside aten ops"))
+
+
+
+def test_decode_step_profile_in_the_report(threads):
+    """The report's decode-step profile: per side, a step's weight products and attention are found (a model wide
+    enough for hf_tiny's one-row product), and the table shows one row per side with the products' bandwidth."""
+    from benchmarks import report, roofline
+    from benchmarks.workloads import Shape
+    from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM
+
+    threads(2)
+    config = TinyCausalConfig(
+        vocab_size=512, hidden_size=384, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = TinyCausalForCausalLM(config).eval()
+    shape = Shape(batch=1, seq=5, new_tokens=4)
+    steps = run.profile_decode_step({"official": model, "hf_tiny": model}, shape, torch.device("cpu"))
+    for step in steps.values():
+        assert step["weight matmuls"] > 0 and step["attention kernel"] > 0 and step["wall"] > step["weight matmuls"]
+    arch = roofline.Arch.from_config(config, "causal")
+    row = {"model": "tiny", "shape": shape.label(), "step_profile": steps, "step_profile_steps": run.PROFILED_STEPS,
+           "step_weight_bytes": roofline.generate_bytes(arch, batch=1, prompt=0, new_tokens=1, bytes_per_value=4)}
+    lines = report._step_profile_table({"cases": [row]})
+    assert len(lines) == 4 and lines[2].startswith(f"| tiny | {shape.label()} | official |")
+    rate = row["step_weight_bytes"] / steps["hf_tiny"]["weight matmuls"] / 1e6
+    assert lines[3].endswith(f"| {rate:.1f} |")
 
