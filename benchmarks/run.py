@@ -393,7 +393,8 @@ def parse_args(argv=None):
                         help="cpu = process CPU time, steadier on a shared machine; use with --device cpu --threads 1")
     parser.add_argument("--no-memory", dest="memory", action="store_false", help="skip the peak-memory cases")
     parser.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the backend sweep")
-    parser.add_argument("--no-ops", dest="ops", action="store_false", help="skip counting aten operator calls")
+    parser.add_argument("--no-ops", dest="ops", action="store_false",
+                        help="skip counting aten operator and Python calls, and the decode-step profile")
     parser.add_argument("--refresh", action="store_true", help="rebuild the cached official checkpoints")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="results folder")
     parser.add_argument("--note", default="", help="free text recorded in the report (e.g. 'machine under load')")

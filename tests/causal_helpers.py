@@ -76,3 +76,16 @@ def real_logits(model, batch: dict) -> torch.Tensor:
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max())
+
+
+def weight_first_model(seed: int = 0):
+    """A random hf_tiny causal LM (eval mode) wide enough that, decoding on 2 threads, q, gate / up / down and the
+    head take hf_tiny's weight-first product (k / v stay F.linear): hf_tiny/linear.py's thresholds."""
+    from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM
+
+    config = TinyCausalConfig(
+        vocab_size=512, hidden_size=384, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )
+    torch.manual_seed(seed)
+    return TinyCausalForCausalLM(config).eval()

@@ -123,20 +123,15 @@ def test_decode_step_profile_in_the_report(threads):
     enough for hf_tiny's one-row product), and the table shows one row per side with the products' bandwidth."""
     from benchmarks import report, roofline
     from benchmarks.workloads import Shape
-    from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM
+    from causal_helpers import weight_first_model
 
     threads(2)
-    config = TinyCausalConfig(
-        vocab_size=512, hidden_size=384, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = TinyCausalForCausalLM(config).eval()
+    model = weight_first_model()
     shape = Shape(batch=1, seq=5, new_tokens=4)
     steps = run.profile_decode_step({"official": model, "hf_tiny": model}, shape, torch.device("cpu"))
     for step in steps.values():
         assert step["weight matmuls"] > 0 and step["attention kernel"] > 0 and step["wall"] > step["weight matmuls"]
-    arch = roofline.Arch.from_config(config, "causal")
+    arch = roofline.Arch.from_config(model.config, "causal")
     row = {"model": "tiny", "shape": shape.label(), "step_profile": steps, "step_profile_steps": run.PROFILED_STEPS,
            "step_weight_bytes": roofline.generate_bytes(arch, batch=1, prompt=0, new_tokens=1, bytes_per_value=4)}
     lines = report._step_profile_table({"cases": [row]})

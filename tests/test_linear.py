@@ -12,9 +12,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import hf_tiny.linear as linear_module
-from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM
 from hf_tiny.linear import MAX_FEW_ROWS, Linear, few_rows_linear
 from hf_tiny.recompute import plain_linear
+
+from causal_helpers import weight_first_model
 
 
 @pytest.fixture
@@ -118,13 +119,7 @@ def test_is_an_nn_linear_to_tools():
 @pytest.mark.parametrize("batch", [1, 3])
 def test_decoding_with_it_matches_decoding_without(monkeypatch, spy, threads, batch):
     threads(2)
-    # wide enough that q, gate / up / down and the head take the weight-first product (k / v stay F.linear)
-    config = TinyCausalConfig(
-        vocab_size=512, hidden_size=384, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = TinyCausalForCausalLM(config).eval()
+    model = weight_first_model()
     ids = torch.randint(3, 512, (batch, 5))
     kwargs = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
     with torch.no_grad():
