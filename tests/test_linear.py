@@ -133,3 +133,13 @@ def test_decoding_with_it_matches_decoding_without(monkeypatch, spy, threads, ba
     assert torch.equal(fast.sequences, plain.sequences)
     for a, b in zip(fast.scores, plain.scores):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_torch_fx_traces_it():
+    """A symbolic trace sees x and the weight as Proxies: the forward must not branch on them (testing the weight's
+    size before the input's type did, and raised fx's TraceError)."""
+    layer = Linear(576, 576)
+    traced = torch.fx.symbolic_trace(layer)
+    x = torch.randn(3, 576)
+    with torch.no_grad():
+        assert torch.equal(traced(x), F.linear(x, layer.weight, layer.bias))
