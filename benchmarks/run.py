@@ -237,7 +237,7 @@ def bench_model(name, plan, args, device, dtype, results) -> None:
             }
             if args.ops and case in (PREFILL, DECODE):  # a training step's profile shows autograd, not us
                 row["calls"] = count_ops(case, models, fns, spec.family, shape, device)
-            if args.ops and case == DECODE:
+            if args.ops and case == DECODE and device.type == "cpu":  # CPU self times: on a GPU, launch times
                 row["step_profile"] = profile_decode_step(models, shape, device)
                 row["step_profile_steps"] = PROFILED_STEPS
                 row["step_weight_bytes"] = roofline.generate_bytes(arch, batch=shape.batch, prompt=0, new_tokens=1,
