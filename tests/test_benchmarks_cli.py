@@ -117,7 +117,6 @@ def test_decode_profile_counts_the_one_row_product_as_a_weight_product_and_atten
     assert by_group["outside aten ops"] == pytest.approx(1e9 - sum(v for g, v in by_group.items() if g != "outside aten ops"))
 
 
-
 def test_decode_step_profile_in_the_report(threads):
     """The report's decode-step profile: per side, a step's weight products and attention are found (a model wide
     enough for hf_tiny's one-row product), and the table shows one row per side with the products' bandwidth."""
@@ -138,4 +137,3 @@ def test_decode_step_profile_in_the_report(threads):
     assert len(lines) == 4 and lines[2].startswith(f"| tiny | {shape.label()} | official |")
     rate = row["step_weight_bytes"] / steps["hf_tiny"]["weight matmuls"] / 1e6
     assert lines[3].endswith(f"| {rate:.1f} |")
-
