@@ -14,8 +14,11 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .attention import ALL_ATTENTION_FUNCTIONS, AttentionModule
 from .masks import AttentionMask
-from .linear import Linear
+from .linear import Linear, linear_into
 from .moe import MoeSpec, SparseMoeFeedForward
+from .overwrite import (
+    add_into, in_place_activation, inference_scale, mul_into, private_output, uncalled_ok, unhooked, workspace_tensor,
+)
 from .recompute import active as recomputing, linear_of_recomputed, regenerable
 from .norms import NORM_TYPES, RMSNorm, build_norm  # noqa: F401  (NORM_TYPES, RMSNorm: imported from here too)
 from .mla import LatentAttention, MlaSpec
@@ -58,15 +61,46 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if recomputing() and not dropout_active(self.dropout):  # dropout's random mask could not be replayed
             return self._recomputing(x)
-        # Written as vLLM's GLU fuser reads source: act_fn called once, as act_fn(gate(x)) * up(x), so that it
-        # runs gate and up as one fused GEMM (gate_up_proj) and the activation-and-multiply as one kernel.
+        activate_ = self._in_place_activation(x)
+        if activate_ is not None:
+            return self._in_place(x, activate_)
         if not self.gated:
             return self._plain(x)
+        # Written as vLLM's GLU fuser reads source: act_fn, gate_proj and up_proj named once each in this method,
+        # as act_fn(gate(x)) * up(x), so that it runs gate and up as one fused GEMM (gate_up_proj) and the
+        # activation-and-multiply as one kernel. Its fx trace reaches this line (x is a Proxy there).
         hidden = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
         return self.down_proj(dropout_if_active(self.dropout, hidden))
 
     def _plain(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(dropout_if_active(self.dropout, self.act_fn(self.up_proj(x))))
+
+    def _in_place_activation(self, x: torch.Tensor):
+        """The in-place form of act_fn when forward may overwrite its temporaries (inference on many tokens, our
+        own first projection, no hooks: overwrite.py), else None."""
+        # getattr: vLLM's fuser deletes gate_proj and up_proj (and swaps act_fn) in the modules it fuses.
+        first = getattr(self, "gate_proj" if self.gated else "up_proj", None)
+        if inference_scale(x) and private_output(first):
+            return in_place_activation(self.act_fn)
+        return None
+
+    def _in_place(self, x: torch.Tensor, activate_) -> torch.Tensor:
+        """forward() with the activation and the gated product written into the first projection's output."""
+        hidden = activate_(self._project(self.gate_proj if self.gated else self.up_proj, x, "first"))
+        if self.gated:
+            hidden = mul_into(hidden, self._project(self.up_proj, x, "up"))
+        return self.down_proj(dropout_if_active(self.dropout, hidden))
+
+    def _project(self, projection: nn.Module, x: torch.Tensor, name: str) -> torch.Tensor:
+        """projection(x), written into the layer workspace's tensor `name` when one is open and the module call
+        can be skipped: our own Linear, no hook on it nor on the down projection that reads the result."""
+        if type(projection) is Linear and uncalled_ok(projection) and uncalled_ok(self.down_proj):
+            out = workspace_tensor(name, x.numel() // x.shape[-1], projection.out_features, x)
+            if out is not None:
+                product = linear_into(x, projection.weight, projection.bias, out)
+                if product is not None:
+                    return product
+        return projection(x)
 
     def _recomputing(self, x: torch.Tensor) -> torch.Tensor:
         """Training: the down projection's input (and the activation) recomputed in backward from the gate and up
@@ -227,6 +261,17 @@ class Attention(AttentionModule):
 
 
 
+def _output_is_private(out: torch.Tensor, sublayer: nn.Module, output_norm: Optional[nn.Module]) -> bool:
+    """Whether a sublayer's output (after its output norm, if any) may be overwritten by the residual sum: it is
+    the new tensor of our own last projection or norm, and no forward hook was handed it (overwrite.py)."""
+    if not inference_scale(out):
+        return False
+    if output_norm is not None:
+        return type(output_norm) in (RMSNorm, nn.LayerNorm) and unhooked(output_norm)
+    last = getattr(sublayer, "down_proj" if isinstance(sublayer, FeedForward) else "o_proj", None)
+    return unhooked(sublayer) and private_output(last)
+
+
 class TransformerBlock(GradientCheckpointingLayer):
     """Self-attention [+ cross-attention] + feed-forward, each a residual sublayer with its norm (BlockSpec says
     which placement). Norm names follow Llama so tools find them by habit, and each belongs to one sublayer:
@@ -274,11 +319,18 @@ class TransformerBlock(GradientCheckpointingLayer):
         return regenerable(norm, x) if self.pre_norm else x
 
     def _sublayer_output(
-        self, residual: torch.Tensor, out: torch.Tensor, norm: nn.Module, output_norm: Optional[nn.Module] = None
+        self,
+        residual: torch.Tensor,
+        out: torch.Tensor,
+        norm: nn.Module,
+        output_norm: Optional[nn.Module] = None,
+        *,
+        sublayer: nn.Module,
     ) -> torch.Tensor:
         if output_norm is not None:
             out = output_norm(out)
-        x = residual + dropout_if_active(self.dropout, out)
+        out = dropout_if_active(self.dropout, out)
+        x = add_into(out, residual) if _output_is_private(out, sublayer, output_norm) else residual + out
         return x if self.pre_norm else norm(x)
 
     def forward(
@@ -312,7 +364,9 @@ class TransformerBlock(GradientCheckpointingLayer):
             output_attentions=output_attentions,
             **attention_kwargs,
         )
-        hidden_states = self._sublayer_output(hidden_states, attn_out, self.input_layernorm, self.attn_output_layernorm)
+        hidden_states = self._sublayer_output(
+            hidden_states, attn_out, self.input_layernorm, self.attn_output_layernorm, sublayer=self.self_attn
+        )
         cross_weights = None
         if self.has_cross_attention:
             cross_out, cross_weights = self.cross_attn(
@@ -322,12 +376,14 @@ class TransformerBlock(GradientCheckpointingLayer):
                 past_key_values=past_key_values,
                 output_attentions=output_attentions,
             )
-            hidden_states = self._sublayer_output(hidden_states, cross_out, self.cross_attn_layernorm)
+            hidden_states = self._sublayer_output(
+                hidden_states, cross_out, self.cross_attn_layernorm, sublayer=self.cross_attn
+            )
         mlp_out = self.mlp(self._sublayer_input(hidden_states, self.post_attention_layernorm))
         router_logits = None
         if self.is_sparse:
             mlp_out, router_logits = mlp_out
         hidden_states = self._sublayer_output(
-            hidden_states, mlp_out, self.post_attention_layernorm, self.mlp_output_layernorm
+            hidden_states, mlp_out, self.post_attention_layernorm, self.mlp_output_layernorm, sublayer=self.mlp
         )
         return hidden_states, self_weights, cross_weights, router_logits

@@ -19,6 +19,8 @@ small weights and torch.compile use F.linear.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -105,3 +107,28 @@ def _slices_per_thread(out_features: int) -> int:
     while slices > 1 and out_features % slices:
         slices -= 1
     return max(slices, 1)
+
+
+def linear_into(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor) -> Optional[torch.Tensor]:
+    """F.linear(x, weight, bias) written into `out` (contiguous, [rows, out_features]) and returned shaped like
+    F.linear's result: for a contiguous x of more than MAX_FEW_ROWS rows, the addmm / mm that F.linear itself runs
+    on it (so the same numbers as Linear.forward there). None where that is not the product Linear.forward takes:
+    fewer rows, gradients recorded, autocast, a weight that is not a plain tensor."""
+    rows = x.numel() // x.shape[-1]
+    if (
+        rows <= MAX_FEW_ROWS
+        or not x.is_contiguous()
+        or torch.is_grad_enabled()
+        or torch.is_autocast_enabled(x.device.type)
+        or type(weight) not in (torch.Tensor, nn.Parameter)
+        or x.dtype != weight.dtype
+        or out.shape != (rows, weight.shape[0])
+        or out.dtype != x.dtype
+    ):
+        return None
+    flat = x.view(rows, x.shape[-1])
+    if bias is None:
+        torch.mm(flat, weight.t(), out=out)
+    else:
+        torch.addmm(bias, flat, weight.t(), out=out)
+    return out.view(*x.shape[:-1], weight.shape[0])

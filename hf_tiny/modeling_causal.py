@@ -25,6 +25,7 @@ from transformers.modeling_outputs import (
 )
 
 from .configuration_causal import TinyCausalConfig
+from .overwrite import layer_workspace
 from .attention import interface_takes_mask
 from .chunked_loss import labels_ahead, linear_cross_entropy, use_chunked_loss
 from .layers import TransformerBlock, build_norm, dropout_if_active
@@ -410,22 +411,23 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         hidden_states = dropout_if_active(self.embedding_dropout, hidden_states)
         collected = LayerOutputs(flags)
         all_router_logits = () if router_logits else None
-        for layer, layer_type in zip(self.layers, self.config.layer_types):
-            mask = masks[layer_type]
-            collected.add_hidden(hidden_states)
-            hidden_states, attn_weights, _, layer_router_logits = layer(
-                hidden_states,
-                mask.mask,
-                position_embeddings[layer_type],
-                is_causal=mask.is_causal,
-                segment_ids=mask.segment_ids,
-                past_key_values=past_key_values,
-                output_attentions=flags.attentions,
-                **attention_kwargs,
-            )
-            collected.add_attentions(attn_weights)
-            if all_router_logits is not None and layer_router_logits is not None:
-                all_router_logits += (layer_router_logits,)
+        with layer_workspace(hidden_states):
+            for layer, layer_type in zip(self.layers, self.config.layer_types):
+                mask = masks[layer_type]
+                collected.add_hidden(hidden_states)
+                hidden_states, attn_weights, _, layer_router_logits = layer(
+                    hidden_states,
+                    mask.mask,
+                    position_embeddings[layer_type],
+                    is_causal=mask.is_causal,
+                    segment_ids=mask.segment_ids,
+                    past_key_values=past_key_values,
+                    output_attentions=flags.attentions,
+                    **attention_kwargs,
+                )
+                collected.add_attentions(attn_weights)
+                if all_router_logits is not None and layer_router_logits is not None:
+                    all_router_logits += (layer_router_logits,)
         hidden_states = self.norm(hidden_states)
         collected.add_hidden(hidden_states)
         fields = dict(

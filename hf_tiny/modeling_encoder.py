@@ -28,6 +28,7 @@ from transformers.modeling_outputs import (
 from transformers.utils import ModelOutput
 
 from .configuration_encoder import TinyEncoderConfig
+from .overwrite import layer_workspace
 from .layers import TransformerBlock
 from .recompute import lean_forward
 from .masks import self_attention_mask
@@ -248,11 +249,14 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         )
         collected = LayerOutputs(flags)
         collected.add_hidden(hidden_states)
-        for layer in self.layer_passes():
-            # Hidden states positionally: gradient checkpointing (GradientCheckpointingLayer) needs it.
-            hidden_states, attention_weights, _, _ = layer(hidden_states, mask.mask, is_causal=mask.is_causal, output_attentions=flags.attentions)
-            collected.add_hidden(hidden_states)
-            collected.add_attentions(attention_weights)
+        with layer_workspace(hidden_states):
+            for layer in self.layer_passes():
+                # Hidden states positionally: gradient checkpointing (GradientCheckpointingLayer) needs it.
+                hidden_states, attention_weights, _, _ = layer(
+                    hidden_states, mask.mask, is_causal=mask.is_causal, output_attentions=flags.attentions
+                )
+                collected.add_hidden(hidden_states)
+                collected.add_attentions(attention_weights)
 
         output = BaseModelOutputWithPooling(
             last_hidden_state=hidden_states,

@@ -26,6 +26,7 @@ from transformers.modeling_outputs import (
 )
 
 from .configuration_seq2seq import TinySeq2SeqConfig
+from .overwrite import layer_workspace
 from .chunked_loss import linear_cross_entropy, use_chunked_loss
 from .layers import TransformerBlock, build_norm
 from .linear import Linear
@@ -216,20 +217,21 @@ class TinySeq2SeqStack(nn.Module):
             cross_mask = cross_attention_mask(encoder_attention_mask, query_length=seq_len)
 
         collected = LayerOutputs(OutputFlags(output_attentions, output_hidden_states, return_dict), cross_attentions=self.is_decoder)
-        for layer in self.layers:
-            collected.add_hidden(hidden_states)
-            # encoder states are positional so that gradient checkpointing propagates their gradients
-            hidden_states, self_weights, cross_weights, _ = layer(
-                hidden_states,
-                self_mask.mask,
-                None,
-                encoder_hidden_states,
-                None if cross_mask is None else cross_mask.mask,
-                is_causal=self_mask.is_causal,
-                past_key_values=past_key_values,
-                output_attentions=output_attentions,
-            )
-            collected.add_attentions(self_weights, cross_weights)
+        with layer_workspace(hidden_states):
+            for layer in self.layers:
+                collected.add_hidden(hidden_states)
+                # encoder states are positional so that gradient checkpointing propagates their gradients
+                hidden_states, self_weights, cross_weights, _ = layer(
+                    hidden_states,
+                    self_mask.mask,
+                    None,
+                    encoder_hidden_states,
+                    None if cross_mask is None else cross_mask.mask,
+                    is_causal=self_mask.is_causal,
+                    past_key_values=past_key_values,
+                    output_attentions=output_attentions,
+                )
+                collected.add_attentions(self_weights, cross_weights)
         if self.norm is not None:
             hidden_states = self.dropout(self.norm(hidden_states))
         collected.add_hidden(hidden_states)
