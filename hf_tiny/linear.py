@@ -122,6 +122,7 @@ def linear_into(x: torch.Tensor, weight: torch.Tensor, bias, out: torch.Tensor) 
         or torch.is_autocast_enabled(x.device.type)
         or type(weight) not in (torch.Tensor, nn.Parameter)
         or x.dtype != weight.dtype
+        or x.device != weight.device
         or out.shape != (rows, weight.shape[0])
         or out.dtype != x.dtype
     ):

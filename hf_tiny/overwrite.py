@@ -59,9 +59,11 @@ def private_output(module: nn.Module) -> bool:
 
 
 def uncalled_ok(module: nn.Module) -> bool:
-    """Nothing is lost when the module's product is computed without calling the module: no hook of any kind."""
+    """Nothing is lost when the module's product is computed without calling the module: no hook of any kind, and
+    no forward set on the instance (accelerate's offloading hooks wrap it there to bring the weights in)."""
     return (
-        not module._forward_hooks
+        "forward" not in vars(module)
+        and not module._forward_hooks
         and not module._forward_pre_hooks
         and not _global_forward_hooks()
         and not getattr(nn.modules.module, "_global_forward_pre_hooks", {})

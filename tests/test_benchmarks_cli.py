@@ -4,6 +4,7 @@ ModuleNotFoundError for matplotlib after minutes of measurements)."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import pytest
 import torch
@@ -137,3 +138,30 @@ def test_decode_step_profile_in_the_report(threads):
     assert len(lines) == 4 and lines[2].startswith(f"| tiny | {shape.label()} | official |")
     rate = row["step_weight_bytes"] / steps["hf_tiny"]["weight matmuls"] / 1e6
     assert lines[3].endswith(f"| {rate:.1f} |")
+
+
+def test_fresh_process_prefill_times_each_side_in_its_own_interpreter(tmp_path, monkeypatch):
+    from benchmarks import fresh_process
+
+    monkeypatch.setenv("HF_TINY_BENCH_CACHE", str(tmp_path / "cache"))
+    result = fresh_process.measure("overhead", repeats=1, calls=2, threads=1)
+    assert result["shape"] == "4x256"  # the report's causal prefill shape
+    for side in fresh_process.SIDES:
+        assert result[side]["ms"] > 0 and result[side]["faults"] >= 0
+
+
+def test_fresh_process_names_a_failed_side(tmp_path):
+    from benchmarks import fresh_process
+
+    spec = dict(model="overhead", impl="hf_tiny", folder=str(tmp_path / "missing"), calls=1, threads=1)
+    with pytest.raises(RuntimeError, match="hf_tiny process for overhead exited with 1"):
+        fresh_process.run_child(spec)
+
+
+def test_fresh_process_rejects_an_unknown_model(monkeypatch, capsys):
+    from benchmarks import fresh_process
+
+    monkeypatch.setattr(sys, "argv", ["fresh_process", "--models", "minilm,llama1b"])
+    with pytest.raises(SystemExit):
+        fresh_process.main()
+    assert "--models: unknown or not a CPU model: llama1b" in capsys.readouterr().err

@@ -343,3 +343,21 @@ def test_add_and_mul_into_fall_back_where_in_place_would_change_the_result():
     a, b = torch.randn(4, 3), torch.randn(4, 3)
     want = b + a
     assert overwrite.add_into(a, b) is a and torch.equal(a, want)
+
+
+def test_a_projection_with_its_own_forward_is_called_not_bypassed(small_tensors_overwrite):
+    """accelerate's offloading wraps a module's forward on the instance to bring its weights in first: the
+    workspace product must then go through the module."""
+    model = causal_model()
+    calls = []
+    for layer in model.model.layers:
+        projection = layer.mlp.up_proj
+        original = projection.forward
+
+        def wrapped(x, original=original):
+            calls.append(1)
+            return original(x)
+
+        projection.forward = wrapped
+    run(model)
+    assert len(calls) == 2
