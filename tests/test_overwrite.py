@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -50,31 +49,23 @@ def never_overwrite(monkeypatch):
     monkeypatch.setattr(overwrite, "MIN_ELEMENTS", 1 << 62)
 
 
+SIZES = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=128)
+
+
 def causal_model(seed: int = 0, **overrides):
-    config = hf_tiny.TinyCausalConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, **overrides,
-    )
     torch.manual_seed(seed)
-    return hf_tiny.TinyCausalForCausalLM(config).eval()
+    return hf_tiny.TinyCausalForCausalLM(hf_tiny.TinyCausalConfig(**SIZES, num_key_value_heads=2, **overrides)).eval()
 
 
 def encoder_model(seed: int = 0):
-    config = hf_tiny.TinyEncoderConfig(
-        vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
-        max_position_embeddings=128,
-    )
     torch.manual_seed(seed)
-    return hf_tiny.TinyEncoderModel(config).eval()
+    return hf_tiny.TinyEncoderModel(hf_tiny.TinyEncoderConfig(**SIZES)).eval()
 
 
 def seq2seq_model(seed: int = 0):
-    config = hf_tiny.TinySeq2SeqConfig(
-        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        max_position_embeddings=128,
-    )
     torch.manual_seed(seed)
-    return hf_tiny.TinySeq2SeqForConditionalGeneration(config).eval()
+    return hf_tiny.TinySeq2SeqForConditionalGeneration(hf_tiny.TinySeq2SeqConfig(**SIZES)).eval()
 
 
 def ids(seed: int = 1, batch: int = 2, seq: int = ROWS // 2) -> torch.Tensor:
