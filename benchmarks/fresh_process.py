@@ -2,6 +2,8 @@
 
     python -m benchmarks.fresh_process [--models minilm,smollm2] [--repeats 5] [--calls 5] [--threads N]
 
+`python -m benchmarks.run --device cpu` runs the same measurement for its prefill rows (`--no-fresh-process` skips it).
+
 Why beside the interleaved rows of `benchmarks.run`: on a CPU a prefill's time includes the page faults of the
 memory its temporaries are given, and that depends on the state of the allocator, which in one shared process both
 sides and the harness change for each other. glibc maps a block from the OS when it is at least its mmap threshold,
@@ -30,8 +32,7 @@ from pathlib import Path
 import torch
 
 from .models import MODELS, OFFICIAL, official_folder, convert_hf_tiny, load_model
-from .workloads import build_prefill, prefill_kwargs
-from .run import make_plan
+from .workloads import Shape, build_prefill, prefill_kwargs
 
 SIDES = (OFFICIAL, "hf_tiny")
 
@@ -42,8 +43,8 @@ def child(spec: dict) -> dict:
         torch.set_num_threads(spec["threads"])
     model_spec = MODELS[spec["model"]]
     model = load_model(model_spec, spec["impl"], Path(spec["folder"]), dtype=torch.float32,
-                       device=torch.device("cpu"), attn="sdpa")
-    shape = make_plan(torch.device("cpu"), quick=False).prefill[model_spec.family]
+                       device=torch.device("cpu"), attn=spec.get("attn", "sdpa"))
+    shape = Shape(spec["batch"], spec["seq"])
     prefill = build_prefill(model, model_spec.family, shape, torch.device("cpu"), prefill_kwargs({"model": model}))
     prefill()
     seconds, faults = [], []
@@ -53,7 +54,7 @@ def child(spec: dict) -> dict:
         prefill()
         seconds.append(time.perf_counter() - start)
         faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-    return {"seconds": seconds, "faults": faults, "shape": f"{shape.batch}x{shape.seq}"}
+    return {"seconds": seconds, "faults": faults}
 
 
 def run_child(spec: dict) -> dict:
@@ -70,22 +71,43 @@ def run_child(spec: dict) -> dict:
     return json.loads(lines[-1])
 
 
-def measure(model: str, repeats: int, calls: int, threads) -> dict:
-    spec = MODELS[model]
-    official = official_folder(spec)
-    folders = {OFFICIAL: official, "hf_tiny": convert_hf_tiny(spec, official)}
+def measure_folders(model: str, folders: dict, shape: Shape, *, repeats: int, calls: int, threads=None,
+                    attn: str = "sdpa") -> dict:
+    """Per side (folders: {"official": ..., "hf_tiny": ...}): median over `repeats` fresh processes of each one's
+    median prefill time (ms, with the min and max of those) and minor page faults per call."""
     per_side = {side: {"times": [], "faults": []} for side in SIDES}
-    shape = None
     for _ in range(repeats):
         for side in SIDES:
-            result = run_child(dict(model=model, impl=side, folder=str(folders[side]), calls=calls, threads=threads))
+            result = run_child(dict(model=model, impl=side, folder=str(folders[side]), calls=calls, threads=threads,
+                                    attn=attn, batch=shape.batch, seq=shape.seq))
             per_side[side]["times"].append(statistics.median(result["seconds"]))
             per_side[side]["faults"].append(statistics.median(result["faults"]))
-            shape = result["shape"]
     summary = {side: {"ms": 1000 * statistics.median(v["times"]), "ms_min": 1000 * min(v["times"]),
                       "ms_max": 1000 * max(v["times"]), "faults": statistics.median(v["faults"])}
                for side, v in per_side.items()}
-    return {"shape": shape, **summary}
+    return {"model": model, "shape": shape.label(), "repeats": repeats, "calls": calls, **summary}
+
+
+def measure(model: str, repeats: int, calls: int, threads) -> dict:
+    """At the report's prefill shape, from the report's checkpoints (the hf_tiny one converted again)."""
+    from .run import make_plan  # run imports this module
+
+    spec = MODELS[model]
+    official = official_folder(spec)
+    folders = {OFFICIAL: official, "hf_tiny": convert_hf_tiny(spec, official)}
+    shape = make_plan(torch.device("cpu"), quick=False).prefill[spec.family]
+    return measure_folders(model, folders, shape, repeats=repeats, calls=calls, threads=threads)
+
+
+def markdown_rows(results: list) -> list[str]:
+    lines = ["| model | shape | official | hf_tiny | hf_tiny/official | official faults/call | hf_tiny faults/call |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        o, t = r[OFFICIAL], r["hf_tiny"]
+        lines.append(f"| {r['model']} | {r['shape']} | {o['ms']:,.1f} ms [{o['ms_min']:,.0f}–{o['ms_max']:,.0f}] | "
+                     f"{t['ms']:,.1f} ms [{t['ms_min']:,.0f}–{t['ms_max']:,.0f}] | {t['ms'] / o['ms']:.2f} | "
+                     f"{o['faults']:,.0f} | {t['faults']:,.0f} |")
+    return lines
 
 
 def main() -> None:
@@ -108,14 +130,9 @@ def main() -> None:
     print(f"\n`python -m benchmarks.fresh_process --models {args.models} --repeats {args.repeats} --calls {args.calls}`: "
           f"{args.repeats} processes per side, alternating, each timing {args.calls} prefills after one warm-up; "
           "median over processes of each process's median [min–max of those], and minor page faults per call.\n")
-    print("| model | shape | official | hf_tiny | hf_tiny/official | official faults/call | hf_tiny faults/call |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n".join(markdown_rows([])), flush=True)
     for model in models:
-        r = measure(model, args.repeats, args.calls, args.threads)
-        o, t = r[OFFICIAL], r["hf_tiny"]
-        print(f"| {model} | {r['shape']} | {o['ms']:,.1f} ms [{o['ms_min']:,.0f}–{o['ms_max']:,.0f}] | "
-              f"{t['ms']:,.1f} ms [{t['ms_min']:,.0f}–{t['ms_max']:,.0f}] | {t['ms'] / o['ms']:.2f} | "
-              f"{o['faults']:,.0f} | {t['faults']:,.0f} |", flush=True)
+        print(markdown_rows([measure(model, args.repeats, args.calls, args.threads)])[-1], flush=True)
 
 
 if __name__ == "__main__":

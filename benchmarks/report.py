@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
-from . import vllm_rows
+from . import fresh_process, vllm_rows
 from .measure import GROUPS, MIB
 from .models import HF_TINY, OFFICIAL
 from .workloads import DECODE, DECODE_COMPILED, PREFILL, TRAIN
@@ -259,6 +259,15 @@ def render_markdown(results: dict) -> str:
             for r in agreement
         )
         out += ["", f"Greedy tokens identical between the two sides: {text}."]
+    if results.get("fresh_process"):
+        out += ["", "## Prefill with each side alone in a fresh process", "",
+                "Each side timed in its own interpreter (one process per side and repeat, alternating; the median of "
+                "each process's timed calls after one warm-up, then the median over processes), with the minor page "
+                "faults per call. The interleaved rows above share one process, whose allocator state both sides and "
+                "the harness set for each other (glibc's mmap threshold: the GEMM-peak measurement's matrices raise it "
+                "before any row runs); a process that runs only the model, as a user's does, is this one "
+                "(`python -m benchmarks.fresh_process`).", ""]
+        out += fresh_process.markdown_rows(results["fresh_process"])
     if any(row.get("calls") for row in results["cases"]):
         out += ["", "## Work per call, independent of machine load (aten calls: torch.profiler; Python calls: cProfile)", ""]
         out += _calls_table(results)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from . import measure, report, roofline, vllm_rows
+from . import fresh_process, measure, report, roofline, vllm_rows
 from .models import HF_TINY, MODELS, OFFICIAL, align_work, convert_hf_tiny, count_parameters, describe_config
 from .models import dump_json, load_model, official_folder, same_weights_check
 from .workloads import CASES, DECODE, DECODE_COMPILED, PREFILL, TRAIN, Shape, build, build_generate, build_prefill
@@ -256,6 +256,11 @@ def bench_model(name, plan, args, device, dtype, results) -> None:
                     row["token_agreement"] = float((outs[OFFICIAL] == outs[HF_TINY]).float().mean())
             results["cases"].append(row)
             del fns, warm, timings
+            if case == PREFILL and args.fresh_process and spec.roofline and device.type == "cpu" and dtype == torch.float32:
+                log(f"{name}: prefill {shape.label()}, each side in a fresh process")
+                results["fresh_process"].append(fresh_process.measure_folders(
+                    name, folders, shape, repeats=plan.repeats, calls=plan.repeats, threads=args.threads, attn=args.attn
+                ))
             free_memory()
             if args.memory and case != DECODE_COMPILED and (case != DECODE or shape.batch == max(s.batch for s in plan.decode)):
                 log(f"{name}: peak memory of {case} {shape.label()}")
@@ -402,7 +407,12 @@ def parse_args(argv=None):
     parser.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=None,
                         help="also serve SmolLM2 both ways with vLLM (CPU, its own venv, ~8 min; default: on in a full "
                         "CPU run: no --quick, no --cases, smollm2 among the models)")
+    parser.add_argument("--fresh-process", action=argparse.BooleanOptionalAction, default=None,
+                        help="also time the prefill rows of the real models with each side alone in a fresh process, "
+                        "with page faults per call (CPU, fp32; default: on in a CPU run without --quick)")
     args = parser.parse_args(argv)
+    if args.fresh_process is None:
+        args.fresh_process = args.device == "cpu" and not args.quick
     if args.vllm is None:
         args.vllm = (args.device == "cpu" and not args.quick and args.cases is None
                      and (args.models is None or "smollm2" in args.models.split(",")))
@@ -445,7 +455,8 @@ def main(argv=None) -> dict:
     if unknown:
         raise SystemExit(f"error: --models: unknown {unknown}; choose from {sorted(MODELS)}")
 
-    results = {"meta": machine_meta(device, dtype, args, plan), "models": {}, "cases": [], "memory": [], "sweep": None}
+    results = {"meta": machine_meta(device, dtype, args, plan), "models": {}, "cases": [], "memory": [], "sweep": None,
+               "fresh_process": []}
     results["memory_method"] = (
         "torch.cuda.max_memory_allocated during one call (two for a training step), minus memory allocated before"
         if device.type == "cuda"

@@ -165,3 +165,36 @@ def test_fresh_process_rejects_an_unknown_model(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         fresh_process.main()
     assert "--models: unknown or not a CPU model: llama1b" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (["--device", "cpu"], True),
+        (["--device", "cpu", "--cases", "prefill"], True),
+        (["--device", "cpu", "--quick"], False),
+        (["--device", "cpu", "--no-fresh-process"], False),
+    ],
+)
+def test_fresh_process_prefill_is_part_of_a_cpu_run(monkeypatch, argv, expected):
+    monkeypatch.setattr(run, "missing_report_dependencies", lambda: [])
+    assert run.parse_args(argv).fresh_process is expected
+
+
+def test_fresh_process_section_of_the_report():
+    from benchmarks import fresh_process, report
+
+    side = lambda ms, faults: {"ms": ms, "ms_min": ms - 10, "ms_max": ms + 10, "faults": faults}  # noqa: E731
+    results = {
+        "meta": {key: "x" for key in ("device_name", "date", "cores", "threads", "torch", "transformers", "python",
+                                      "git", "mode", "dtype", "attn", "repeats", "warmup", "command")},
+        "models": {}, "cases": [], "memory": [], "sweep": None,
+        "ceilings": {"gemm": {"flops_per_s": 1e11, "n": 2048, "dtype": "float32"},
+                     "bandwidth": {"read_bytes_per_s": 3e10, "copy_bytes_per_s": 2e10, "megabytes": 512}},
+        "fresh_process": [{"model": "smollm2", "shape": "4x256", "official": side(1800.0, 137280),
+                           "hf_tiny": side(1620.0, 9921)}],
+    }
+    text = report.render_markdown(results)
+    assert "## Prefill with each side alone in a fresh process" in text
+    assert "| smollm2 | 4x256 | 1,800.0 ms [1,790–1,810] | 1,620.0 ms [1,610–1,630] | 0.90 | 137,280 | 9,921 |" in text
+    assert fresh_process.markdown_rows([])[0].startswith("| model | shape |")
