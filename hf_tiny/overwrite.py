@@ -13,8 +13,10 @@ Only where nothing can tell the difference:
   another subclass or a torch.fx Proxy), and at least MIN_ELEMENTS (smaller tensors come from glibc's free lists,
   so decoding steps skip the checks below);
 - `private_output(module)`: a module's output is overwritten only when the module is hf_tiny's own `Linear` (a new
-  tensor; PEFT's and vLLM's replacements are left alone) and no forward hook, the module's own or a global one,
-  has been handed it (it might keep it, e.g. to record activations).
+  tensor; PEFT's and vLLM's replacements and a forward set on the instance are left alone) and no forward hook, the
+  module's own or a global one, has been handed it (it might keep it, e.g. to record activations);
+- `uncalled_ok(module)`: the layer workspace (below) computes a projection without calling its module, so there
+  no hook of any kind, pre-hooks included, and no forward on the instance.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ def unhooked(module: nn.Module) -> bool:
 
 
 def private_output(module: nn.Module) -> bool:
-    return type(module) is Linear and unhooked(module)
+    # A forward set on the instance (a wrapper) may return a tensor it keeps.
+    return type(module) is Linear and "forward" not in vars(module) and unhooked(module)
 
 
 def uncalled_ok(module: nn.Module) -> bool:

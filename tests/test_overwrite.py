@@ -352,3 +352,21 @@ def test_a_projection_with_its_own_forward_is_called_not_bypassed(small_tensors_
         projection.forward = wrapped
     run(model)
     assert len(calls) == 2
+
+
+def test_the_output_of_a_wrapped_projection_is_not_overwritten(small_tensors_overwrite):
+    """A forward set on the instance may hand out a tensor it keeps (here: a cache of the last output)."""
+    model = causal_model()
+    kept = []
+    projection = model.model.layers[0].mlp.gate_proj
+    original = projection.forward
+
+    def caching(x):
+        out = original(x)
+        kept.append((out, out.clone()))
+        return out
+
+    projection.forward = caching
+    run(model)
+    (seen, copy), = kept
+    assert torch.equal(seen, copy)
