@@ -17,9 +17,9 @@ from .masks import AttentionMask
 from .linear import Linear, linear_into
 from .moe import MoeSpec, SparseMoeFeedForward
 from .overwrite import (
-    add_into, in_place_activation, inference_scale, mul_into, private_output, uncalled_ok, unhooked, workspace_tensor,
+    add_into, in_place_activation, inference_scale, mul_into, private_output, unhooked, workspace_tensor,
 )
-from .recompute import active as recomputing, linear_of_recomputed, regenerable
+from .recompute import active as recomputing, has_hooks, linear_of_recomputed, regenerable
 from .norms import NORM_TYPES, RMSNorm, build_norm  # noqa: F401  (NORM_TYPES, RMSNorm: imported from here too)
 from .mla import LatentAttention, MlaSpec
 from .rope import apply_rotary
@@ -94,7 +94,7 @@ class FeedForward(nn.Module):
     def _project(self, projection: nn.Module, x: torch.Tensor, name: str) -> torch.Tensor:
         """projection(x), written into the layer workspace's tensor `name` when one is open and the module call
         can be skipped: our own Linear, no hook on it nor on the down projection that reads the result."""
-        if type(projection) is Linear and uncalled_ok(projection) and uncalled_ok(self.down_proj):
+        if type(projection) is Linear and not has_hooks(projection) and not has_hooks(self.down_proj):
             out = workspace_tensor(name, x.numel() // x.shape[-1], projection.out_features, x)
             if out is not None:
                 product = linear_into(x, projection.weight, projection.bias, out)

@@ -15,8 +15,9 @@ Only where nothing can tell the difference:
 - `private_output(module)`: a module's output is overwritten only when the module is hf_tiny's own `Linear` (a new
   tensor; PEFT's and vLLM's replacements and a forward set on the instance are left alone) and no forward hook, the
   module's own or a global one, has been handed it (it might keep it, e.g. to record activations);
-- `uncalled_ok(module)`: the layer workspace (below) computes a projection without calling its module, so there
-  no hook of any kind, pre-hooks included, and no forward on the instance.
+- where a module's work is done without calling it (a projection into the layer workspace below, an activation
+  applied in place), `recompute.has_hooks` is false for it: no hook of any kind, pre-hooks included, and no
+  forward set on the instance.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.modules import module as module_globals
 from transformers import activations
 
 from .linear import Linear
+from .recompute import has_hooks
 
 # 128 KiB of fp32, glibc's smallest threshold for mapping an allocation from the OS.
 MIN_ELEMENTS = 1 << 15
@@ -47,30 +50,14 @@ def inference_scale(tensor: torch.Tensor) -> bool:
     )
 
 
-def _global_forward_hooks() -> dict:
-    return getattr(nn.modules.module, "_global_forward_hooks", {})
-
-
 def unhooked(module: nn.Module) -> bool:
     """No forward hook of the module (nor a global one) sees its output."""
-    return not module._forward_hooks and not _global_forward_hooks()
+    return not module._forward_hooks and not module_globals._global_forward_hooks
 
 
 def private_output(module: nn.Module) -> bool:
     # A forward set on the instance (a wrapper) may return a tensor it keeps.
     return type(module) is Linear and "forward" not in vars(module) and unhooked(module)
-
-
-def uncalled_ok(module: nn.Module) -> bool:
-    """Nothing is lost when the module's product is computed without calling the module: no hook of any kind, and
-    no forward set on the instance (accelerate's offloading hooks wrap it there to bring the weights in)."""
-    return (
-        "forward" not in vars(module)
-        and not module._forward_hooks
-        and not module._forward_pre_hooks
-        and not _global_forward_hooks()
-        and not getattr(nn.modules.module, "_global_forward_pre_hooks", {})
-    )
 
 
 # ---- the layer workspace ---------------------------------------------------------------------------------------
@@ -135,6 +122,7 @@ _SILU = _exact_classes("SiLUActivation") + ((nn.SiLU, nn.SiLU.forward),)
 _GELU = _exact_classes("GELUActivation")
 _GELU_TANH = _exact_classes("GELUTanh", "PytorchGELUTanh")
 _RELU = ((nn.ReLU, nn.ReLU.forward),)
+_TORCH_GELU = ((nn.GELU, nn.GELU.forward),)
 
 
 def _is(act_fn: nn.Module, classes: tuple) -> bool:
@@ -144,8 +132,8 @@ def _is(act_fn: nn.Module, classes: tuple) -> bool:
 
 def in_place_activation(act_fn: nn.Module) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
     """The in-place form of `act_fn` when it computes exactly a torch activation and calling it can be skipped
-    (no hooks on it, no forward of its own); None otherwise."""
-    if act_fn._forward_hooks or act_fn._forward_pre_hooks or "forward" in vars(act_fn) or _global_forward_hooks():
+    (no hooks: recompute.has_hooks); None otherwise."""
+    if has_hooks(act_fn):
         return None
     if _is(act_fn, _SILU):
         return _silu_
@@ -162,7 +150,7 @@ def in_place_activation(act_fn: nn.Module) -> Optional[Callable[[torch.Tensor], 
         and act.keywords == {"approximate": "tanh"}
     ):
         return _gelu_tanh_
-    if type(act_fn) is nn.GELU and type(act_fn).forward is nn.GELU.forward:
+    if _is(act_fn, _TORCH_GELU):
         return _gelu_tanh_ if act_fn.approximate == "tanh" else _gelu_
     return None
 

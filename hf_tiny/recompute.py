@@ -157,15 +157,17 @@ def regenerable(module, input: torch.Tensor) -> torch.Tensor:
     """module(input), marked so that autograd keeps "module(input)" instead of the result (see the module doc).
     module must be deterministic and its result contiguous."""
     output = module(input)
-    if _State.regenerating and active() and not _has_hooks(module) and output.is_contiguous() and (
+    if _State.regenerating and active() and not has_hooks(module) and output.is_contiguous() and (
         output.data_ptr() != input.data_ptr()
     ):
         output._hf_tiny_recipe = _Recipe(module, input)
     return output
 
 
-def _has_hooks(module) -> bool:
-    """A hook may change the output or have side effects: such a module's output is kept, not recomputed."""
+def has_hooks(module) -> bool:
+    """A hook of any kind, pre-hooks and global ones included, or a forward set on the instance (a wrapper, e.g.
+    accelerate's offloading): the module must be called, and what it returns may be kept or changed by them. Its
+    output is then kept, not recomputed, and never overwritten or computed without the call (overwrite.py)."""
     from torch.nn.modules import module as module_globals
 
     return bool(
@@ -189,7 +191,7 @@ def plain_linear(module) -> bool:
     """True for an nn.Linear (or hf_tiny's, linear.py) whose forward is F.linear on ordinary tensors: not another
     subclass (PEFT, quantized), no hooks of its own or global ones (accelerate's device placement replaces forward on the
     instance), no DTensor / quantized parameters."""
-    if type(module) not in (torch.nn.Linear, Linear) or _has_hooks(module):
+    if type(module) not in (torch.nn.Linear, Linear) or has_hooks(module):
         return False
     return all(type(p) in (torch.Tensor, torch.nn.Parameter) for p in module.parameters(recurse=False))
 

@@ -226,6 +226,18 @@ def test_a_global_forward_hook_turns_it_off(small_tensors_overwrite):
     assert "silu_" not in ops and "add_" not in ops
 
 
+def test_a_global_forward_pre_hook_still_sees_every_activation_module(small_tensors_overwrite):
+    """Applying the activation in place skips calling its module: not while a global pre-hook watches modules."""
+    model = causal_model()
+    called = []
+    handle = nn.modules.module.register_module_forward_pre_hook(lambda module, args: called.append(module))
+    try:
+        run(model)
+    finally:
+        handle.remove()
+    assert all(any(module is layer.mlp.act_fn for module in called) for layer in model.model.layers)
+
+
 def test_no_overwriting_while_gradients_are_recorded(small_tensors_overwrite):
     model = causal_model()
     tokens = ids()
