@@ -8,6 +8,8 @@ import string
 from collections.abc import Mapping
 from pathlib import Path
 
+from hf_tiny.transformers_api import TESTED_TORCH, tested_range_text
+
 from .errors import list_names
 
 MODEL_CARDS_DIR = Path(__file__).resolve().parents[1] / "model_cards"
@@ -48,6 +50,8 @@ def _parity_table(rows) -> str:
 
 
 # Placeholders computed from other fields: {placeholder: the field it is computed from}.
+# Placeholders filled from hf_tiny itself, never from a field.
+_VERSION_PLACEHOLDERS = ("tested_transformers", "tested_torch")
 _DERIVED_CARD_FIELDS = {
     "tags_yaml": "tags",
     "parity_table": "parity_rows",
@@ -75,7 +79,7 @@ def render_model_card(template_name: str = "hf_tiny", **fields) -> str:
         for match in template.pattern.finditer(template.template)
         if match.group("named") or match.group("braced")
     }
-    needed = {_DERIVED_CARD_FIELDS.get(name, name) for name in placeholders}
+    needed = {_DERIVED_CARD_FIELDS.get(name, name) for name in placeholders if name not in _VERSION_PLACEHOLDERS}
     values = {**CARD_DEFAULTS, **fields}
     missing = sorted(needed - values.keys())
     if missing:
@@ -87,6 +91,8 @@ def render_model_card(template_name: str = "hf_tiny", **fields) -> str:
         raise TypeError("model card fields 'tags' and 'attention_backends' must be lists of strings")
     tags = list(ALWAYS_TAGS) + [tag for tag in values["tags"] if tag not in ALWAYS_TAGS]
     derived = {
+        "tested_transformers": tested_range_text(),
+        "tested_torch": TESTED_TORCH,
         "tags_yaml": "\n".join(f"  - {_yaml_str(tag)}" for tag in tags),
         "attention_backends_list": ", ".join(f"`{name}`" for name in values["attention_backends"]),
         "license_yaml": _yaml_str(values["license"]),

@@ -25,7 +25,11 @@ def main(argv=None) -> int:
     print("== all-MiniLM-L6-v2 (BERT) -> hf_tiny encoder ==")
     demo_bert.run(args.workdir)
     print("\n== SmolLM2-135M-Instruct (Llama, GGUF) -> hf_tiny causal LM ==")
-    demo_smollm2.run(args.workdir)
+    smollm2 = demo_smollm2.run(args.workdir)
+    # Each run stops with a non-zero exit before this point when its parity or its generation check fails.
+    worst = max(row["max_abs_diff"] for row in smollm2["parity"] if row["dtype"] == "float32")
+    print(f"\n== verdict: SmolLM2 logits within {demo_smollm2.FP32_TOLERANCE:g} of official in fp32 (worst {worst:.2e}); "
+          f"greedy generation {'identical to' if smollm2['generation_matches_official'] else 'DIFFERENT from'} official ==")
     return 0
 
 

@@ -48,15 +48,32 @@ def print_parity(rows: list[dict], inputs: str) -> None:
         print(f"{row['backend']:<18} {row['device']:<6} {row['dtype']:<9} {row['max_abs_diff']:>15.2e} {row['tolerance']:>10.1e}")
 
 
-@torch.no_grad()
-def chat(model, tokenizer, question: str, max_new_tokens: int) -> str:
-    """Greedy answer to one user message, streamed to stdout as it is generated."""
-    inputs = tokenizer.apply_chat_template(
+def chat_inputs(tokenizer, question: str) -> dict:
+    return tokenizer.apply_chat_template(
         [{"role": "user", "content": question}], add_generation_prompt=True, return_tensors="pt", return_dict=True
     )
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+
+
+@torch.no_grad()
+def greedy_tokens(model, inputs: dict, max_new_tokens: int, streamer=None) -> list[int]:
+    """The new token ids of greedy, cached generation (streamed to stdout when a streamer is given)."""
     output = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False, streamer=streamer)
-    return tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    return output[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+def official_model(source: Path):
+    """Official transformers' Llama on the same GGUF (dequantized by transformers, fp32, sdpa)."""
+    return AutoModelForCausalLM.from_pretrained(
+        str(source.parent), gguf_file=source.name, dtype=torch.float32, attn_implementation="sdpa"
+    ).eval()
+
+
+def generation_verdict(ours: list[int], official: list[int]) -> tuple[bool, str]:
+    if ours == official:
+        return True, f"identical ({len(ours)} tokens)"
+    first = next((i for i, (a, b) in enumerate(zip(ours, official)) if a != b), min(len(ours), len(official)))
+    return False, (f"DIFFERENT from token {first} on (ours {ours[first:first + 4]}, official "
+                   f"{official[first:first + 4]})")
 
 
 def run(workdir: Path, question: str = QUESTION, max_new_tokens: int = MAX_NEW_TOKENS) -> dict:
@@ -74,12 +91,21 @@ def run(workdir: Path, question: str = QUESTION, max_new_tokens: int = MAX_NEW_T
     print(f"\nloaded with AutoModelForCausalLM: {type(model).__name__} "
           f"({sum(p.numel() for p in model.parameters()) / 1e6:.0f} M parameters)")
     print(f"\nuser: {question}\nassistant (streamed, greedy): ", end="", flush=True)
-    answer = chat(model, tokenizer, question, max_new_tokens)
+    inputs = chat_inputs(tokenizer, question)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    ours = greedy_tokens(model, inputs, max_new_tokens, streamer)
+    official = greedy_tokens(official_model(source), inputs, max_new_tokens)
+    same, verdict = generation_verdict(ours, official)
+    print(f"\ngreedy generation vs official transformers (same prompt, cached, sdpa, fp32): {verdict}")
 
     failed = [r for r in report["parity"] if r["dtype"] == "float32" and r["max_abs_diff"] > FP32_TOLERANCE]
     if failed:
         raise SystemExit(f"parity above the fp32 tolerance {FP32_TOLERANCE}: {failed}")
-    return {"converted_dir": converted, "conversion": report, "parity": report["parity"], "answer": answer}
+    if not same:
+        raise SystemExit(f"greedy generation differs from official transformers: {verdict}")
+    answer = tokenizer.decode(ours, skip_special_tokens=True)
+    return {"converted_dir": converted, "conversion": report, "parity": report["parity"], "answer": answer,
+            "generation_matches_official": same}
 
 
 def main(argv=None) -> int:

@@ -25,8 +25,9 @@ Models call attention the way transformers' models do, through an *attention int
 `fn(module, query, key, value, attention_mask, scaling=..., dropout=..., **kwargs) -> (out [B, S, H, D], weights)`
 (`ALL_ATTENTION_FUNCTIONS`; `get_attention_interface` validates a name): an instance of transformers' `AttentionInterface` holding our three backends, wrapped
 in that convention, under their own names, over its global mapping (flex_attention, paged|eager, hub kernels,
-functions users register with `AttentionInterface.register`, vLLM's). Our wrappers also store keys and values in a paged cache
-passed as `cache=` (transformers' continuous batching) before the math, as transformers' own sdpa does.
+functions users register with `AttentionInterface.register`, vLLM's). Caches, the paged cache of transformers'
+continuous batching included, are updated by the attention modules before the call (`update_cache`), as
+transformers' own models do from 5.24 on.
 """
 
 from __future__ import annotations
@@ -645,6 +646,16 @@ def paged_cache_update(cache, key: torch.Tensor, value: torch.Tensor, layer_idx:
     return key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0)
 
 
+def update_cache(cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int, attention_kwargs: dict):
+    """Stores this step's K/V [B, Hkv, S, D] in the cache and returns the keys and values to attend to: a
+    transformers Cache's update, or continuous batching's paged cache (which also fills attention_kwargs)."""
+    from transformers.cache_utils import Cache
+
+    if isinstance(cache, Cache):
+        return cache.update(key, value, layer_idx)
+    return paged_cache_update(cache, key, value, layer_idx, attention_kwargs)
+
+
 def as_attention_interface(backend: Callable[..., BackendOutput]) -> AttentionInterfaceFn:
     """One of our pure backends in transformers' attention-interface convention (module first, output
     [B, S, H, D]). Keyword arguments it does not use (sliding_window, position_ids, ...) are accepted and ignored:
@@ -652,10 +663,8 @@ def as_attention_interface(backend: Callable[..., BackendOutput]) -> AttentionIn
 
     def attention_forward(
         module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, is_causal=None,
-        output_attentions=False, segment_ids=None, cache=None, **kwargs,
+        output_attentions=False, segment_ids=None, **kwargs,
     ):
-        if cache is not None:  # a paged cache (continuous batching) stores this step's K/V and returns the sequence's
-            key, value = paged_cache_update(cache, key, value, module.layer_idx, kwargs)
         out, weights = backend(
             query, key, value, attention_mask,
             scale=module.scaling if scaling is None else scaling,

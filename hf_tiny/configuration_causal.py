@@ -211,7 +211,7 @@ class TinyCausalConfig(PretrainedConfig):
     """
 
     model_type = "hf_tiny_causal"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
     base_model_tp_plan = {
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",

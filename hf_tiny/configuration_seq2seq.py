@@ -93,7 +93,7 @@ class TinySeq2SeqConfig(PretrainedConfig):
     # (embed_tokens, layers.*, norm) names nothing here. No tensor-parallel plan yet: the T5 relative position bias
     # is computed for all heads at once, so it would need sharding by head too (see tests/test_distributed.py).
     base_model_fsdp_plan = {"encoder.layers.*": "free_full_weight", "decoder.layers.*": "free_full_weight"}
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["past_key_values", "cache"]
 
     def __init__(
         self,

@@ -12,7 +12,7 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, EncoderDecoderCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from .attention import ALL_ATTENTION_FUNCTIONS, AttentionModule
+from .attention import ALL_ATTENTION_FUNCTIONS, AttentionModule, update_cache
 from .masks import AttentionMask
 from .linear import Linear, linear_into
 from .moe import MoeSpec, SparseMoeFeedForward
@@ -185,25 +185,25 @@ class Attention(AttentionModule):
             states = norm(states)
         return states.transpose(1, 2)
 
-    def _cross_attention_qkv(self, hidden_states, key_value_states, past_key_values):
+    def _cross_attention_qkv(self, hidden_states, key_value_states, cache):
         """Queries from the decoder; keys and values of the encoder states, projected at the first step and then
         read from the cache."""
         if key_value_states is None:
             raise ValueError(f"cross-attention layer {self.layer_idx} needs encoder hidden states (key_value_states)")
         query = self._heads(self.q_proj(hidden_states), self.q_norm)
-        cache = past_key_values
-        if isinstance(past_key_values, EncoderDecoderCache):
-            cache = past_key_values.cross_attention_cache
-            if past_key_values.is_updated.get(self.layer_idx):
+        cross_cache = cache
+        if isinstance(cache, EncoderDecoderCache):
+            cross_cache = cache.cross_attention_cache
+            if cache.is_updated.get(self.layer_idx):
                 # Encoder states do not change while decoding: their K/V were computed at the first step.
-                layer = cache.layers[self.layer_idx]
+                layer = cross_cache.layers[self.layer_idx]
                 return query, layer.keys, layer.values
         key = self._heads(self.k_proj(key_value_states), self.k_norm)
         value = self._heads(self.v_proj(key_value_states), None)
-        if cache is not None:
-            key, value = cache.update(key, value, self.layer_idx)
-            if isinstance(past_key_values, EncoderDecoderCache):
-                past_key_values.is_updated[self.layer_idx] = True
+        if cross_cache is not None:
+            key, value = cross_cache.update(key, value, self.layer_idx)
+            if isinstance(cache, EncoderDecoderCache):
+                cache.is_updated[self.layer_idx] = True
         return query, key, value
 
     def forward(
@@ -213,19 +213,19 @@ class Attention(AttentionModule):
         *,
         position_embeddings: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         key_value_states: Optional[torch.Tensor] = None,
-        past_key_values: Optional[Cache] = None,
+        cache: Optional[Cache] = None,
         output_attentions: bool = False,
         **attention_kwargs,
     ):
-        """attention_kwargs: passed on to the attention interface untouched (transformers' continuous batching passes
-        its paged cache and sequence boundaries this way).
+        """cache: a transformers Cache, or continuous batching's paged cache (whose update reads and fills
+        attention_kwargs, its sequence boundaries and indices). attention_kwargs: passed on to the attention interface.
 
         Self-attention projects q, k and v side by side from hidden_states and calls the interface once: the shape
         vLLM's Transformers backend reads from this source to fuse q/k/v into one GEMM and to put its own paged
         attention behind the interface."""
         batch, seq_len = hidden_states.shape[:2]
         if self.is_cross_attention:
-            query, key, value = self._cross_attention_qkv(hidden_states, key_value_states, past_key_values)
+            query, key, value = self._cross_attention_qkv(hidden_states, key_value_states, cache)
         else:
             query_states = self.q_proj(hidden_states)
             key_states = self.k_proj(hidden_states)
@@ -235,10 +235,10 @@ class Attention(AttentionModule):
             value = self._heads(value_states, None)
             if position_embeddings is not None:
                 key = apply_rotary(key, *position_embeddings)
-            if isinstance(past_key_values, EncoderDecoderCache):
-                past_key_values = past_key_values.self_attention_cache
-            if past_key_values is not None:
-                key, value = past_key_values.update(key, value, self.layer_idx)
+            if isinstance(cache, EncoderDecoderCache):
+                cache = cache.self_attention_cache
+            if cache is not None:
+                key, value = update_cache(cache, key, value, self.layer_idx, attention_kwargs)
         if position_embeddings is not None:
             query = apply_rotary(query, *position_embeddings)
 
@@ -343,7 +343,7 @@ class TransformerBlock(GradientCheckpointingLayer):
         *,
         is_causal: bool = False,
         segment_ids: Optional[torch.Tensor] = None,
-        past_key_values: Optional[Cache] = None,
+        cache: Optional[Cache] = None,
         output_attentions: bool = False,
         **attention_kwargs,
     ):
@@ -360,7 +360,7 @@ class TransformerBlock(GradientCheckpointingLayer):
             self._sublayer_input(hidden_states, self.input_layernorm),
             AttentionMask(attention_mask, is_causal, segment_ids),
             position_embeddings=position_embeddings,
-            past_key_values=past_key_values,
+            cache=cache,
             output_attentions=output_attentions,
             **attention_kwargs,
         )
@@ -373,7 +373,7 @@ class TransformerBlock(GradientCheckpointingLayer):
                 self._sublayer_input(hidden_states, self.cross_attn_layernorm),
                 AttentionMask(encoder_attention_mask, False),
                 key_value_states=encoder_hidden_states,
-                past_key_values=past_key_values,
+                cache=cache,
                 output_attentions=output_attentions,
             )
             hidden_states = self._sublayer_output(

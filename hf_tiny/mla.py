@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from .attention import ALL_ATTENTION_FUNCTIONS, AttentionModule
+from .attention import ALL_ATTENTION_FUNCTIONS, AttentionModule, update_cache
 from .linear import Linear
 from .norms import RMSNorm
 from .rope import apply_rotary
@@ -100,7 +100,7 @@ class LatentAttention(AttentionModule):
         *,
         position_embeddings: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
         key_value_states: Optional[torch.Tensor] = None,
-        past_key_values: Optional[Cache] = None,
+        cache: Optional[Cache] = None,
         output_attentions: bool = False,
         **attention_kwargs,
     ):
@@ -113,8 +113,11 @@ class LatentAttention(AttentionModule):
         k_rope = k_rope.unsqueeze(1)  # [B, 1, S, rope]
         q_rope = apply_rotary(q_rope, *position_embeddings)
         k_rope = apply_rotary(k_rope, *position_embeddings)
-        if past_key_values is not None:
-            latent, k_rope = past_key_values.update(latent, k_rope, self.layer_idx)
+        paged_cache = None
+        if isinstance(cache, Cache):
+            latent, k_rope = cache.update(latent, k_rope, self.layer_idx)
+        else:  # continuous batching's paged cache stores the expanded keys and values
+            paged_cache = cache
         if self.absorbed:
             up = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
             w_uk, w_uv = up.split([self.nope_dim, self.v_dim], dim=1)  # [H, nope, rank], [H, v, rank]
@@ -127,6 +130,8 @@ class LatentAttention(AttentionModule):
             )
             key = torch.cat((k_nope, k_rope.expand(-1, self.num_heads, -1, -1)), dim=-1)
             query = torch.cat((q_nope, q_rope), dim=-1)
+        if paged_cache is not None:
+            key, value = update_cache(paged_cache, key, value, self.layer_idx, attention_kwargs)
         mask, is_causal, visible = self.interface_mask(attention_mask, query, key, attention_kwargs)
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
         out, weights = attention_interface(

@@ -30,7 +30,7 @@ class HfTinyPreTrainedModel(AtomicSaveAndCardMixin, PreTrainedModel):
     _supports_flash_attn = True
     _supports_flex_attn = True
     _supports_attention_backend = True  # attention goes through transformers' attention interface (vLLM checks it)
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = ["past_key_values", "cache"]
 
     # Our backends live in hf_tiny/attention.py, so transformers' own checks (the flash-attn package, hub
     # kernels) do not apply to them: we validate names ourselves (ours, or registered with transformers). Overriding these keeps

@@ -38,6 +38,7 @@ from .masks import AttentionMask, packed_causal_mask, static_cache_mask, segment
 from .masks import with_position_bias
 from .modeling_base import HfTinyPreTrainedModel
 from .rope import RotaryEmbedding
+from .transformers_api import cache_arguments, cache_of, check_cached_generation, with_cache
 from .forward_utils import LayerOutputs, check_token_inputs, format_output, output_flags
 from .validation import (
     check_attention_mask,
@@ -56,10 +57,11 @@ HEAD_KWARGS = ("skip_logits",)
 # passes them; without them the boundaries are read from restarting position_ids.
 PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 # transformers' continuous batching (generate_batch) runs the model on all requests' tokens flattened into one row,
-# with a paged cache that the attention function fills (cache=, read_index=, write_index=, block_table=) and the
-# sequence boundaries in cu_seq_lens_* / max_length_* (per layer type); its masks arrive ready (4-D, per layer type).
-# transformers before 5.2x names the longest sequences max_seqlen_q / max_seqlen_k there (later: max_length_q / _k).
-PAGED_KWARGS = ("cache", "read_index", "write_index", "block_table", "is_causal", "logits_indices", "logits_processor_args",
+# with a paged cache (passed as cache=, transformers_api.cache_arguments) that the attention modules fill through
+# read_index= / write_index= / block_table= and the sequence boundaries in cu_seq_lens_* / max_length_* (per layer
+# type); its masks arrive ready (4-D, per layer type). transformers before 5.2x names the longest sequences
+# max_seqlen_q / max_seqlen_k there (later: max_length_q / _k).
+PAGED_KWARGS = ("read_index", "write_index", "block_table", "is_causal", "logits_indices", "logits_processor_args",
                 "max_seqlen_q", "max_seqlen_k")
 # Read by continuous batching itself, never by the model (it slices the logits at logits_indices after forward).
 PAGED_RUNNER_ONLY = ("logits_indices", "logits_processor_args", "is_causal")
@@ -83,16 +85,17 @@ class TinyCausalPreTrainedModel(HfTinyPreTrainedModel):
     _supports_static_cache = True  # transformers 4.x name of the same promise
 
     def _decode(
-        self, input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, output_attentions,
+        self, input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache, output_attentions,
         output_hidden_states, **packing_kwargs,
     ) -> BaseModelOutputWithPast:
         """A head's run of its base model (self.model), always as a ModelOutput; packing_kwargs: the packed / paged
-        extras, and output_router_logits for MoE models."""
+        extras, past_key_values (the cache's name before transformers 5.24), and output_router_logits for MoE
+        models."""
         return self.model(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_attentions=output_attentions,
@@ -179,7 +182,7 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         return position_ids
 
     def _packed_segments(
-        self, position_ids_given: bool, position_ids, attention_mask, past_key_values, past_length, batch_size, kwargs
+        self, position_ids_given: bool, position_ids, attention_mask, cache, past_length, batch_size, kwargs
     ) -> Optional[torch.Tensor]:
         """Sequence index of each token when the row holds several packed sequences (no padding mask, no cached
         tokens): from cu_seq_lens_q/k when given, else from restarting position_ids. None otherwise."""
@@ -201,7 +204,7 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
                 cu, batch_size=batch_size, length=query_length,
                 field="cu_seq_lens_q" if cu_q is not None else "cu_seq_lens_k",
             )
-        static = past_key_values is not None and getattr(past_key_values, "is_compileable", False)
+        static = cache is not None and getattr(cache, "is_compileable", False)
         if not position_ids_given or attention_mask is not None or static or (not is_compiling() and int(past_length)):
             return None
         return segment_ids_from_position_ids(position_ids.expand(batch_size, -1))
@@ -226,22 +229,22 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
             )
         return attention_mask
 
-    def _key_layout(self, past_key_values: Optional[Cache], past_length, query_length: int, layer_idx: int):
+    def _key_layout(self, cache: Optional[Cache], past_length, query_length: int, layer_idx: int):
         """(key_length, key_offset): the keys layer `layer_idx` attends to after its cache update are the absolute
         positions key_offset .. key_offset + key_length - 1 (a static cache also holds unfilled slots, a sliding
         layer's cache only the last window)."""
-        if past_key_values is None or not hasattr(past_key_values, "get_mask_sizes"):
+        if cache is None or not hasattr(cache, "get_mask_sizes"):
             return past_length + query_length, 0
         try:
-            return past_key_values.get_mask_sizes(query_length, layer_idx)
+            return cache.get_mask_sizes(query_length, layer_idx)
         except (TypeError, AttributeError):  # transformers versions whose signature takes cache positions
             positions = torch.arange(query_length, device=self.embed_tokens.weight.device) + past_length
-            return past_key_values.get_mask_sizes(positions, layer_idx)
+            return cache.get_mask_sizes(positions, layer_idx)
 
     def _build_mask(
         self,
         attention_mask: Optional[torch.Tensor],
-        past_key_values: Optional[Cache],
+        cache: Optional[Cache],
         past_length,
         batch_size: int,
         query_length: int,
@@ -252,7 +255,7 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
     ) -> AttentionMask:
         """The mask of the layers of one type: `window` is their sliding window (None: full causal), `layer_idx`
         the first such layer (its cache tells which keys they hold)."""
-        key_length, key_offset = self._key_layout(past_key_values, past_length, query_length, layer_idx)
+        key_length, key_offset = self._key_layout(cache, past_length, query_length, layer_idx)
         if attention_mask is not None and attention_mask.dim() == 4:
             return self_attention_mask(
                 attention_mask,
@@ -262,7 +265,7 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
                 causal=True,
                 device=device,
             )
-        static = past_key_values is not None and getattr(past_key_values, "is_compileable", False)
+        static = cache is not None and getattr(cache, "is_compileable", False)
         if not static:
             # Dynamic caches return exactly the keys at positions key_offset .. past + new - 1: causality is
             # bottom-right aligned and the padding mask's last key_length columns belong to them.
@@ -289,26 +292,32 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         input_ids: Optional[torch.LongTensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.LongTensor] = None,
-        past_key_values: Optional[Cache] = None,
+        cache: Optional[Cache] = None,
         inputs_embeds: Optional[torch.FloatTensor] = None,
         use_cache: Optional[bool] = None,
         output_attentions: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
         output_router_logits: Optional[bool] = None,
+        *,
+        past_key_values: Optional[Cache] = None,
         **kwargs,
     ) -> Union[BaseModelOutputWithPast, MoeModelOutputWithPast, tuple]:
-        """output_router_logits (MoE models; default config.output_router_logits): also return each sparse layer's
-        router logits ([batch * seq, num_local_experts]) as `router_logits`."""
+        """cache: the KV cache (past_key_values: its name before transformers 5.24), or continuous batching's paged
+        cache. output_router_logits (MoE models; default config.output_router_logits): also return each sparse
+        layer's router logits ([batch * seq, num_local_experts]) as `router_logits`."""
         _check_extra_kwargs(type(self).__name__, kwargs, PACKING_KWARGS + PAGED_KWARGS)
-        orphans = sorted(k for k in PAGED_KWARGS if k != "cache" and k in kwargs and k not in PAGED_RUNNER_ONLY)
-        if kwargs.get("cache") is None and orphans:
+        cache, paged_cache = cache_arguments(cache, past_key_values)
+        orphans = sorted(k for k in PAGED_KWARGS if k in kwargs and k not in PAGED_RUNNER_ONLY)
+        if paged_cache is None and orphans:
             raise TypeError(
-                f"{type(self).__name__}.forward() got {orphans} without cache=: these belong to transformers' "
+                f"{type(self).__name__}.forward() got {orphans} without a paged cache: these belong to transformers' "
                 "continuous batching and describe its paged cache (pass it as cache=), or drop them"
             )
-        if kwargs.get("cache") is not None:
-            return self._paged_forward(input_ids, attention_mask, position_ids, inputs_embeds, output_hidden_states, kwargs)
+        if paged_cache is not None:
+            return self._paged_forward(
+                input_ids, attention_mask, position_ids, inputs_embeds, output_hidden_states, paged_cache, kwargs
+            )
         config = self.config
         flags = output_flags(config, output_attentions, output_hidden_states, return_dict)
         use_cache = config.use_cache if use_cache is None else use_cache
@@ -318,20 +327,16 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         check_token_inputs(config, input_ids, inputs_embeds)
         if input_ids is not None:
             inputs_embeds = self._embed(input_ids)
-        if past_key_values is not None and not isinstance(past_key_values, Cache):
-            raise TypeError(
-                f"past_key_values must be a transformers Cache (e.g. DynamicCache), got {type(past_key_values).__name__}"
-            )
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=config)
+        if use_cache and cache is None:
+            cache = DynamicCache(config=config)
 
         batch_size, query_length = inputs_embeds.shape[:2]
         device = inputs_embeds.device
-        past_length = past_key_values.get_seq_length() if past_key_values is not None else 0
-        if past_key_values is not None and not is_compiling():
+        past_length = cache.get_seq_length() if cache is not None else 0
+        if cache is not None and not is_compiling():
             cache_heads, cache_dim = config.cache_layout()
             check_cache_matches(
-                past_key_values, batch_size=batch_size, num_key_value_heads=cache_heads, head_dim=cache_dim,
+                cache, batch_size=batch_size, num_key_value_heads=cache_heads, head_dim=cache_dim,
             )
         masks_by_type = self._masks_by_layer_type(attention_mask)
         if masks_by_type is None and attention_mask is not None and not is_compiling() and (
@@ -352,7 +357,7 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
             masks = {layer_type: AttentionMask(None, True) for layer_type in layer_types}
         else:
             segment_ids = self._packed_segments(
-                position_ids_given, position_ids, attention_mask, past_key_values, past_length, batch_size, kwargs
+                position_ids_given, position_ids, attention_mask, cache, past_length, batch_size, kwargs
             )
             masks = {}
             for layer_type in layer_types:
@@ -361,26 +366,26 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
                     masks[layer_type] = packed_causal_mask(segment_ids, sliding_window=window)
                 else:
                     masks[layer_type] = self._build_mask(
-                        attention_mask if masks_by_type is None else masks_by_type[layer_type], past_key_values, past_length, batch_size, query_length, device, window,
+                        attention_mask if masks_by_type is None else masks_by_type[layer_type], cache, past_length, batch_size, query_length, device, window,
                         layer_idx=config.layer_types.index(layer_type),
                     )
             if config.position_embedding_type == "alibi":
                 masks = {
-                    layer_type: self._with_alibi(mask, past_key_values, past_length, query_length, layer_type, inputs_embeds.dtype)
+                    layer_type: self._with_alibi(mask, cache, past_length, query_length, layer_type, inputs_embeds.dtype)
                     for layer_type, mask in masks.items()
                 }
         position_embeddings = self._position_embeddings(inputs_embeds, position_ids)
         router_logits = self._wants_router_logits(output_router_logits)
         output = self._run_layers(
-            inputs_embeds, position_ids, masks, position_embeddings, past_key_values, flags, router_logits=router_logits
+            inputs_embeds, position_ids, masks, position_embeddings, cache, flags, router_logits=router_logits
         )
         return format_output(output, flags)
 
-    def _with_alibi(self, mask: AttentionMask, past_key_values, past_length, query_length: int, layer_type: str, dtype):
+    def _with_alibi(self, mask: AttentionMask, cache, past_length, query_length: int, layer_type: str, dtype):
         """The layer type's mask with ALiBi's distance bias folded in (one float mask; queries are the positions
         past_length .., keys those the cache holds after the update, _key_layout)."""
         key_length, key_offset = self._key_layout(
-            past_key_values, past_length, query_length, self.config.layer_types.index(layer_type)
+            cache, past_length, query_length, self.config.layer_types.index(layer_type)
         )
         device = self.embed_tokens.weight.device
         queries = torch.arange(query_length, device=device) + past_length
@@ -403,7 +408,7 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
             )
         return wanted
 
-    def _run_layers(self, inputs_embeds, position_ids, masks, position_embeddings, past_key_values, flags,
+    def _run_layers(self, inputs_embeds, position_ids, masks, position_embeddings, cache, flags,
                     router_logits: bool = False, **attention_kwargs) -> BaseModelOutputWithPast:
         hidden_states = inputs_embeds
         if self.embed_positions is not None:
@@ -421,7 +426,7 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
                     position_embeddings[layer_type],
                     is_causal=mask.is_causal,
                     segment_ids=mask.segment_ids,
-                    past_key_values=past_key_values,
+                    cache=cache,
                     output_attentions=flags.attentions,
                     **attention_kwargs,
                 )
@@ -432,13 +437,12 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         collected.add_hidden(hidden_states)
         fields = dict(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values,
             hidden_states=collected.hidden_states,
             attentions=collected.attentions,
         )
         if self.config.num_local_experts:
-            return MoeModelOutputWithPast(**fields, router_logits=all_router_logits)
-        return BaseModelOutputWithPast(**fields)
+            return with_cache(MoeModelOutputWithPast, cache, **fields, router_logits=all_router_logits)
+        return with_cache(BaseModelOutputWithPast, cache, **fields)
 
     def mtp_mask(self, attention_mask: Optional[torch.Tensor], position_ids: torch.Tensor, batch_size: int, length: int) -> AttentionMask:
         """The mask of a Multi-Token Prediction block over `length` positions without a cache: the 2-D padding
@@ -467,7 +471,8 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
                 embeddings[layer_type] = (cos.unsqueeze(1), sin.unsqueeze(1))
         return embeddings
 
-    def _paged_forward(self, input_ids, attention_mask, position_ids, inputs_embeds, output_hidden_states, kwargs):
+    def _paged_forward(self, input_ids, attention_mask, position_ids, inputs_embeds, output_hidden_states, paged_cache,
+                       kwargs):
         """One step of transformers' continuous batching: every request's new tokens in one row, `position_ids`
         restarting per request, the masks ready per layer type (None when the attention function reads the
         boundaries itself), and the paged cache passed through to the attention function, which stores K/V."""
@@ -486,8 +491,8 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         attention_kwargs = {k: v for k, v in kwargs.items() if k not in PAGED_RUNNER_ONLY}
         flags = output_flags(config, False, output_hidden_states, True)
         return self._run_layers(
-            inputs_embeds, position_ids, masks, self._position_embeddings(inputs_embeds, position_ids), None, flags,
-            **attention_kwargs,
+            inputs_embeds, position_ids, masks, self._position_embeddings(inputs_embeds, position_ids), paged_cache,
+            flags, **attention_kwargs,
         )
 
 
@@ -519,19 +524,20 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
             )
         self.post_init()
 
-    def prepare_inputs_for_generation(self, input_ids, past_key_values=None, inputs_embeds=None, **kwargs):
+    def prepare_inputs_for_generation(self, input_ids, inputs_embeds=None, **kwargs):
         """longrope (Phi-3) as official: keys cached while the sequence was short were rotated with the short
         factors, so the step that first passes original_max_position_embeddings drops the cache and recomputes
-        every key with the long ones."""
+        every key with the long ones. The cache arrives under the name the installed generate() uses (cache= from
+        transformers 5.24 on, past_key_values= before) and is passed back under it."""
         rope = self.config.rope_parameters_for("full_attention")
-        if rope["rope_type"] == "longrope" and past_key_values is not None:
+        name = "cache" if "cache" in kwargs else "past_key_values"
+        cache = kwargs.get(name)
+        if rope["rope_type"] == "longrope" and cache is not None:
             switch = rope["original_max_position_embeddings"]
-            if input_ids.shape[1] >= switch + 1 and past_key_values.get_seq_length() <= switch:
-                past_key_values = None
+            if input_ids.shape[1] >= switch + 1 and cache.get_seq_length() <= switch:
+                kwargs[name] = None
                 kwargs["next_sequence_length"] = None
-        return super().prepare_inputs_for_generation(
-            input_ids, past_key_values=past_key_values, inputs_embeds=inputs_embeds, **kwargs
-        )
+        return super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head
@@ -569,7 +575,7 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         input_ids: Optional[torch.LongTensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.LongTensor] = None,
-        past_key_values: Optional[Cache] = None,
+        cache: Optional[Cache] = None,
         inputs_embeds: Optional[torch.FloatTensor] = None,
         labels: Optional[torch.LongTensor] = None,
         use_cache: Optional[bool] = None,
@@ -578,6 +584,8 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         return_dict: Optional[bool] = None,
         logits_to_keep: Union[int, torch.Tensor] = 0,
         output_router_logits: Optional[bool] = None,
+        *,
+        past_key_values: Optional[Cache] = None,
         **kwargs,
     ) -> Union[CausalLMOutputWithPast, MoeCausalLMOutputWithPast, tuple]:
         """labels: token ids (-100 = ignored), unshifted; the loss predicts token t+1 from tokens <= t.
@@ -594,8 +602,9 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         chunked = chunked and isinstance(logits_to_keep, int) and logits_to_keep == 0
         router_kwargs = {} if output_router_logits is None else {"output_router_logits": output_router_logits}
         outputs = self._decode(
-            input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, output_attentions,
+            input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache, output_attentions,
             output_hidden_states, **{k: v for k, v in extras.items() if k not in LOSS_KWARGS}, **router_kwargs,
+            past_key_values=past_key_values,
         )
         hidden_states = outputs.last_hidden_state
         if labels is not None and "shift_labels" not in loss_kwargs:  # labels align with the input tokens (unshifted)
@@ -613,7 +622,6 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         fields = dict(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
@@ -626,12 +634,15 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         if aux_loss is not None and loss is not None:
             loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
         fields["loss"] = loss
+        cache = cache_of(outputs)
         if self.mtp is not None:
-            output = MtpCausalLMOutput(**fields, aux_loss=aux_loss, mtp_loss=mtp_loss, router_logits=router_logits)
+            output = with_cache(
+                MtpCausalLMOutput, cache, **fields, aux_loss=aux_loss, mtp_loss=mtp_loss, router_logits=router_logits
+            )
         elif self.config.num_local_experts:
-            output = MoeCausalLMOutputWithPast(**fields, aux_loss=aux_loss, router_logits=router_logits)
+            output = with_cache(MoeCausalLMOutputWithPast, cache, **fields, aux_loss=aux_loss, router_logits=router_logits)
         else:
-            output = CausalLMOutputWithPast(**fields)
+            output = with_cache(CausalLMOutputWithPast, cache, **fields)
         return format_output(output, self.config.return_dict if return_dict is None else return_dict)
 
     def _mtp_loss(self, hidden_states, input_ids, attention_mask, position_ids, labels, extras, loss_kwargs):
@@ -669,6 +680,7 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         speculative_greedy), one sequence at a time (left-padded batches are split by attention_mask). Takes
         input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id; returns the ids like generate() and
         leaves the acceptance counts in self.mtp_stats. Anything else (sampling, beams) is an error."""
+        check_cached_generation(self)
         if not use_mtp:
             return super().generate(*args, **kwargs)
         return self._generate_with_mtp(*args, **kwargs)
@@ -746,19 +758,21 @@ class TinyCausalForSequenceClassification(TinyCausalPreTrainedModel):
         input_ids: Optional[torch.LongTensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.LongTensor] = None,
-        past_key_values: Optional[Cache] = None,
+        cache: Optional[Cache] = None,
         inputs_embeds: Optional[torch.FloatTensor] = None,
         labels: Optional[torch.LongTensor] = None,
         use_cache: Optional[bool] = None,
         output_attentions: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
+        *,
+        past_key_values: Optional[Cache] = None,
         **kwargs,
     ) -> Union[SequenceClassifierOutputWithPast, tuple]:
         packing = _check_extra_kwargs(type(self).__name__, kwargs, PACKING_KWARGS)
         outputs = self._decode(
-            input_ids, attention_mask, position_ids, past_key_values, inputs_embeds, use_cache, output_attentions,
-            output_hidden_states, **packing,
+            input_ids, attention_mask, position_ids, cache, inputs_embeds, use_cache, output_attentions,
+            output_hidden_states, **packing, past_key_values=past_key_values,
         )
         logits = self.score(outputs.last_hidden_state)
         batch_size = logits.shape[0]
@@ -783,10 +797,11 @@ class TinyCausalForSequenceClassification(TinyCausalPreTrainedModel):
             )
             loss = self.loss_function(logits=logits, labels=labels, pooled_logits=pooled_logits, config=self.config)
 
-        output = SequenceClassifierOutputWithPast(
+        output = with_cache(
+            SequenceClassifierOutputWithPast,
+            cache_of(outputs),
             loss=loss,
             logits=pooled_logits,
-            past_key_values=outputs.past_key_values,
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )

@@ -34,6 +34,7 @@ from .recompute import lean_forward
 from .masks import AttentionMask, cross_attention_mask, self_attention_mask, with_position_bias
 from .modeling_base import HfTinyPreTrainedModel
 from .forward_utils import LayerOutputs, OutputFlags, check_token_inputs, format_output, output_flags
+from .transformers_api import cache_arguments, cache_of, check_cached_generation, with_cache
 from .validation import check_attention_mask, check_labels, check_sequence_length
 
 
@@ -177,7 +178,7 @@ class TinySeq2SeqStack(nn.Module):
         inputs_embeds: Optional[torch.Tensor] = None,
         encoder_hidden_states: Optional[torch.Tensor] = None,
         encoder_attention_mask: Optional[torch.Tensor] = None,
-        past_key_values: Optional[EncoderDecoderCache] = None,
+        cache: Optional[EncoderDecoderCache] = None,
         output_attentions: bool = False,
         output_hidden_states: bool = False,
         return_dict: bool = True,
@@ -186,10 +187,10 @@ class TinySeq2SeqStack(nn.Module):
         batch, seq_len = check_token_inputs(self.config, input_ids, inputs_embeds, names=names)
         if self.is_decoder and encoder_hidden_states is None:
             raise ValueError("the decoder needs encoder_hidden_states (the encoder's last_hidden_state)")
-        if not self.is_decoder and past_key_values is not None:
-            raise ValueError("the encoder takes no past_key_values")
+        if not self.is_decoder and cache is not None:
+            raise ValueError("the encoder takes no cache")
 
-        past_length = past_key_values.self_attention_cache.get_seq_length() if past_key_values is not None else 0
+        past_length = cache.self_attention_cache.get_seq_length() if cache is not None else 0
         key_length = past_length + seq_len
         mask_name = "decoder_attention_mask" if self.is_decoder else "attention_mask"
         check_attention_mask(attention_mask, expected_shape=(batch, key_length), field=mask_name)
@@ -228,7 +229,7 @@ class TinySeq2SeqStack(nn.Module):
                     encoder_hidden_states,
                     None if cross_mask is None else cross_mask.mask,
                     is_causal=self_mask.is_causal,
-                    past_key_values=past_key_values,
+                    cache=cache,
                     output_attentions=output_attentions,
                 )
                 collected.add_attentions(self_weights, cross_weights)
@@ -237,9 +238,10 @@ class TinySeq2SeqStack(nn.Module):
         collected.add_hidden(hidden_states)
 
         if self.is_decoder:
-            output = BaseModelOutputWithPastAndCrossAttentions(
+            output = with_cache(
+                BaseModelOutputWithPastAndCrossAttentions,
+                cache,
                 last_hidden_state=hidden_states,
-                past_key_values=past_key_values,
                 hidden_states=collected.hidden_states,
                 attentions=collected.attentions,
                 cross_attentions=collected.cross_attentions,
@@ -327,21 +329,22 @@ class TinySeq2SeqModel(TinySeq2SeqPreTrainedModel):
         if self.config.share_encoder_decoder_embeddings:
             self.decoder.embed_tokens = value
 
-    def _decoder_cache(self, past_key_values, use_cache: bool):
-        if past_key_values is not None and not isinstance(past_key_values, EncoderDecoderCache):
+    def _decoder_cache(self, cache, past_key_values, use_cache: bool):
+        cache, paged_cache = cache_arguments(cache, past_key_values)
+        if paged_cache is not None or (cache is not None and not isinstance(cache, EncoderDecoderCache)):
             raise TypeError(
-                "past_key_values of a seq2seq model must be an EncoderDecoderCache (self-attention + cross-attention "
-                f"caches), got {type(past_key_values).__name__}"
+                "the cache of a seq2seq model must be an EncoderDecoderCache (self-attention + cross-attention "
+                f"caches), got {type(cache if paged_cache is None else paged_cache).__name__}"
             )
-        if past_key_values is not None and past_key_values.is_compileable:
+        if cache is not None and cache.is_compileable:
             raise ValueError(
                 "static (compileable) caches are not supported by hf_tiny seq2seq models: their zero-padded K/V need "
                 "masks sized to the cache; use the default dynamic cache (cache_implementation=None)"
             )
-        if past_key_values is None and use_cache:
+        if cache is None and use_cache:
             # DynamicCache(config=...) reads the decoder view of the config, so it has num_decoder_layers layers.
-            past_key_values = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
-        return past_key_values
+            cache = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
+        return cache
 
     def forward(
         self,
@@ -350,14 +353,17 @@ class TinySeq2SeqModel(TinySeq2SeqPreTrainedModel):
         decoder_input_ids: Optional[torch.LongTensor] = None,
         decoder_attention_mask: Optional[torch.Tensor] = None,
         encoder_outputs=None,
-        past_key_values: Optional[Cache] = None,
+        cache: Optional[Cache] = None,
         inputs_embeds: Optional[torch.Tensor] = None,
         decoder_inputs_embeds: Optional[torch.Tensor] = None,
         use_cache: Optional[bool] = None,
         output_attentions: Optional[bool] = None,
         output_hidden_states: Optional[bool] = None,
         return_dict: Optional[bool] = None,
+        *,
+        past_key_values: Optional[Cache] = None,
     ):
+        """cache: an EncoderDecoderCache (past_key_values: its name before transformers 5.24)."""
         flags = output_flags(self.config, output_attentions, output_hidden_states, return_dict)
         output_attentions, output_hidden_states = flags.attentions, flags.hidden_states
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
@@ -396,14 +402,15 @@ class TinySeq2SeqModel(TinySeq2SeqPreTrainedModel):
             inputs_embeds=decoder_inputs_embeds,
             encoder_hidden_states=encoder_outputs.last_hidden_state,
             encoder_attention_mask=attention_mask,
-            past_key_values=self._decoder_cache(past_key_values, use_cache),
+            cache=self._decoder_cache(cache, past_key_values, use_cache),
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
             return_dict=True,
         )
-        output = Seq2SeqModelOutput(
+        output = with_cache(
+            Seq2SeqModelOutput,
+            cache_of(decoder_outputs) if use_cache else None,
             last_hidden_state=decoder_outputs.last_hidden_state,
-            past_key_values=decoder_outputs.past_key_values if use_cache else None,
             decoder_hidden_states=decoder_outputs.hidden_states,
             decoder_attentions=decoder_outputs.attentions,
             cross_attentions=decoder_outputs.cross_attentions,
@@ -453,6 +460,12 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
             f"max_new_tokens {max_length - input_ids_length} - 1), which exceeds max_position_embeddings={limit}; "
             f"use max_new_tokens <= {limit + 1 - input_ids_length}"
         )
+
+    def generate(self, *args, **kwargs):
+        """GenerationMixin.generate, after the one-time check of cached generation outside the tested transformers
+        range (transformers_api.check_cached_generation)."""
+        check_cached_generation(self)
+        return super().generate(*args, **kwargs)
 
     def get_encoder(self, modality=None):
         return self.model.encoder
@@ -521,7 +534,7 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
         decoder_input_ids: Optional[torch.LongTensor] = None,
         decoder_attention_mask: Optional[torch.Tensor] = None,
         encoder_outputs=None,
-        past_key_values: Optional[Cache] = None,
+        cache: Optional[Cache] = None,
         inputs_embeds: Optional[torch.Tensor] = None,
         decoder_inputs_embeds: Optional[torch.Tensor] = None,
         labels: Optional[torch.LongTensor] = None,
@@ -532,6 +545,8 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
         logits_to_keep: int = 0,
         num_items_in_batch: Optional[int] = None,
         skip_logits: Optional[bool] = None,
+        *,
+        past_key_values: Optional[Cache] = None,
     ):
         """labels: [batch, target_length] token ids, -100 = ignored. Without decoder inputs they are shifted right
         (decoder_start_token_id first) into decoder_input_ids. num_items_in_batch (given by Trainer under gradient
@@ -557,6 +572,7 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
             decoder_input_ids=decoder_input_ids,
             decoder_attention_mask=decoder_attention_mask,
             encoder_outputs=encoder_outputs,
+            cache=cache,
             past_key_values=past_key_values,
             inputs_embeds=inputs_embeds,
             decoder_inputs_embeds=decoder_inputs_embeds,
@@ -585,10 +601,11 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
         else:
             logits, loss = self._logits_and_loss(hidden_states, labels, num_items_in_batch)
 
-        output = Seq2SeqLMOutput(
+        output = with_cache(
+            Seq2SeqLMOutput,
+            cache_of(outputs),
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
             decoder_hidden_states=outputs.decoder_hidden_states,
             decoder_attentions=outputs.decoder_attentions,
             cross_attentions=outputs.cross_attentions,

@@ -55,7 +55,7 @@ class MtpLayer(nn.Module):
         merged = self.eh_proj(torch.cat((self.enorm(next_embeddings), self.hnorm(previous_hidden)), dim=-1))
         hidden, _, _, _ = self.block(
             merged, mask.mask, position_embeddings, is_causal=mask.is_causal, segment_ids=mask.segment_ids,
-            past_key_values=cache,
+            cache=cache,
         )
         return hidden
 
@@ -75,7 +75,7 @@ def speculative_greedy(model, prompt: torch.Tensor, max_new_tokens: int, eos_tok
     layers = list(model.mtp)
     device = prompt.device
     main_cache = DynamicCache(config=model.config)
-    out = base(input_ids=prompt, past_key_values=main_cache, use_cache=True)
+    out = base(input_ids=prompt, cache=main_cache, use_cache=True)
     hidden = [out.last_hidden_state]  # hidden[k]: h^k at positions 0 .. len - 1
     hidden += [out.last_hidden_state[:, :0]] * len(layers)
     caches = [DynamicCache() for _ in layers]
@@ -101,7 +101,7 @@ def speculative_greedy(model, prompt: torch.Tensor, max_new_tokens: int, eos_tok
         drafts = drafts[: max_new_tokens - len(new) - 1]  # a round yields at most len(drafts) + 1 tokens
         chunk = torch.tensor([[tokens[m], *drafts]], device=device)
         positions = torch.arange(m, m + chunk.shape[1], device=device)[None]
-        out = base(input_ids=chunk, past_key_values=main_cache, position_ids=positions, use_cache=True)
+        out = base(input_ids=chunk, cache=main_cache, position_ids=positions, use_cache=True)
         greedy = head(out.last_hidden_state[0]).argmax(-1).tolist()
         accepted = 0
         while accepted < len(drafts) and drafts[accepted] == greedy[accepted] and drafts[accepted] not in eos_token_ids:

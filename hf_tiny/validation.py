@@ -154,9 +154,9 @@ def check_inputs_embeds(inputs_embeds, *, hidden_size: int, field: str = "inputs
         )
 
 
-def check_cache_matches(past_key_values, *, batch_size: int, num_key_value_heads: int, head_dim: int) -> None:
+def check_cache_matches(cache, *, batch_size: int, num_key_value_heads: int, head_dim: int) -> None:
     """A filled cache must come from a model of the same KV heads / head_dim and hold the same batch."""
-    layers = getattr(past_key_values, "layers", None)
+    layers = getattr(cache, "layers", None)
     keys = getattr(layers[0], "keys", None) if layers else None
     if not isinstance(keys, torch.Tensor) or keys.dim() != 4 or keys.numel() == 0:
         return
@@ -165,7 +165,7 @@ def check_cache_matches(past_key_values, *, batch_size: int, num_key_value_heads
     wrong = [f"{name} {found[name]} (expected {value})" for name, value in expected.items() if found[name] != value]
     if wrong:
         raise ValueError(
-            f"past_key_values holds keys of shape {tuple(keys.shape)}: {', '.join(wrong)}; it comes from another model "
+            f"the cache (cache=, or past_key_values= before transformers 5.24) holds keys of shape {tuple(keys.shape)}: {', '.join(wrong)}; it comes from another model "
             "or another batch. Pass the cache this model returned for this batch, or a fresh DynamicCache"
         )
 
