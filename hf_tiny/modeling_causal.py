@@ -311,8 +311,8 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         orphans = sorted(k for k in PAGED_KWARGS if k in kwargs and k not in PAGED_RUNNER_ONLY)
         if paged_cache is None and orphans:
             raise TypeError(
-                f"{type(self).__name__}.forward() got {orphans} without a paged cache: these belong to transformers' "
-                "continuous batching and describe its paged cache (pass it as cache=), or drop them"
+                f"{type(self).__name__}.forward() got {orphans} without cache=: these belong to transformers' "
+                "continuous batching and describe its paged cache (pass that as cache=), or drop them"
             )
         if paged_cache is not None:
             return self._paged_forward(

@@ -1,0 +1,60 @@
+"""The golden snapshots (tests/golden.py) of every family: written before the readability redesign, compared after
+every step of it. Outputs and gradients must be bit-identical; state-dict keys identical.
+
+On a CPU whose kernels differ from the one that wrote the files (another instruction set), bit-identity is not
+expected from any change: there the comparison falls back to 1e-5 relative and says so in its message."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import golden
+
+CPU = torch.backends.cpu.get_cpu_capability()
+
+
+def stored(family: str) -> tuple[dict, dict]:
+    path = golden.GOLDEN_DIR / f"{family}.safetensors"
+    with safe_open(str(path), "pt") as handle:
+        return {key: handle.get_tensor(key) for key in handle.keys()}, handle.metadata()
+
+
+@pytest.mark.parametrize("family", golden.FAMILIES)
+def test_state_dict_keys_are_unchanged(family):
+    expected = json.loads((golden.GOLDEN_DIR / f"{family}.keys.json").read_text())
+    assert golden.state_dict_keys(family) == expected
+
+
+@pytest.mark.parametrize("family", golden.FAMILIES)
+def test_outputs_and_gradients_are_bit_identical(family):
+    expected, metadata = stored(family)
+    found = golden.snapshot(family)
+    assert sorted(found) == sorted(expected)
+    same_kernels = metadata.get("cpu_capability") == CPU
+    different = []
+    for key, want in expected.items():
+        got = found[key]
+        assert got.shape == want.shape and got.dtype == want.dtype, key
+        if same_kernels or not want.is_floating_point():
+            if not torch.equal(got, want):
+                different.append(f"{key}: max |diff| {(got.double() - want.double()).abs().max().item():.3g}")
+        else:
+            scale = want.abs().max().clamp(min=1e-30)
+            if (got - want).abs().max() > 1e-5 * scale:
+                different.append(f"{key}: relative {((got - want).abs().max() / scale).item():.3g}")
+    how = "bit-identical" if same_kernels else f"within 1e-5 relative (written on {metadata.get('cpu_capability')}, here {CPU})"
+    assert not different, f"{family}: not {how}: " + "; ".join(different[:8])
+
+
+def test_negative_control_a_changed_weight_is_seen():
+    model = golden.build("llama")
+    ids, mask = golden.LEFT_PADDED
+    with torch.no_grad():
+        before = model(ids, attention_mask=mask).logits
+        model.model.layers[1].mlp.down_proj.weight[0, 0] += 1e-3
+        after = model(ids, attention_mask=mask).logits
+    assert not torch.equal(before, after)
