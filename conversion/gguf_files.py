@@ -23,9 +23,9 @@ _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?
 _STRING, _ARRAY = 8, 9
 
 
-def gguf_architecture(path: str | os.PathLike) -> str:
-    """`general.architecture` read from the header alone (no tensor is touched), for family detection."""
-    path = Path(path)
+def _header_fields(path: Path, wanted) -> dict:
+    """The header fields `wanted(key)` selects, read without touching a tensor."""
+    found = {}
     try:
         with open(path, "rb") as handle:
             if handle.read(4) != _GGUF_MAGIC:
@@ -34,11 +34,27 @@ def gguf_architecture(path: str | os.PathLike) -> str:
             for _ in range(count):
                 key = _read_string(handle)
                 value = _read_value(handle, struct.unpack("<I", handle.read(4))[0])
-                if key == "general.architecture":
-                    return str(value)
+                if wanted(key):
+                    found[key] = value
     except (struct.error, UnicodeDecodeError, OSError, MemoryError) as error:
         raise ConversionError(f"{path} is not a valid GGUF file (truncated or corrupt?): {error}") from error
-    raise ConversionError(f"{path} has no general.architecture field; cannot tell which model it holds")
+    return found
+
+
+def gguf_architecture(path: str | os.PathLike) -> str:
+    """`general.architecture` read from the header alone (no tensor is touched), for family detection."""
+    path = Path(path)
+    fields = _header_fields(path, lambda key: key == "general.architecture")
+    if "general.architecture" not in fields:
+        raise ConversionError(f"{path} has no general.architecture field; cannot tell which model it holds")
+    return str(fields["general.architecture"])
+
+
+def gguf_special_token_ids(path: str | os.PathLike) -> dict[str, int]:
+    """The special tokens the GGUF header names: {"bos": id, "eos": id, "padding": id, "unknown": id} (those set)."""
+    prefix, suffix = "tokenizer.ggml.", "_token_id"
+    fields = _header_fields(Path(path), lambda key: key.startswith(prefix) and key.endswith(suffix))
+    return {key[len(prefix) : -len(suffix)]: int(value) for key, value in fields.items()}
 
 
 def _read_string(handle) -> str:

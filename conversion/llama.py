@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from .errors import ConversionError
-from .gguf_files import load_gguf
+from .gguf_files import gguf_special_token_ids, load_gguf
 from . import deepseek
 from .keymap import KeyMap, Rule, Transform
 from .moe import MOE_MODEL_TYPES, OFFICIAL_PREFIXES, moe_fields_from_official, moe_rules, official_moe_config_fields
@@ -691,6 +691,10 @@ class CausalFamily(Family):
             tokenizer = AutoTokenizer.from_pretrained(str(source.folder), gguf_file=source.path.name)
         except Exception as error:  # the weights are still usable; say so on the card
             return f"the GGUF tokenizer could not be rebuilt ({type(error).__name__}: {error})"
+        padding = gguf_special_token_ids(source.path).get("padding")
+        if tokenizer.pad_token is None and padding is not None:
+            # transformers before 5.2x leaves it unset when rebuilding from GGUF (the metadata names it)
+            tokenizer.pad_token = tokenizer.convert_ids_to_tokens(padding)
         tokenizer.save_pretrained(str(tmp))
         return "rebuilt from the GGUF metadata"
 

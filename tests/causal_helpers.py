@@ -89,3 +89,11 @@ def weight_first_model(seed: int = 0):
     )
     torch.manual_seed(seed)
     return TinyCausalForCausalLM(config).eval()
+
+
+def small_paged_cache():
+    """Continuous batching's paged cache sized for tests: by default transformers sizes it from the free memory
+    (several GB on a CPU machine, allocated and zeroed at every generate_batch call)."""
+    from transformers import ContinuousBatchingConfig
+
+    return ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=256)

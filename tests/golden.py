@@ -145,8 +145,11 @@ def _causal_outputs(model) -> dict:
 def _paged_tokens(model) -> dict:
     from transformers import GenerationConfig
 
+    from causal_helpers import small_paged_cache
+
     config = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
-    results = model.generate_batch(inputs=PAGED_PROMPTS, generation_config=config, progress_bar=False)
+    results = model.generate_batch(inputs=PAGED_PROMPTS, generation_config=config, progress_bar=False,
+                                   continuous_batching_config=small_paged_cache())
     ordered = sorted(results.values(), key=lambda result: PAGED_PROMPTS.index(list(result.prompt_ids)))
     return {"paged.tokens": torch.tensor([list(result.generated_tokens) for result in ordered])}
 

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_tiny  # noqa: F401
-from causal_helpers import max_diff
+from causal_helpers import max_diff, small_paged_cache
 from conversion import llama
 
 pytestmark = [pytest.mark.real_weights, pytest.mark.slow, pytest.mark.usefixtures("single_torch_thread")]
@@ -99,7 +99,8 @@ def test_continuous_batching_equals_per_prompt_generate(official, converted, imp
                                       **settings)[0, len(p):].tolist() for p in prompts]
     ours.set_attn_implementation(implementation)
     try:
-        results = ours.generate_batch(inputs=prompts, generation_config=GenerationConfig(**settings))
+        results = ours.generate_batch(inputs=prompts, generation_config=GenerationConfig(**settings),
+                                      continuous_batching_config=small_paged_cache())
     finally:
         ours.set_attn_implementation("sdpa")
     for prompt, tokens in zip(prompts, expected):

@@ -12,7 +12,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import hf_tiny  # noqa: F401
-from causal_helpers import left_padded_batch, max_diff, real_logits, tiny_official
+from causal_helpers import left_padded_batch, max_diff, real_logits, small_paged_cache, tiny_official
 from conversion import llama
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -58,7 +58,7 @@ def test_continuous_batching_gives_each_request_the_tokens_of_its_own_generate(c
     assert expected == greedy_one_by_one(official, PROMPTS)  # and those are official's
     ours.set_attn_implementation(implementation)
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-    results = ours.generate_batch(inputs=PROMPTS, generation_config=config)
+    results = ours.generate_batch(inputs=PROMPTS, generation_config=config, continuous_batching_config=small_paged_cache())
     ours.set_attn_implementation("sdpa")
     assert len(results) == len(PROMPTS)
     for index, prompt in enumerate(PROMPTS):
