@@ -1,4 +1,4 @@
-"""F.linear against hf_tiny's weight-first product (hf_tiny/linear.py) for the few rows of a decoding step, at a
+"""F.linear against hf_tiny's weight-first product (hf_tiny/runtime.py) for the few rows of a decoding step, at a
 model's own projection shapes.
 
     python -m benchmarks.few_rows [--model smollm2] [--rows 1,2,4,8,16,32,64,128,256] [--threads N]
@@ -7,7 +7,7 @@ Each projection gets a model's depth of distinct weights (the LM head one), cycl
 weights from memory as in a real step instead of from cache. Prints, per shape and row count, the rate at which
 each side reads the weights (GB/s, best of --repeats) and the ratio, the largest difference of each side from an
 fp64 product, and which of the two hf_tiny's Linear takes there. Both are measured everywhere, also where
-hf_tiny keeps F.linear, to show where they meet: this is the measurement behind linear.py's thresholds.
+hf_tiny keeps F.linear, to show where they meet: this is the measurement behind runtime.py's thresholds.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import datetime
 import torch
 import torch.nn.functional as F
 
-from hf_tiny.linear import few_rows_linear, weight_first
+from hf_tiny.runtime import few_rows_linear, weight_first
 
 from .fusion import best_time
 
@@ -63,7 +63,7 @@ def main() -> None:
     print(f"# F.linear vs the weight-first product for few rows: {args.model}, fp32, {torch.get_num_threads()} "
           f"threads, torch {torch.__version__}, {datetime.date.today()}")
     print("\nWeights read per second (GB/s); the last column says which product hf_tiny's Linear takes "
-          "(hf_tiny/linear.py). Error: max |result - fp64 product| on the first weight.\n")
+          "(hf_tiny/runtime.py). Error: max |result - fp64 product| on the first weight.\n")
     print("| projection | shape | rows | F.linear | weight-first | speed-up | error F.linear | error weight-first | "
           "hf_tiny takes |")
     print("|---|---|---|---|---|---|---|---|---|")

@@ -140,7 +140,7 @@ def count_aten_ops(fn: Callable[[], object]) -> int:
 
 # Where a step's time goes, by the aten calls' self times (profile_groups).
 GROUPS = ("weight matmuls", "attention kernel", "copies", "other aten ops", "outside aten ops")
-# bmm / baddbmm: hf_tiny's one-row product, one slice of the weight per thread (hf_tiny/linear.py)
+# bmm / baddbmm: hf_tiny's one-row product, one slice of the weight per thread (hf_tiny/runtime.py)
 WEIGHT_PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 COPIES = ("aten::cat", "aten::index_copy_", "aten::copy_", "aten::clone", "aten::contiguous")
 

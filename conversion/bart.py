@@ -105,9 +105,9 @@ def official_config_from_ours(config, *, src, model_type: str):
     from transformers import BartConfig, MarianConfig
 
     for stack in (False, True):  # BART's head width is d_model // heads and it has no grouped-query attention
-        spec = config.block_spec(decoder=stack)
+        heads = config.decoder_attention_heads if stack else config.num_attention_heads
         require_style(config, model_type, src, **{
-            f"{'decoder_' if stack else ''}head_dim": config.hidden_size // spec.num_attention_heads,
+            f"{'decoder_' if stack else ''}head_dim": config.hidden_size // heads,
             "num_key_value_heads": config.num_attention_heads,
         })
     values = {theirs: getattr(config, ours) for theirs, ours in CONFIG_FIELDS.items()}

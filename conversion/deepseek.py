@@ -127,7 +127,7 @@ def fields_from_official(official, *, src) -> dict:
 def check_holds(config) -> None:
     """Errors naming what official DeepseekV3 cannot hold (config.kv_lora_rank is set)."""
     problems = []
-    if config.num_local_experts:
+    if config.moe_spec() is not None:
         types = config.mlp_layer_types
         dense = types.count("dense")
         if types != ["dense"] * dense + ["sparse"] * (len(types) - dense):
@@ -151,7 +151,7 @@ def check_holds(config) -> None:
 def official_fields(config) -> dict:
     """The DeepseekV3Config fields of an hf_tiny MLA config (checked by check_holds)."""
     check_holds(config)
-    experts = config.num_local_experts
+    experts = getattr(config, "num_local_experts", 0)
     values = dict(
         kv_lora_rank=config.kv_lora_rank,
         q_lora_rank=config.q_lora_rank,
@@ -160,7 +160,7 @@ def official_fields(config) -> dict:
         v_head_dim=config.v_head_dim,
         attention_bias=config.attention_bias,
         rope_interleave=True,  # DeepSeek's layout: attention_rules interleave the rotary rows back
-        num_nextn_predict_layers=config.num_nextn_predict_layers,
+        num_nextn_predict_layers=config.mtp_depth(),
     )
     if experts:
         values.update(
@@ -184,7 +184,7 @@ def mtp_layers_held(config, state: dict, class_name: str, *, src):
     """(config, card note) for a checkpoint whose config announces num_nextn_predict_layers = D: D modules when the
     checkpoint holds all D (decoder layers num_hidden_layers .. + D - 1), none when it holds none (official
     transformers drops them when it saves, and keeps the field), an error when it holds some."""
-    depth = config.num_nextn_predict_layers
+    depth = config.mtp_depth()
     first = config.num_hidden_layers
     held = [k for k in range(depth) if f"model.layers.{first + k}.eh_proj.weight" in state]
     if held == list(range(depth)) and class_name == "TinyCausalForCausalLM":
@@ -196,6 +196,6 @@ def mtp_layers_held(config, state: dict, class_name: str, *, src):
             f"{src}: config.json says num_nextn_predict_layers={depth} but the checkpoint holds MTP module(s) "
             f"{held} only (missing depth(s) {missing}: no model.layers.{first + missing[0]}.eh_proj.weight)"
         )
-    config.num_nextn_predict_layers = 0
+    del config.num_nextn_predict_layers, config.mtp_loss_weight  # a config without MTP holds no MTP field
     reason = "the checkpoint holds none" if not held else f"{class_name} has no MTP head"
     return config, f"config.json announces num_nextn_predict_layers={depth}, but {reason}: converted without MTP modules."

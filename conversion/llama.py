@@ -111,7 +111,7 @@ def key_map(config, class_name: str = "TinyCausalForCausalLM", *, rope_interleav
     layer = f"{p}layers.{{i}}."
     rules: list = []
     embed = f"{p}embed_tokens.weight"
-    mtp_layers = range(config.num_nextn_predict_layers) if class_name == "TinyCausalForCausalLM" else range(0)
+    mtp_layers = range(config.mtp_depth()) if class_name == "TinyCausalForCausalLM" else range(0)
     # MTP modules' copies of the embedding and the head (DeepSeek stores one per module; the model shares them)
     embed_copies = tuple(f"model.layers.{config.num_hidden_layers + k}.embed_tokens.weight" for k in mtp_layers)
     head_copies = tuple(f"model.layers.{config.num_hidden_layers + k}.shared_head.head.weight" for k in mtp_layers)
@@ -119,7 +119,7 @@ def key_map(config, class_name: str = "TinyCausalForCausalLM", *, rope_interleav
         rules.append(Rule((embed, *embed_copies, *head_copies), (embed, "lm_head.weight")))
     else:
         rules.append(Rule((embed, *embed_copies), embed))
-    if config.num_local_experts:  # dense and sparse layers differ: rules per layer index
+    if config.moe_spec() is not None:  # dense and sparse layers differ: rules per layer index
         for i, kind in enumerate(config.mlp_layer_types):
             rules += _layer_rules(config, f"{p}layers.{i}.", kind, rope_interleave)
     else:
@@ -140,7 +140,7 @@ def _layer_rules(config, layer: str, mlp_kind: str, rope_interleave: bool) -> li
     qkv_bias = config.attention_bias
     out_bias = config.attention_bias if config.attention_output_bias is None else config.attention_output_bias
     rules: list = []
-    if config.kv_lora_rank is not None:
+    if config.mla_spec() is not None:
         rules += deepseek.attention_rules(config, layer, rope_interleave=rope_interleave)
     else:
         for name in ATTENTION_PROJECTIONS:
@@ -175,7 +175,7 @@ def _mtp_rules(config, k: int, rope_interleave: bool) -> list:
     ours is mtp.{k} (mtp.{k}.block the decoder block)."""
     official = f"model.layers.{config.num_hidden_layers + k}."
     ours = f"mtp.{k}."
-    kind = "sparse" if config.num_local_experts else "dense"
+    kind = "sparse" if config.moe_spec() is not None else "dense"
     rules = []
     for rule in _layer_rules(config, official, kind, rope_interleave):
         rule = rule if isinstance(rule, Rule) else Rule(*rule)
@@ -188,7 +188,7 @@ def _mtp_rules(config, k: int, rope_interleave: bool) -> list:
 
 def layer_counts(config) -> int | dict[str, int]:
     """The key map's placeholder counts: layers ({i}), and experts ({e}) in a MoE model."""
-    if config.num_local_experts:
+    if config.moe_spec() is not None:
         return {"i": config.num_hidden_layers, "e": config.num_local_experts}
     return config.num_hidden_layers
 
@@ -425,10 +425,10 @@ def official_family(config) -> str:
             f"Llama-family official classes have no residual or embedding dropout; got hidden_dropout="
             f"{config.hidden_dropout}, embedding_dropout={config.embedding_dropout} (Phi-3 has a residual one)"
         )
-    if config.kv_lora_rank is not None:
+    if config.mla_spec() is not None:
         deepseek.check_holds(config)
         return deepseek.MODEL_TYPE
-    if config.num_local_experts:
+    if config.moe_spec() is not None:
         return official_moe_family(config)
     out_bias = config.attention_bias if config.attention_output_bias is None else config.attention_output_bias
     gemma_fields = {name: getattr(config, name) for name in GEMMA3_ONLY}
@@ -733,7 +733,7 @@ class LlamaFamily(CausalFamily):
                 state = drop_tied_copies(state, "model.embed_tokens.weight", ["lm_head.weight"], src=source.path,
                                          hint=UNTIED_HINT)
             notes = []
-            if config.num_nextn_predict_layers:
+            if config.mtp_depth():
                 config, mtp_note = deepseek.mtp_layers_held(config, state, class_name, src=source.path)
                 notes.append(mtp_note)
             mapping = key_map(config, class_name, rope_interleave=source.raw_config.get("rope_interleave", True))
@@ -759,10 +759,10 @@ class LlamaFamily(CausalFamily):
 
     def reverse(self, config, our_class: str, src: Path) -> ReversePlan:
         official_class = _official_class_name(config, our_class)
-        mtp = range(config.num_hidden_layers, config.num_hidden_layers + config.num_nextn_predict_layers)
+        mtp = range(config.num_hidden_layers, config.num_hidden_layers + config.mtp_depth())
         return ReversePlan(official_class, official_config_from_causal(config, official_class),
                            key_map(config, our_class), layer_counts(config),
-                           stored_as_loaded=not config.num_local_experts,
+                           stored_as_loaded=config.moe_spec() is None,
                            dropped_by_official=tuple(rf"model\.layers\.{index}\..*" for index in mtp))
 
 

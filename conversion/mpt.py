@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from hf_tiny.configuration_causal import field_value
+
 from .errors import ConversionError
 from .keymap import KeyMap, Rule, Transform
 from .llama import OUR_CLASSES, CausalFamily, build_causal_config, class_for_architecture, detect_source
@@ -126,7 +128,7 @@ def causal_config_from_mpt(official, *, src):
 def mpt_config_from_causal(config, official_class: str):
     import transformers
 
-    differing = {k: getattr(config, k) for k, v in MPT_STRUCTURE.items() if getattr(config, k) != v}
+    differing = {k: field_value(config, k) for k, v in MPT_STRUCTURE.items() if field_value(config, k) != v}
     if config.num_key_value_heads != config.num_attention_heads or config.head_dim * config.num_attention_heads != config.hidden_size:
         differing["num_key_value_heads / head_dim"] = (config.num_key_value_heads, config.head_dim)
     if config.intermediate_size != 4 * config.hidden_size:

@@ -101,7 +101,7 @@ def training_arguments(args: argparse.Namespace, cls=None, **extra):
                 "--fsdp accelerate needs CUDA GPUs (accelerate sets up FSDP only for GPU process groups and would "
                 "silently fall back to DDP on CPU); use --fsdp native on CPU"
             )
-        # auto-wrapping uses the model's _no_split_modules (["TransformerBlock"]): one FSDP unit per block
+        # auto-wrapping uses the model's _no_split_modules (one decoder / encoder layer class per family): one FSDP unit per block
         fsdp_extra = {"fsdp": True, "fsdp_config": {"version": 2}}
     return cls(
         output_dir=str(args.output_dir),

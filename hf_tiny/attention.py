@@ -21,13 +21,8 @@ scaled_dot_product_attention, "flash_attention_2" runs FlashAttention kernels (t
 installed, else our Triton kernel on CUDA and PyTorch's FLASH_ATTENTION SDPA kernel on CPU); "hf_tiny_flash" is our
 Triton kernel by name (hf_tiny/flash_triton.py: CUDA, or CPU under Triton's interpreter).
 
-Models call attention the way transformers' models do, through an *attention interface*
-`fn(module, query, key, value, attention_mask, scaling=..., dropout=..., **kwargs) -> (out [B, S, H, D], weights)`
-(`ALL_ATTENTION_FUNCTIONS`; `get_attention_interface` validates a name): an instance of transformers' `AttentionInterface` holding our three backends, wrapped
-in that convention, under their own names, over its global mapping (flex_attention, paged|eager, hub kernels,
-functions users register with `AttentionInterface.register`, vLLM's). Caches, the paged cache of transformers'
-continuous batching included, are updated by the attention modules before the call (`update_cache`), as
-transformers' own models do from 5.24 on.
+How models call these functions (transformers' attention interface, its masks, paged caches, vLLM) is
+engines.py's business.
 """
 
 from __future__ import annotations
@@ -86,7 +81,7 @@ def causal_bool_mask(query_length: int, key_length: int, device: torch.device) -
     return cols <= rows + offset
 
 
-def _visible_rows(mask: torch.Tensor) -> torch.Tensor:
+def visible_rows(mask: torch.Tensor) -> torch.Tensor:
     """Bool [..., Sq, 1]: True where the query row sees at least one key."""
     if mask.dtype == torch.bool:
         return mask.any(dim=-1, keepdim=True)
@@ -131,7 +126,7 @@ def naive_attention(
             scores = (scores + mask.to(scores.dtype)).clamp(min=lowest)
     weights = torch.softmax(scores, dim=-1).to(q.dtype)
     if mask is not None:
-        weights = weights * _visible_rows(mask).to(weights.dtype)
+        weights = weights * visible_rows(mask).to(weights.dtype)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p, training=True)
     out = torch.matmul(weights, v)
@@ -182,7 +177,7 @@ def torch_attention(
         # A fully masked row is NaN on some SDPA kernels (CUDA memory-efficient: pytorch#110213), in the forward
         # and in the gradients. Such rows attend to everything inside the kernel and are zeroed after, so no
         # -inf row ever reaches a kernel; the zeroed rows send no gradient back.
-        visible = _visible_rows(mask)
+        visible = visible_rows(mask)
         if mask.dtype == torch.bool:
             mask = mask | ~visible
         else:
@@ -272,21 +267,30 @@ def _read_mask(mask: torch.Tensor, q: torch.Tensor, sk: int, is_causal: bool, *,
         )
     full = full[:, 0]
     key_valid = full.any(dim=1)  # [B, Sk]
-    query_valid = full.any(dim=2)  # [B, Sq]
-    padding_only = query_valid[:, :, None] & key_valid[:, None, :]
-    distance = _real_token_distance(query_valid, key_valid)
     for causal in (True, False) if is_causal else (False, True):
+        query_valid = _valid_queries(full, key_valid, causal)
+        padding_only = query_valid[:, :, None] & key_valid[:, None, :]
+        distance = _real_token_distance(query_valid, key_valid)
         rebuilt = padding_only & (distance >= 0) if causal else padding_only
-        if torch.equal(rebuilt, full):
+        if torch.equal(rebuilt[query_valid], full[query_valid]):
             return query_valid, key_valid, causal, None
-    if allow_window:
         window = int(full.sum(-1).max())  # the widest row sees exactly the window
-        if window > 0 and torch.equal(padding_only & (distance >= 0) & (distance < window), full):
-            return query_valid, key_valid, True, window
+        if allow_window and causal and window > 0:
+            if torch.equal((rebuilt & (distance < window))[query_valid], full[query_valid]):
+                return query_valid, key_valid, True, window
     raise ValueError(
         "attn_implementation='flash_attention_2' supports padding and causal masks only; this mask (for "
         "example a sliding window or a custom 4-D mask) needs attn_implementation='sdpa' or 'eager'"
     )
+
+
+def _valid_queries(full: torch.Tensor, key_valid: torch.Tensor, causal: bool) -> torch.Tensor:
+    """[B, Sq] queries flash computes: those that see a key; in causal self-attention (query i is key
+    i + Sk - Sq) also their own key must be real: a padding query is dropped (zeros), as flash-attn's varlen path
+    and official transformers' flash_attention_2 drop it, while eager and sdpa let it see the real keys before it."""
+    seen = full.any(dim=2)
+    sq, sk = full.shape[1], full.shape[2]
+    return seen & key_valid[:, sk - sq :] if causal and sk >= sq else seen
 
 
 def _flash_sdpa(q, k, v, *, scale, dropout_p, is_causal) -> torch.Tensor:
@@ -624,194 +628,3 @@ def check_backend_can_run(name: str, device: torch.device, dtype: torch.dtype) -
         check_flash_can_run(torch.device(device), dtype)
     if name == "hf_tiny_flash":
         _triton_kernel().check_device_and_dtype(torch.device(device), dtype)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The attention interface (transformers' calling convention)
-# ----------------------------------------------------------------------------------------------------------------
-
-AttentionInterfaceFn = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
-
-
-def paged_cache_update(cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int, kwargs: dict):
-    """Stores this step's K/V [1, Hkv, S, D] in transformers' PagedAttentionCache and returns the sequences' K/V
-    [1, Hkv, T, D]. Its API changed in transformers 5.2x: it takes the runner's kwargs (updated in place) and returns
-    [1, Hkv, T, D]; before, it took read_index / write_index and returned [T, Hkv, D]."""
-    if "kwargs" in inspect.signature(cache.update).parameters:
-        return cache.update(key_states=key, value_states=value, layer_idx=layer_idx, kwargs=kwargs)
-    key, value = cache.update(
-        key_states=key, value_states=value, layer_idx=layer_idx, read_index=kwargs["read_index"],
-        write_index=kwargs["write_index"],
-    )
-    return key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0)
-
-
-def update_cache(cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int, attention_kwargs: dict):
-    """Stores this step's K/V [B, Hkv, S, D] in the cache and returns the keys and values to attend to: a
-    transformers Cache's update, or continuous batching's paged cache (which also fills attention_kwargs)."""
-    from transformers.cache_utils import Cache
-
-    if isinstance(cache, Cache):
-        return cache.update(key, value, layer_idx)
-    return paged_cache_update(cache, key, value, layer_idx, attention_kwargs)
-
-
-def as_attention_interface(backend: Callable[..., BackendOutput]) -> AttentionInterfaceFn:
-    """One of our pure backends in transformers' attention-interface convention (module first, output
-    [B, S, H, D]). Keyword arguments it does not use (sliding_window, position_ids, ...) are accepted and ignored:
-    our masks already hold them."""
-
-    def attention_forward(
-        module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, is_causal=None,
-        output_attentions=False, segment_ids=None, **kwargs,
-    ):
-        out, weights = backend(
-            query, key, value, attention_mask,
-            scale=module.scaling if scaling is None else scaling,
-            dropout_p=dropout,
-            is_causal=getattr(module, "is_causal", False) if is_causal is None else is_causal,
-            output_attentions=output_attentions,
-            segment_ids=segment_ids,
-        )
-        return out.transpose(1, 2), weights
-
-    attention_forward.__name__ = attention_forward.__qualname__ = f"hf_tiny_{backend.__name__}_interface"
-    return attention_forward
-
-
-HF_TINY_INTERFACES: dict[str, AttentionInterfaceFn] = {
-    name: as_attention_interface(backend) for name, backend in ATTENTION_BACKENDS.items()
-}
-
-
-def is_hf_tiny_backend(name: str) -> bool:
-    """Our own backends, also under transformers' "paged|" prefix (our wrappers handle paged caches)."""
-    return name.removeprefix("paged|") in HF_TINY_INTERFACES
-
-
-def _hf_tiny_attention_functions():
-    """transformers' AttentionInterface with our backends registered locally (its mechanism for a model's own
-    overrides): our math under "eager", "sdpa", "flash_attention_2" (and "paged|eager"); every other name from the
-    global mapping (flex_attention, vLLM's, functions users register with AttentionInterface.register). Registering
-    ours globally would replace transformers' sdpa in every official model of the process."""
-    from transformers import AttentionInterface
-
-    functions = AttentionInterface()
-    for name, function in HF_TINY_INTERFACES.items():
-        functions[name] = function
-    functions["paged|eager"] = HF_TINY_INTERFACES["eager"]
-    return functions
-
-
-HF_TINY_ATTENTION_FUNCTIONS = _hf_tiny_attention_functions()
-# The name attention modules look the function up under. vLLM's Transformers backend finds the attention module by
-# reading its forward's source for `<name> = ALL_ATTENTION_FUNCTIONS.get_interface(...)` and exactly one call of
-# <name>, so the lookup is spelled that way (it is still our instance, which falls back to transformers' global one).
-ALL_ATTENTION_FUNCTIONS = HF_TINY_ATTENTION_FUNCTIONS
-
-
-def registered_attention_names() -> list[str]:
-    return sorted(HF_TINY_ATTENTION_FUNCTIONS.valid_keys())
-
-
-def get_attention_interface(name: str) -> AttentionInterfaceFn:
-    """The attention function `config._attn_implementation` names: ours, or one transformers holds."""
-    try:
-        return HF_TINY_ATTENTION_FUNCTIONS.get_interface(name, None)
-    except (KeyError, ValueError):
-        raise ValueError(
-            f"attn_implementation={name!r} is neither an hf_tiny backend ({sorted(HF_TINY_INTERFACES)}) nor registered "
-            f"in transformers' AttentionInterface; registered: {registered_attention_names()} (add one with "
-            "transformers.AttentionInterface.register(name, fn))"
-        ) from None
-
-
-def interface_takes_mask(name: str) -> bool:
-    """Whether the function `name` is handed a mask, by transformers' rule: ours always; another only when a mask
-    builder is registered under its name in transformers' AttentionMaskInterface (sdpa, eager, flex_attention,
-    flash...). The rest (vLLM's, TGI's, a kernel registered without one) mask from their own metadata and get
-    attention_mask=None. Reads `_global_mapping`, as transformers does, so that full-graph tracing works."""
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
-
-    return is_hf_tiny_backend(name) or name.removeprefix("paged|") in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
-
-
-def mask_for_interface(
-    name: str, mask: Optional[torch.Tensor], is_causal: bool, query: torch.Tensor, key_length: int
-) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """Our mask in the form transformers' attention functions take, and which query rows see no key.
-
-    Returns (mask, visible): mask is a full [B, 1 | H, Sq, Sk] additive tensor (0 where attended, the dtype's lowest
-    value elsewhere), or for flex_attention a BlockMask built from the bool pattern (flex adds an additive mask to
-    every score inside a compiled kernel, which PyTorch's CPU build miscompiles). A causal call without a mask gets
-    the explicit bottom-right causal pattern (transformers' functions would otherwise read no mask as "see all").
-    visible [B, 1, Sq, 1] is False for query rows that see no key (left padding): those rows are handed to the
-    function as attending to everything, so no kernel turns them into NaN that later layers would read, and the
-    caller zeroes them after, as our own backends do; None when every row sees a key.
-    """
-    batch, _, query_length, _ = query.shape
-    dtype = query.dtype
-    if mask is None:
-        if not is_causal:
-            return None, None
-        mask = causal_bool_mask(query_length, key_length, query.device)
-    while mask.dim() < 4:
-        mask = mask.unsqueeze(0)
-    if name == "flex_attention" and mask.dtype != torch.bool:
-        raise ValueError(
-            "attn_implementation='flex_attention' takes block masks built from a pattern; this layer's mask is an "
-            "additive bias (T5's relative position bias, or a float 4-D mask), which hf_tiny does not hand to flex; "
-            "use attn_implementation='sdpa' or 'eager'"
-        )
-    visible = _visible_rows(mask).expand(batch, 1, query_length, 1) if mask.shape[1] == 1 else None
-    if visible is not None and bool(visible.all()):
-        visible = None
-    if mask.dtype == torch.bool:
-        if visible is not None:
-            mask = mask | ~visible
-        if name == "flex_attention":
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            dense = mask[:, :1].expand(batch, 1, query_length, key_length).contiguous()
-
-            def mask_mod(b, h, q_idx, kv_idx):
-                return dense[b, 0, q_idx, kv_idx]
-
-            return create_block_mask(mask_mod, batch, None, query_length, key_length, device=mask.device), visible
-        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
-    elif visible is not None:
-        mask = torch.where(visible, mask.to(dtype), 0.0)
-    return mask.to(dtype).expand(batch, mask.shape[1], query_length, key_length).contiguous(), visible
-
-
-class AttentionModule(torch.nn.Module):
-    """What every attention module (layers.Attention, mla.LatentAttention) shares around its call of the attention
-    interface: the mask in the form the named interface takes, and the zeroing of rows that see no key after it.
-
-    The call itself stays in each module's forward, written `attention_interface = ALL_ATTENTION_FUNCTIONS
-    .get_interface(...)` then one `attention_interface(self, q, k, v, mask, scaling=self.scaling, ...)`: vLLM's
-    Transformers backend finds a model's attention layers by reading exactly that in the forward's source.
-    The interface is looked up at every call (set_attn_implementation works live): one of our backends, or any
-    function in transformers' ALL_ATTENTION_FUNCTIONS (flex_attention, paged|eager, vLLM's, a user's). Subclasses
-    set the attributes those functions read: config, layer_idx, num_key_value_groups, is_causal, scaling, head_dim,
-    dropout."""
-
-    def interface_mask(self, attention_mask, query: torch.Tensor, key: torch.Tensor, attention_kwargs: dict):
-        """(mask, is_causal, visible rows or None) for the interface named by config._attn_implementation, from an
-        AttentionMask (or None); packed rows' segment_ids go into attention_kwargs for our own backends."""
-        mask, is_causal, segment_ids = attention_mask if attention_mask is not None else (None, False, None)
-        implementation = self.config._attn_implementation
-        visible = None
-        if is_hf_tiny_backend(implementation):
-            if segment_ids is not None:
-                attention_kwargs["segment_ids"] = segment_ids
-        elif interface_takes_mask(implementation):
-            mask, visible = mask_for_interface(implementation, mask, is_causal, query, key.shape[2])
-        else:  # vLLM's function (or another that masks by its own metadata): no mask, as transformers does
-            mask, is_causal = None, self.is_causal
-        return mask, is_causal, visible
-
-    @staticmethod
-    def zero_invisible_rows(out: torch.Tensor, visible: Optional[torch.Tensor]) -> torch.Tensor:
-        """Query rows that see no key (padding) give zeros, as in our own backends; out is [B, S, H, D]."""
-        return out if visible is None else out.masked_fill(~visible[:, 0, :, 0, None, None], 0.0)

@@ -20,7 +20,7 @@ from typing import Optional, Union
 import torch
 from torch.autograd.function import once_differentiable
 
-from .recompute import plain_linear
+from .runtime import plain_linear
 
 # Logits elements per chunk (fp32: 32 MiB): large enough that each chunk's matrix product runs at full speed.
 CHUNK_LOGIT_ELEMENTS = 1 << 23

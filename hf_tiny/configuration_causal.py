@@ -11,7 +11,7 @@ from transformers.activations import ACT2FN
 from .moe import ROUTER_SCORINGS
 from .rope import rotary_dim, standardize_rope_parameters
 from .validation import check_bool, check_choice, check_divisible, check_finite_fields, check_non_negative, check_positive
-from .validation import check_non_negative_number, check_positive_number
+from .validation import check_non_negative_number, check_positive_number, warn_on_token_ids_outside
 from .validation import check_probability, check_token_ids, init_arguments, store_init_fields
 
 
@@ -54,6 +54,27 @@ def check_moe_fields(owner: str, values: dict, num_hidden_layers: int, first_k_d
                 "for sparse (MoE) layers but num_local_experts=0; set num_local_experts"
             )
         return None
+    _check_routing(owner, values)
+    check_choice(owner, "router_scoring", values["router_scoring"], ROUTER_SCORINGS)
+    check_positive(owner, moe_intermediate_size=values["moe_intermediate_size"])
+    check_non_negative(owner, "0: no shared experts", shared_expert_intermediate_size=values["shared_expert_intermediate_size"])
+    check_bool(owner, norm_topk_prob=values["norm_topk_prob"], shared_expert_gate=values["shared_expert_gate"],
+               output_router_logits=values["output_router_logits"])
+    if values["shared_expert_gate"] and not values["shared_expert_intermediate_size"]:
+        raise ValueError(f"{owner}: shared_expert_gate=True needs shared experts; shared_expert_intermediate_size=0")
+    check_positive_number(owner, routed_scaling_factor=values["routed_scaling_factor"])
+    check_probability(owner, router_jitter_noise=values["router_jitter_noise"])
+    check_non_negative_number(owner, router_aux_loss_coef=values["router_aux_loss_coef"])
+    if not values["mlp_gated"] or values["mlp_bias"]:
+        raise ValueError(
+            f"{owner}: MoE experts are gated (SwiGLU) MLPs without biases; num_local_experts={experts} needs "
+            f"mlp_gated=True and mlp_bias=False, got mlp_gated={values['mlp_gated']}, mlp_bias={values['mlp_bias']}"
+        )
+    return _mlp_layer_types(owner, mlp_layer_types, num_hidden_layers, first_k_dense_replace)
+
+
+def _check_routing(owner: str, values: dict) -> None:
+    experts = values["num_local_experts"]
     top_k, groups, best_groups = values["num_experts_per_tok"], values["n_group"], values["topk_group"]
     check_positive(owner, num_experts_per_tok=top_k, n_group=groups, topk_group=best_groups)
     if top_k > experts:
@@ -73,21 +94,9 @@ def check_moe_fields(owner: str, values: dict, num_hidden_layers: int, first_k_d
                 f"{owner}: num_experts_per_tok={top_k} exceeds the {best_groups * per_group} experts of the "
                 f"topk_group={best_groups} groups a token may use (num_local_experts={experts}, n_group={groups})"
             )
-    check_choice(owner, "router_scoring", values["router_scoring"], ROUTER_SCORINGS)
-    check_positive(owner, moe_intermediate_size=values["moe_intermediate_size"])
-    check_non_negative(owner, "0: no shared experts", shared_expert_intermediate_size=values["shared_expert_intermediate_size"])
-    check_bool(owner, norm_topk_prob=values["norm_topk_prob"], shared_expert_gate=values["shared_expert_gate"],
-               output_router_logits=values["output_router_logits"])
-    if values["shared_expert_gate"] and not values["shared_expert_intermediate_size"]:
-        raise ValueError(f"{owner}: shared_expert_gate=True needs shared experts; shared_expert_intermediate_size=0")
-    check_positive_number(owner, routed_scaling_factor=values["routed_scaling_factor"])
-    check_probability(owner, router_jitter_noise=values["router_jitter_noise"])
-    check_non_negative_number(owner, router_aux_loss_coef=values["router_aux_loss_coef"])
-    if not values["mlp_gated"] or values["mlp_bias"]:
-        raise ValueError(
-            f"{owner}: MoE experts are gated (SwiGLU) MLPs without biases; num_local_experts={experts} needs "
-            f"mlp_gated=True and mlp_bias=False, got mlp_gated={values['mlp_gated']}, mlp_bias={values['mlp_bias']}"
-        )
+
+
+def _mlp_layer_types(owner: str, mlp_layer_types, num_hidden_layers: int, first_k_dense_replace) -> list[str]:
     if mlp_layer_types is None:
         dense = 0 if first_k_dense_replace is None else first_k_dense_replace
         check_non_negative(owner, first_k_dense_replace=dense)
@@ -145,6 +154,140 @@ def check_mla_fields(owner: str, values: dict) -> int:
     return head_dim
 
 
+# Fields of the mechanisms a checkpoint may not use: a config holds them only when it uses the mechanism, so that
+# a dense model has no field a tool could read as "this is a Mixture-of-Experts model" (TRL enables router losses
+# when a config has output_router_logits).
+MOE_FIELDS = (
+    "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "router_scoring", "norm_topk_prob", "n_group",
+    "topk_group", "routed_scaling_factor", "shared_expert_intermediate_size", "shared_expert_gate", "mlp_layer_types",
+    "router_aux_loss_coef", "router_jitter_noise", "output_router_logits",
+)
+MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mla_absorb")
+MTP_FIELDS = ("num_nextn_predict_layers", "mtp_loss_weight")
+ALIBI_FIELDS = ("alibi_bias_max",)
+
+
+def field_value(config, name: str):
+    """A field of a causal config, or for a mechanism the config does not use the field's "off" default (a dense
+    config holds no num_local_experts: 0)."""
+    if hasattr(config, name):
+        return getattr(config, name)
+    import inspect
+
+    return inspect.signature(type(config).__init__).parameters[name].default
+
+
+def _unused_fields(values: dict) -> tuple:
+    unused = ()
+    if not values["num_local_experts"]:
+        unused += MOE_FIELDS
+    if values["kv_lora_rank"] is None:
+        unused += MLA_FIELDS
+    if not values["num_nextn_predict_layers"]:
+        unused += MTP_FIELDS
+    if values["position_embedding_type"] != "alibi":
+        unused += ALIBI_FIELDS
+    return unused
+
+
+def _check_sizes(owner: str, values: dict) -> int:
+    """The sizes checked; returns head_dim (hidden_size // num_attention_heads unless set, MLA's own sum)."""
+    heads, kv_heads, hidden = values["num_attention_heads"], values["num_key_value_heads"], values["hidden_size"]
+    check_positive(
+        owner, vocab_size=values["vocab_size"], hidden_size=hidden, intermediate_size=values["intermediate_size"],
+        num_hidden_layers=values["num_hidden_layers"], num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=values["max_position_embeddings"],
+    )
+    head_dim = values["head_dim"]
+    if values["kv_lora_rank"] is not None:
+        head_dim = check_mla_fields(owner, values)
+    elif head_dim is None:
+        check_divisible(owner, "hidden_size", hidden, "num_attention_heads", heads)
+        head_dim = hidden // heads
+    check_positive(owner, head_dim=head_dim)
+    if values["position_embedding_type"] == "rope" and head_dim % 2:
+        raise ValueError(f"{owner}: head_dim must be even for rotary embeddings, got {head_dim}")
+    check_divisible(owner, "num_attention_heads", heads, "num_key_value_heads", kv_heads)
+    return head_dim
+
+
+def _check_parts(owner: str, values: dict, kwargs: dict) -> None:
+    """The block's parts: activation, norms, dropouts, Gemma's switches, the position scheme."""
+    check_choice(owner, "position_embedding_type", values["position_embedding_type"], POSITION_EMBEDDING_TYPES)
+    check_choice(owner, "norm_type", values["norm_type"], ("rmsnorm", "layernorm"))
+    check_choice(owner, "hidden_act", values["hidden_act"], sorted(ACT2FN))
+    check_probability(owner, attention_dropout=values["attention_dropout"], hidden_dropout=values["hidden_dropout"],
+                      embedding_dropout=values["embedding_dropout"])
+    check_positive_number(owner, rms_norm_eps=values["rms_norm_eps"], layer_norm_eps=values["layer_norm_eps"],
+                          initializer_range=values["initializer_range"])
+    if values["sliding_window"] is not None:
+        check_positive(owner, sliding_window=values["sliding_window"])
+    check_bool(owner, qk_norm=values["qk_norm"], rms_norm_unit_offset=values["rms_norm_unit_offset"],
+               scale_embeddings=values["scale_embeddings"], sandwich_norms=values["sandwich_norms"],
+               mlp_gated=values["mlp_gated"], norm_bias=values["norm_bias"])
+    if values["rms_norm_unit_offset"] and values["norm_type"] != "rmsnorm":
+        raise ValueError(f"{owner}: rms_norm_unit_offset=True needs norm_type='rmsnorm', got {values['norm_type']!r}")
+    for name in ("query_pre_attn_scalar", "final_logit_softcapping"):
+        if values[name] is not None:
+            check_positive_number(owner, **{name: values[name]})
+    if kwargs.get("attn_logit_softcapping") is not None:
+        raise ValueError(
+            f"{owner}: attn_logit_softcapping={kwargs['attn_logit_softcapping']!r} is not supported (it needs the "
+            "attention scores, which the sdpa and flash kernels never form); use a model with attn_logit_softcapping=None"
+        )
+    check_positive_number(owner, alibi_bias_max=values["alibi_bias_max"])
+
+
+def _check_mtp(owner: str, values: dict) -> None:
+    depth = values["num_nextn_predict_layers"]
+    check_non_negative(owner, "0: no Multi-Token Prediction modules", num_nextn_predict_layers=depth)
+    check_non_negative_number(owner, mtp_loss_weight=values["mtp_loss_weight"])
+    if depth and values["position_embedding_type"] != "rope":
+        raise ValueError(
+            f"{owner}: Multi-Token Prediction modules (num_nextn_predict_layers={depth}) rotate with RoPE; "
+            f"position_embedding_type={values['position_embedding_type']!r} is not supported with them"
+        )
+    if depth and "sliding_attention" in values["layer_types"]:
+        raise ValueError(
+            f"{owner}: Multi-Token Prediction modules (num_nextn_predict_layers={depth}) attend with full attention; "
+            "a model with sliding_attention layers is not supported"
+        )
+
+
+def _rope_parameters(owner: str, values: dict, legacy_scaling, legacy_theta) -> dict:
+    """rope_parameters standardized (one dict, or one per layer type); the legacy spellings of Llama 2 era
+    config.json files (rope_scaling + rope_theta beside it) accepted."""
+    rope_parameters, max_positions = values["rope_parameters"], values["max_position_embeddings"]
+    if rope_parameters is None and legacy_scaling is not None:
+        rope_parameters = legacy_scaling
+    if isinstance(rope_parameters, dict) and set(rope_parameters) & set(LAYER_TYPES):
+        unknown = sorted(set(rope_parameters) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"{owner}: rope_parameters keyed by layer type may hold only {list(LAYER_TYPES)}; got keys {unknown}")
+        rope_parameters = {
+            kind: standardize_rope_parameters(rope_parameters.get(kind), max_position_embeddings=max_positions,
+                                              rope_theta=legacy_theta, owner=f"{owner} rope_parameters[{kind!r}]")
+            for kind in LAYER_TYPES
+        }
+    else:
+        rope_parameters = standardize_rope_parameters(rope_parameters, max_position_embeddings=max_positions,
+                                                      rope_theta=legacy_theta, owner=owner)
+    kind = values["position_embedding_type"]
+    if kind == "alibi" and rope_parameters != standardize_rope_parameters(None, max_position_embeddings=max_positions, owner=owner):
+        raise ValueError(
+            f"{owner}: position_embedding_type='alibi' takes no rotary embeddings (ALiBi replaces them); got "
+            f"rope_parameters={rope_parameters}"
+        )
+    if kind == "rope":
+        mla = values["kv_lora_rank"] is not None
+        rotated = values["qk_rope_head_dim"] if mla else values["head_dim"]
+        for params in (rope_parameters.values() if set(rope_parameters) == set(LAYER_TYPES) else (rope_parameters,)):
+            if mla and rotary_dim(params, rotated, owner=owner) != rotated:
+                raise ValueError(f"{owner}: MLA rotates all qk_rope_head_dim={rotated} dimensions; drop partial_rotary_factor")
+            rotary_dim(params, rotated, owner=owner)
+    return rope_parameters
+
+
 class TinyCausalConfig(PretrainedConfig):
     """A pre-norm decoder-only transformer: token embeddings, N blocks of (RMSNorm, rotary self-attention with
     GQA/MQA, RMSNorm, SwiGLU feed-forward), final RMSNorm, LM head. Field names are the transformers standard ones
@@ -178,7 +321,7 @@ class TinyCausalConfig(PretrainedConfig):
     - final_logit_softcapping: logits = c * tanh(logits / c) (None: off).
 
     GPT-2 is this block with other choices of its parts:
-    - position_embedding_type "alibi" (BLOOM, MPT; alibi.py): no position embeddings; each head adds -m_h * (i - j) to
+    - position_embedding_type "alibi" (BLOOM, MPT; step.alibi_slopes): no position embeddings; each head adds -m_h * (i - j) to
       its scores, slopes m_h from alibi_bias_max (8). norm_bias=False: LayerNorms without bias (MPT).
     - position_embedding_type: "rope" (default) or "learned" (absolute positions added to the token embeddings,
       `embed_positions`, max_position_embeddings of them; no rotation).
@@ -291,118 +434,21 @@ class TinyCausalConfig(PretrainedConfig):
         **kwargs,
     ):
         owner = type(self).__name__
-        check_finite_fields(owner, init_arguments(locals()))
-        if num_key_value_heads is None:
-            num_key_value_heads = num_attention_heads
-        check_positive(
-            owner,
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            intermediate_size=intermediate_size,
-            num_hidden_layers=num_hidden_layers,
-            num_attention_heads=num_attention_heads,
-            num_key_value_heads=num_key_value_heads,
-            max_position_embeddings=max_position_embeddings,
-        )
-        if kv_lora_rank is not None:
-            head_dim = check_mla_fields(owner, init_arguments(locals()))
-        elif head_dim is None:
-            check_divisible(owner, "hidden_size", hidden_size, "num_attention_heads", num_attention_heads)
-            head_dim = hidden_size // num_attention_heads
-        check_positive(owner, head_dim=head_dim)
-        check_choice(owner, "position_embedding_type", position_embedding_type, POSITION_EMBEDDING_TYPES)
-        check_choice(owner, "norm_type", norm_type, ("rmsnorm", "layernorm"))
-        if position_embedding_type == "rope" and head_dim % 2:
-            raise ValueError(f"{owner}: head_dim must be even for rotary embeddings, got {head_dim}")
-        check_divisible(owner, "num_attention_heads", num_attention_heads, "num_key_value_heads", num_key_value_heads)
-        check_choice(owner, "hidden_act", hidden_act, sorted(ACT2FN))
-        check_probability(
-            owner, attention_dropout=attention_dropout, hidden_dropout=hidden_dropout,
-            embedding_dropout=embedding_dropout,
-        )
-        check_positive_number(
-            owner, rms_norm_eps=rms_norm_eps, layer_norm_eps=layer_norm_eps, initializer_range=initializer_range
-        )
-        if sliding_window is not None:
-            check_positive(owner, sliding_window=sliding_window)
-        check_bool(
-            owner, qk_norm=qk_norm, rms_norm_unit_offset=rms_norm_unit_offset, scale_embeddings=scale_embeddings,
-            sandwich_norms=sandwich_norms, mlp_gated=mlp_gated,
-        )
-        if rms_norm_unit_offset and norm_type != "rmsnorm":
-            raise ValueError(f"{owner}: rms_norm_unit_offset=True needs norm_type='rmsnorm', got {norm_type!r}")
-        if query_pre_attn_scalar is not None:
-            check_positive_number(owner, query_pre_attn_scalar=query_pre_attn_scalar)
-        if final_logit_softcapping is not None:
-            check_positive_number(owner, final_logit_softcapping=final_logit_softcapping)
-        for unsupported in ("attn_logit_softcapping",):
-            if kwargs.get(unsupported) is not None:
-                raise ValueError(
-                    f"{owner}: {unsupported}={kwargs[unsupported]!r} is not supported (it needs the attention scores, "
-                    "which the sdpa and flash kernels never form); use a model with attn_logit_softcapping=None"
-                )
-        layer_types = check_layer_types(owner, layer_types, num_hidden_layers, sliding_window)
-        if moe_intermediate_size is None:
-            moe_intermediate_size = intermediate_size
-        check_non_negative(owner, "0: no Multi-Token Prediction modules", num_nextn_predict_layers=num_nextn_predict_layers)
-        check_non_negative_number(owner, mtp_loss_weight=mtp_loss_weight)
-        check_bool(owner, norm_bias=norm_bias)
-        check_positive_number(owner, alibi_bias_max=alibi_bias_max)
-        if num_nextn_predict_layers and position_embedding_type != "rope":
-            raise ValueError(
-                f"{owner}: Multi-Token Prediction modules (num_nextn_predict_layers={num_nextn_predict_layers}) rotate "
-                f"with RoPE; position_embedding_type={position_embedding_type!r} is not supported with them"
-            )
-        if num_nextn_predict_layers and "sliding_attention" in layer_types:
-            raise ValueError(
-                f"{owner}: Multi-Token Prediction modules (num_nextn_predict_layers={num_nextn_predict_layers}) attend "
-                "with full attention; a model with sliding_attention layers is not supported"
-            )
-        mlp_layer_types = check_moe_fields(
-            owner, init_arguments(locals()), num_hidden_layers, kwargs.pop("first_k_dense_replace", None)
-        )
-        check_token_ids(owner, vocab_size, pad_token_id=pad_token_id, bos_token_id=bos_token_id)
-
-        # Legacy spellings (Llama 2 era config.json files): rope_scaling + rope_theta beside it.
-        legacy_scaling = kwargs.pop("rope_scaling", None)
-        legacy_theta = kwargs.pop("rope_theta", None)
-        if rope_parameters is None and legacy_scaling is not None:
-            rope_parameters = legacy_scaling
-        if isinstance(rope_parameters, dict) and set(rope_parameters) & set(LAYER_TYPES):
-            unknown = sorted(set(rope_parameters) - set(LAYER_TYPES))
-            if unknown:
-                raise ValueError(
-                    f"{owner}: rope_parameters keyed by layer type may hold only {list(LAYER_TYPES)}; got keys {unknown}"
-                )
-            rope_parameters = {
-                kind: standardize_rope_parameters(
-                    rope_parameters.get(kind), max_position_embeddings=max_position_embeddings,
-                    rope_theta=legacy_theta, owner=f"{owner} rope_parameters[{kind!r}]",
-                )
-                for kind in LAYER_TYPES
-            }
-        else:
-            rope_parameters = standardize_rope_parameters(
-                rope_parameters, max_position_embeddings=max_position_embeddings, rope_theta=legacy_theta, owner=owner
-            )
-
-        if position_embedding_type == "alibi" and rope_parameters != standardize_rope_parameters(
-            None, max_position_embeddings=max_position_embeddings, owner=owner
-        ):
-            raise ValueError(
-                f"{owner}: position_embedding_type='alibi' takes no rotary embeddings (ALiBi replaces them); got "
-                f"rope_parameters={rope_parameters}"
-            )
-        if position_embedding_type == "rope":
-            rotated = head_dim if kv_lora_rank is None else qk_rope_head_dim
-            for params in (rope_parameters.values() if set(rope_parameters) == set(LAYER_TYPES) else (rope_parameters,)):
-                if kv_lora_rank is not None and rotary_dim(params, rotated, owner=owner) != rotated:
-                    raise ValueError(f"{owner}: MLA rotates all qk_rope_head_dim={rotated} dimensions; drop partial_rotary_factor")
-                rotary_dim(params, rotated, owner=owner)
-        store_init_fields(self, TinyCausalConfig.__init__, locals())
+        values = init_arguments(locals())
+        check_finite_fields(owner, values)
+        values["num_key_value_heads"] = num_attention_heads if num_key_value_heads is None else num_key_value_heads
+        values["head_dim"] = _check_sizes(owner, values)
+        _check_parts(owner, values, kwargs)
+        values["layer_types"] = check_layer_types(owner, layer_types, num_hidden_layers, sliding_window)
+        values["moe_intermediate_size"] = intermediate_size if moe_intermediate_size is None else moe_intermediate_size
+        values["mlp_layer_types"] = check_moe_fields(owner, values, num_hidden_layers, kwargs.pop("first_k_dense_replace", None))
+        _check_mtp(owner, values)
+        check_token_ids(owner, vocab_size, pad_token_id=pad_token_id)
+        warn_on_token_ids_outside(vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+        standardized = _rope_parameters(owner, values, kwargs.pop("rope_scaling", None), kwargs.pop("rope_theta", None))
+        store_init_fields(self, TinyCausalConfig.__init__, values, skip=_unused_fields(values) + ("rope_parameters",))
         # PretrainedConfig.__init__ standardizes rope_parameters itself, differently per transformers version (5.17
         # adds rope_theta into a dict keyed by layer type, then fails validating it); ours is standardized already.
-        standardized = self.__dict__.pop("rope_parameters")
         super().__init__(**kwargs)
         self.rope_parameters = standardized
 
@@ -415,12 +461,16 @@ class TinyCausalConfig(PretrainedConfig):
     def sliding_window_for(self, layer_type: str) -> int | None:
         return self.sliding_window if layer_type == "sliding_attention" else None
 
-    def norm_eps(self) -> float:
+    def norm_type_eps(self) -> float:
+        """The epsilon of this model's norms: rms_norm_eps or layer_norm_eps by norm_type."""
         return self.rms_norm_eps if self.norm_type == "rmsnorm" else self.layer_norm_eps
 
-    def moe_spec(self) -> "MoeSpec":
+    def moe_spec(self) -> Optional["MoeSpec"]:
+        """The sparse feed-forward's description, or None for a dense model (which holds no MoE field)."""
         from .moe import MoeSpec
 
+        if not getattr(self, "num_local_experts", 0):
+            return None
         return MoeSpec(
             num_experts=self.num_local_experts, top_k=self.num_experts_per_tok,
             intermediate_size=self.moe_intermediate_size, scoring=self.router_scoring,
@@ -432,59 +482,48 @@ class TinyCausalConfig(PretrainedConfig):
 
     def is_sparse_layer(self, layer_idx: int) -> bool:
         """Layers past num_hidden_layers are the MTP modules' blocks: sparse in a MoE model (DeepSeek-V3)."""
-        if layer_idx >= self.num_hidden_layers:
-            return bool(self.num_local_experts)
-        return self.mlp_layer_types is not None and self.mlp_layer_types[layer_idx] == "sparse"
+        if not getattr(self, "num_local_experts", 0):
+            return False
+        return layer_idx >= self.num_hidden_layers or self.mlp_layer_types[layer_idx] == "sparse"
 
     def mla_spec(self) -> Optional["MlaSpec"]:
+        """Multi-head Latent Attention's description, or None (then the config holds no MLA field)."""
         from .mla import MlaSpec
 
-        if self.kv_lora_rank is None:
+        if getattr(self, "kv_lora_rank", None) is None:
             return None
         return MlaSpec(
             kv_lora_rank=self.kv_lora_rank, q_lora_rank=self.q_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
             qk_rope_head_dim=self.qk_rope_head_dim, v_head_dim=self.v_head_dim, bias=self.attention_bias,
         )
 
+    def mtp_depth(self) -> int:
+        """The number of Multi-Token Prediction modules (0: none, and no MTP field)."""
+        return getattr(self, "num_nextn_predict_layers", 0)
+
     def rotary_head_dim(self) -> int:
         """The dimensions RoPE rotates per head: MLA's qk_rope_head_dim, else head_dim."""
-        return self.head_dim if self.kv_lora_rank is None else self.qk_rope_head_dim
+        return self.head_dim if self.mla_spec() is None else self.qk_rope_head_dim
 
     def cache_layout(self) -> tuple[int, int]:
         """(heads, key dimension) of what the KV cache stores per layer and token: MLA stores one latent."""
-        if self.kv_lora_rank is not None:
+        if self.mla_spec() is not None:
             return 1, self.kv_lora_rank
         return self.num_key_value_heads, self.head_dim
 
-    def _mla_scale(self) -> Optional[float]:
-        """DeepSeek's YaRN: scores also scaled by mscale(factor, mscale_all_dim)^2 (official yarn_apply_mscale)."""
-        params = self.rope_parameters_for("full_attention")
-        mscale_all_dim = params.get("mscale_all_dim")
-        if params["rope_type"] == "default" or not mscale_all_dim or params.get("factor", 1.0) <= 1:
-            return None
-        mscale = 0.1 * mscale_all_dim * math.log(params["factor"]) + 1.0
-        return self.head_dim**-0.5 * mscale * mscale
-
-    def block_spec(self, layer_idx: Optional[int] = None):
-        """The decoder block: pre-norm, gated (SwiGLU) or plain MLP, grouped-query attention; layer `layer_idx`'s
-        with its sparse MoE feed-forward when it has one."""
-        from .layers import BlockSpec
-
-        output_bias = self.attention_bias if self.attention_output_bias is None else self.attention_output_bias
-        scale = None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar**-0.5
-        if self.kv_lora_rank is not None:
-            scale = self._mla_scale()
-        return BlockSpec(
-            hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, attention_scale=scale,
-            attention_dropout=self.attention_dropout, attention_bias=self.attention_bias,
-            attention_output_bias=output_bias, intermediate_size=self.intermediate_size, hidden_act=self.hidden_act,
-            mlp_gated=self.mlp_gated, mlp_bias=self.mlp_bias, pre_norm=True, norm_type=self.norm_type,
-            norm_eps=self.norm_eps(), norm_bias=self.norm_bias, hidden_dropout=self.hidden_dropout, qk_norm=self.qk_norm, causal=True, norm_unit_offset=self.rms_norm_unit_offset, sandwich_norms=self.sandwich_norms,
-            moe=self.moe_spec() if layer_idx is not None and self.is_sparse_layer(layer_idx) else None,
-            mla=self.mla_spec(),
-        )
-
+    def attention_scale(self) -> float:
+        """head_dim ** -0.5; Gemma's query_pre_attn_scalar ** -0.5; DeepSeek's YaRN scales scores by
+        mscale(factor, mscale_all_dim) ** 2 too (official yarn_apply_mscale)."""
+        if self.mla_spec() is not None:
+            params = self.rope_parameters_for("full_attention")
+            mscale_all_dim = params.get("mscale_all_dim")
+            if params["rope_type"] == "default" or not mscale_all_dim or params.get("factor", 1.0) <= 1:
+                return self.head_dim**-0.5
+            mscale = 0.1 * mscale_all_dim * math.log(params["factor"]) + 1.0
+            return self.head_dim**-0.5 * mscale * mscale
+        if self.query_pre_attn_scalar is not None:
+            return self.query_pre_attn_scalar**-0.5
+        return self.head_dim**-0.5
 
 
 __all__ = ["TinyCausalConfig"]

@@ -154,18 +154,5 @@ class TinyEncoderConfig(PretrainedConfig):
         """Blocks of weights: num_hidden_layers, or fewer when layers share them (ALBERT)."""
         return self.num_hidden_groups * self.inner_group_num
 
-    def block_spec(self):
-        """The encoder block: post-LN LayerNorm, GELU-style MLP with biases (BERT)."""
-        from .layers import BlockSpec
-
-        return BlockSpec(
-            hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_attention_heads, head_dim=self.hidden_size // self.num_attention_heads,
-            attention_scale=None, attention_dropout=self.attention_dropout, attention_bias=self.attention_bias,
-            attention_output_bias=self.attention_bias, intermediate_size=self.intermediate_size,
-            hidden_act=self.hidden_act, mlp_gated=False, mlp_bias=True, pre_norm=False, norm_type="layernorm",
-            norm_eps=self.layer_norm_eps, hidden_dropout=self.hidden_dropout,
-        )
-
 
 __all__ = ["TinyEncoderConfig"]

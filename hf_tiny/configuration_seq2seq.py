@@ -267,33 +267,11 @@ class TinySeq2SeqConfig(PretrainedConfig):
         check_choice(type(self).__name__, "style", style, sorted(STYLES))
         return [f"{k}={getattr(self, k)!r} (it needs {v!r})" for k, v in STYLES[style].items() if getattr(self, k) != v]
 
-    def block_spec(self, *, decoder: bool = False):
-        """The block of the encoder stack, or (decoder=True) of the decoder stack, which adds cross-attention and
-        may have its own heads and MLP width."""
-        from .layers import BlockSpec
-
-        heads = self.decoder_attention_heads if decoder else self.num_attention_heads
-        return BlockSpec(
-            hidden_size=self.hidden_size,
-            num_attention_heads=heads,
-            num_key_value_heads=self.num_key_value_heads if heads == self.num_attention_heads else heads,
-            head_dim=self.decoder_head_dim if decoder else self.head_dim,
-            attention_scale=self.attention_scale,
-            attention_dropout=self.attention_dropout,
-            attention_bias=self.attention_bias,
-            attention_output_bias=self.attention_bias,
-            intermediate_size=self.decoder_intermediate_size if decoder else self.intermediate_size,
-            hidden_act=self.hidden_act,
-            mlp_gated=self.mlp_gated,
-            mlp_bias=self.mlp_bias,
-            pre_norm=self.norm_placement == "pre",
-            norm_type=self.norm_type,
-            norm_eps=self.layer_norm_eps,
-            hidden_dropout=self.hidden_dropout,
-            activation_dropout=self.activation_dropout,
-            cross_attention=decoder,
-            causal=decoder,
-        )
+    def decoder_key_value_heads(self) -> int:
+        """The decoder's key/value heads: num_key_value_heads, unless the decoder has its own head count (then it
+        has no grouped-query attention)."""
+        heads = self.decoder_attention_heads
+        return self.num_key_value_heads if heads == self.num_attention_heads else heads
 
     def get_text_config(self, decoder=None, encoder=None):
         """transformers sizes generation caches (DynamicCache(config=...)) from the decoder view of the config.
@@ -306,7 +284,7 @@ class TinySeq2SeqConfig(PretrainedConfig):
                 text_config = copy.deepcopy(self)
             text_config.num_hidden_layers = self.num_decoder_layers
             if "decoder_attention_heads" in vars(self):  # not yet a decoder view (a view has them renamed)
-                text_config.num_key_value_heads = self.block_spec(decoder=True).num_key_value_heads
+                text_config.num_key_value_heads = self.decoder_key_value_heads()
         return text_config
 
 

@@ -29,10 +29,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from .attention import ALL_ATTENTION_FUNCTIONS, AttentionModule, update_cache
-from .linear import Linear
-from .norms import RMSNorm
-from .rope import apply_rotary
+from .engines import ALL_ATTENTION_FUNCTIONS, interface_inputs, update_cache, zero_invisible_rows
+from .layers import RMSNorm, apply_rotary
 
 # DeepSeek's latent norms use this epsilon whatever config.rms_norm_eps says (official DeepseekV3RMSNorm default).
 LATENT_NORM_EPS = 1e-6
@@ -48,34 +46,34 @@ class MlaSpec:
     bias: bool  # on q_a_proj, kv_a_proj_with_mqa and o_proj (DeepSeek's attention_bias)
 
 
-class LatentAttention(AttentionModule):
+class LatentAttention(nn.Module):
     """MLA self-attention with DeepSeek's parameter names (q_a_proj, q_a_layernorm, q_b_proj or q_proj;
-    kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj; o_proj)."""
+    kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj; o_proj), called like layers.Attention."""
 
-    def __init__(self, config, spec, layer_idx: int):
+    def __init__(self, config, layer_idx: int):
         super().__init__()
-        mla: MlaSpec = spec.mla
+        mla: MlaSpec = config.mla_spec()
         self.config = config
         self.layer_idx = layer_idx
         self.is_cross_attention = False
         self.is_causal = True
-        self.num_heads = spec.num_attention_heads
+        self.num_heads = config.num_attention_heads
         self.nope_dim, self.rope_dim, self.v_dim = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
         self.rank = mla.kv_lora_rank
         self.head_dim = self.nope_dim + self.rope_dim  # of queries and (expanded) keys
-        self.scaling = self.head_dim**-0.5 if spec.attention_scale is None else spec.attention_scale
-        self.dropout = spec.attention_dropout
-        hidden, heads = spec.hidden_size, self.num_heads
+        self.scaling = config.attention_scale()
+        self.dropout = config.attention_dropout
+        hidden, heads = config.hidden_size, self.num_heads
         if mla.q_lora_rank is None:
-            self.q_proj = Linear(hidden, heads * self.head_dim, bias=False)
+            self.q_proj = nn.Linear(hidden, heads * self.head_dim, bias=False)
         else:
-            self.q_a_proj = Linear(hidden, mla.q_lora_rank, bias=mla.bias)
+            self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=mla.bias)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = Linear(mla.q_lora_rank, heads * self.head_dim, bias=False)
-        self.kv_a_proj_with_mqa = Linear(hidden, self.rank + self.rope_dim, bias=mla.bias)
+            self.q_b_proj = nn.Linear(mla.q_lora_rank, heads * self.head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.rank + self.rope_dim, bias=mla.bias)
         self.kv_a_layernorm = RMSNorm(self.rank, LATENT_NORM_EPS)
-        self.kv_b_proj = Linear(self.rank, heads * (self.nope_dim + self.v_dim), bias=False)
-        self.o_proj = Linear(heads * self.v_dim, hidden, bias=mla.bias)
+        self.kv_b_proj = nn.Linear(self.rank, heads * (self.nope_dim + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(heads * self.v_dim, hidden, bias=mla.bias)
 
     @property
     def absorbed(self) -> bool:
@@ -93,17 +91,8 @@ class LatentAttention(AttentionModule):
             states = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
         return states.unflatten(-1, (self.num_heads, self.head_dim)).transpose(1, 2)  # [B, H, S, D]
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask=None,
-        *,
-        position_embeddings: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-        key_value_states: Optional[torch.Tensor] = None,
-        cache: Optional[Cache] = None,
-        output_attentions: bool = False,
-        **attention_kwargs,
-    ):
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None, *, cache=None,
+                key_value_states: Optional[torch.Tensor] = None, output_attentions: bool = False, **attention_kwargs):
         if key_value_states is not None:
             raise ValueError("Multi-head Latent Attention is self-attention only; got key_value_states")
         batch, seq_len = hidden_states.shape[:2]
@@ -116,7 +105,7 @@ class LatentAttention(AttentionModule):
         paged_cache = None
         if isinstance(cache, Cache):
             latent, k_rope = cache.update(latent, k_rope, self.layer_idx)
-        else:  # continuous batching's paged cache stores the expanded keys and values
+        elif cache is not None:  # continuous batching's paged cache stores the expanded keys and values
             paged_cache = cache
         if self.absorbed:
             up = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.rank)
@@ -132,7 +121,7 @@ class LatentAttention(AttentionModule):
             query = torch.cat((q_nope, q_rope), dim=-1)
         if paged_cache is not None:
             key, value = update_cache(paged_cache, key, value, self.layer_idx, attention_kwargs)
-        mask, is_causal, visible = self.interface_mask(attention_mask, query, key, attention_kwargs)
+        mask, is_causal, visible = interface_inputs(self, attention_mask, query, key, attention_kwargs)
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
         out, weights = attention_interface(
             self,
@@ -146,7 +135,7 @@ class LatentAttention(AttentionModule):
             output_attentions=output_attentions,
             **attention_kwargs,
         )
-        out = self.zero_invisible_rows(out, visible)  # [B, S, H, rank] absorbed, [B, S, H, v_head_dim] expanded
+        out = zero_invisible_rows(out, visible)  # [B, S, H, rank] absorbed, [B, S, H, v_head_dim] expanded
         if self.absorbed:
             out = torch.einsum("bshr,hvr->bshv", out, w_uv)
         return self.o_proj(out.reshape(batch, seq_len, -1)), weights

@@ -7,10 +7,11 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .attention import get_attention_interface
-from .saving import AtomicSaveAndCardMixin
-from .norms import RMSNorm
+from .runtime import disable as disable_runtime, enable as enable_runtime, install as install_runtime
+from .engines import get_attention_interface
+from .layers import RMSNorm
 from .moe import TopKRouter
+from .saving import AtomicSaveAndCardMixin
 
 
 def resolve_attn_implementation(requested) -> str:
@@ -44,6 +45,15 @@ class HfTinyPreTrainedModel(AtomicSaveAndCardMixin, PreTrainedModel):
     @classmethod
     def _can_set_attn_implementation(cls) -> bool:
         return True
+
+    def post_init(self) -> None:
+        """transformers' post_init, then the runtime's forwards (runtime.py) on this model's modules."""
+        super().post_init()
+        install_runtime(self)
+
+    def set_runtime(self, enabled: bool) -> "HfTinyPreTrainedModel":
+        """The runtime (runtime.py) on or off for this model: off, every module runs its modeling file's forward."""
+        return enable_runtime(self) if enabled else disable_runtime(self)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

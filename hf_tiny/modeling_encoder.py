@@ -27,22 +27,16 @@ from transformers.modeling_outputs import (
 )
 from transformers.utils import ModelOutput
 
+from transformers.modeling_layers import GradientCheckpointingLayer
+
 from .configuration_encoder import TinyEncoderConfig
-from .overwrite import layer_workspace
-from .layers import TransformerBlock
-from .recompute import lean_forward
-from .masks import self_attention_mask
+from .layers import Attention, FeedForward
 from .modeling_base import HfTinyPreTrainedModel
-from .forward_utils import LayerOutputs, check_token_inputs, format_output, output_flags
-from .validation import (
-    check_answer_positions,
-    check_attention_mask,
-    check_labels,
-    check_sequence_labels,
-    check_sequence_length,
-    is_compiling,
-    sequence_problem_type,
+from .step import (
+    LayerOutputs, check_attention_mask, check_sequence_length, check_token_inputs, format_output, output_flags,
+    self_attention_mask,
 )
+from .validation import check_answer_positions, check_labels, check_sequence_labels, is_compiling, sequence_problem_type
 
 
 def _check_index_tensor(tensor: torch.Tensor, *, field: str, limit: int, limit_name: str, shape: tuple) -> None:
@@ -62,10 +56,37 @@ def _check_index_tensor(tensor: torch.Tensor, *, field: str, limit: int, limit_n
         raise ValueError(f"{field} contains {bad}, outside [0, {limit_name}={limit})")
 
 
+class TinyEncoderLayer(GradientCheckpointingLayer):
+    """A post-norm residual layer (BERT): h = norm(x + attn(x)); out = norm(h + mlp(h)). Norm names follow Llama:
+    `input_layernorm` belongs to attention (BERT's attention.output.LayerNorm), `post_attention_layernorm` to the
+    feed-forward (BERT's output.LayerNorm)."""
+
+    residual_form = "post-norm"  # runtime.py runs this form in place
+
+    def __init__(self, config: TinyEncoderConfig, layer_idx: int):
+        super().__init__()
+        hidden, heads = config.hidden_size, config.num_attention_heads
+        head_dim = hidden // heads
+        self.self_attn = Attention(
+            config, layer_idx, hidden_size=hidden, num_heads=heads, num_key_value_heads=heads, head_dim=head_dim,
+            bias=config.attention_bias, output_bias=config.attention_bias, scaling=head_dim**-0.5,
+            dropout=config.attention_dropout,
+        )
+        self.input_layernorm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+        self.mlp = FeedForward(hidden, config.intermediate_size, config.hidden_act, bias=True)
+        self.post_attention_layernorm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    def forward(self, hidden_states, attention_mask=None, *, output_attentions: bool = False) -> torch.Tensor:
+        attended, _ = self.self_attn(hidden_states, attention_mask, output_attentions=output_attentions)
+        hidden_states = self.input_layernorm(hidden_states + self.dropout(attended))
+        return self.post_attention_layernorm(hidden_states + self.dropout(self.mlp(hidden_states)))
+
+
 class TinyEncoderPreTrainedModel(HfTinyPreTrainedModel):
     config_class = TinyEncoderConfig
     base_model_prefix = "model"
-    _no_split_modules = ["TransformerBlock"]
+    _no_split_modules = ["TinyEncoderLayer"]
     # The heads compute a mean loss themselves: Trainer must not pass num_items_in_batch (see HF_V5_NOTES.md).
     accepts_loss_kwargs = False
 
@@ -148,8 +169,7 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         self.embed_norm = nn.LayerNorm(width, eps=config.layer_norm_eps)
         self.dropout = nn.Dropout(config.hidden_dropout)
         self.embed_projection = nn.Linear(width, config.hidden_size) if config.project_embeddings else None
-        spec = config.block_spec()
-        self.layers = nn.ModuleList(TransformerBlock(config, spec, i) for i in range(config.num_blocks()))
+        self.layers = nn.ModuleList(TinyEncoderLayer(config, i) for i in range(config.num_blocks()))
         if add_pooling_layer is None:
             add_pooling_layer = config.add_pooling_layer
         self.pooler = TinyEncoderPooler(config) if add_pooling_layer else None
@@ -224,7 +244,6 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         hidden = self.dropout(self.embed_norm(hidden))
         return self.embed_projection(hidden) if self.embed_projection is not None else hidden
 
-    @lean_forward
     def forward(
         self,
         input_ids: Optional[torch.Tensor] = None,
@@ -247,16 +266,12 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
             attention_mask, batch_size=batch, query_length=seq_len, key_length=seq_len, causal=False,
             device=hidden_states.device,
         )
-        collected = LayerOutputs(flags)
-        collected.add_hidden(hidden_states)
-        with layer_workspace(hidden_states):
+        attention = [layer.self_attn for layer in self.layers] if flags.attentions else ()
+        with LayerOutputs(flags, attention_modules=attention) as collected:
+            collected.add_hidden(hidden_states)
             for layer in self.layer_passes():
-                # Hidden states positionally: gradient checkpointing (GradientCheckpointingLayer) needs it.
-                hidden_states, attention_weights, _, _ = layer(
-                    hidden_states, mask.mask, is_causal=mask.is_causal, output_attentions=flags.attentions
-                )
+                hidden_states = layer(hidden_states, mask, output_attentions=flags.attentions)
                 collected.add_hidden(hidden_states)
-                collected.add_attentions(attention_weights)
 
         output = BaseModelOutputWithPooling(
             last_hidden_state=hidden_states,

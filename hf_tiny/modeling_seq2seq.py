@@ -1,7 +1,7 @@
 """The encoder-decoder (seq2seq) family: BART-, T5- and BERT-warm-start-style models from one set of blocks.
 
 ids -> embeddings (tokens [* sqrt(d)] [+ token type 0] [+ learned / sinusoidal positions] [-> norm] -> dropout)
-    -> N TransformerBlocks (the decoder's add cross-attention over the encoder states) [-> final norm]
+    -> N TinySeq2SeqLayers (the decoder's add cross-attention over the encoder states) [-> final norm]
     -> decoder only: [* d ** -0.5] [-> BERT transform] -> LM head [+ bias].
 T5's relative position bias is computed once per stack (its table lives on the stack, like T5's first layer)
 and folded into the self-attention mask of every layer.
@@ -25,17 +25,19 @@ from transformers.modeling_outputs import (
     Seq2SeqModelOutput,
 )
 
-from .configuration_seq2seq import TinySeq2SeqConfig
-from .overwrite import layer_workspace
+from transformers.modeling_layers import GradientCheckpointingLayer
+
 from .chunked_loss import linear_cross_entropy, use_chunked_loss
-from .layers import TransformerBlock, build_norm
-from .linear import Linear
-from .recompute import lean_forward
-from .masks import AttentionMask, cross_attention_mask, self_attention_mask, with_position_bias
+from .configuration_seq2seq import TinySeq2SeqConfig
+from .layers import Attention, build_norm, feed_forward
 from .modeling_base import HfTinyPreTrainedModel
-from .forward_utils import LayerOutputs, OutputFlags, check_token_inputs, format_output, output_flags
-from .transformers_api import cache_arguments, cache_of, check_cached_generation, with_cache
-from .validation import check_attention_mask, check_labels, check_sequence_length
+from .step import (
+    AttentionMask, LayerOutputs, OutputFlags, cache_arguments, cache_of, check_attention_mask, check_sequence_length,
+    check_token_inputs, cross_attention_mask, format_output, output_flags, self_attention_mask, with_cache,
+    with_position_bias,
+)
+from .transformers_api import check_cached_generation
+from .validation import check_labels
 
 
 def shift_tokens_right(labels: torch.Tensor, pad_token_id: Optional[int], decoder_start_token_id: Optional[int]):
@@ -107,6 +109,58 @@ class LMHeadTransform(nn.Module):
         return self.norm(self.act_fn(self.dense(hidden_states)))
 
 
+class TinySeq2SeqLayer(GradientCheckpointingLayer):
+    """An encoder layer (self-attention, feed-forward) or a decoder layer (causal self-attention, cross-attention
+    over the encoder's states, feed-forward). Each sublayer is residual with the style's norm placement:
+    pre-norm (T5) x = x + f(norm(x)), post-norm (BART, Marian, BERT) x = norm(x + f(x)). Each norm belongs to one
+    sublayer: `input_layernorm` to self-attention, `cross_attn_layernorm` to cross-attention,
+    `post_attention_layernorm` to the feed-forward."""
+
+    residual_form = "encoder-decoder"  # runtime.py recomputes it in training; no in-place path
+
+    def __init__(self, config: TinySeq2SeqConfig, layer_idx: int, *, decoder: bool):
+        super().__init__()
+        self.pre_norm = config.norm_placement == "pre"
+        self.self_attn = self._attention(config, layer_idx, decoder, cross=False)
+        self.input_layernorm = build_norm(config.norm_type, config.hidden_size, config.layer_norm_eps)
+        self.cross_attn = self._attention(config, layer_idx, decoder, cross=True) if decoder else None
+        self.cross_attn_layernorm = build_norm(config.norm_type, config.hidden_size, config.layer_norm_eps) if decoder else None
+        intermediate = config.decoder_intermediate_size if decoder else config.intermediate_size
+        self.mlp = feed_forward(config.hidden_size, intermediate, config.hidden_act, gated=config.mlp_gated,
+                                bias=config.mlp_bias, activation_dropout=config.activation_dropout)
+        self.post_attention_layernorm = build_norm(config.norm_type, config.hidden_size, config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+
+    @staticmethod
+    def _attention(config, layer_idx: int, decoder: bool, *, cross: bool) -> Attention:
+        heads = config.decoder_attention_heads if decoder else config.num_attention_heads
+        head_dim = config.decoder_head_dim if decoder else config.head_dim
+        scale = head_dim**-0.5 if config.attention_scale is None else config.attention_scale
+        return Attention(
+            config, layer_idx, hidden_size=config.hidden_size, num_heads=heads,
+            num_key_value_heads=config.num_key_value_heads if heads == config.num_attention_heads else heads,
+            head_dim=head_dim, bias=config.attention_bias, output_bias=config.attention_bias, scaling=scale,
+            dropout=config.attention_dropout, is_causal=decoder, is_cross_attention=cross,
+        )
+
+    def _residual(self, hidden_states: torch.Tensor, norm: nn.Module, sublayer) -> torch.Tensor:
+        if self.pre_norm:
+            return hidden_states + self.dropout(sublayer(norm(hidden_states)))
+        return norm(hidden_states + self.dropout(sublayer(hidden_states)))
+
+    def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None, *,
+                is_causal: bool = False, cache=None, output_attentions: bool = False) -> torch.Tensor:
+        """Masks arrive as plain tensors among the positional arguments because reentrant gradient checkpointing
+        re-feeds only top-level tensors: T5's relative-position bias, folded into the mask, needs gradients."""
+        self_mask, cross_mask = AttentionMask(attention_mask, is_causal), AttentionMask(encoder_attention_mask, False)
+        hidden_states = self._residual(hidden_states, self.input_layernorm, lambda x: self.self_attn(
+            x, self_mask, cache=cache, output_attentions=output_attentions)[0])
+        if self.cross_attn is not None:
+            hidden_states = self._residual(hidden_states, self.cross_attn_layernorm, lambda x: self.cross_attn(
+                x, cross_mask, key_value_states=encoder_hidden_states, cache=cache, output_attentions=output_attentions)[0])
+        return self._residual(hidden_states, self.post_attention_layernorm, self.mlp)
+
+
 class TinySeq2SeqStack(nn.Module):
     """The encoder (is_decoder=False) or the decoder (causal self-attention + cross-attention) stack."""
 
@@ -127,12 +181,11 @@ class TinySeq2SeqStack(nn.Module):
         elif config.position_embedding_type == "sinusoidal":
             self.embed_positions = SinusoidalPositions(config.max_position_embeddings, hidden)
         else:
-            spec = config.block_spec(decoder=is_decoder)
-            self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets, spec.num_attention_heads)
+            heads = config.decoder_attention_heads if is_decoder else config.num_attention_heads
+            self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets, heads)
         self.embedding_norm = build_norm(config.norm_type, hidden, config.layer_norm_eps) if config.embedding_norm else None
         num_layers = config.num_decoder_layers if is_decoder else config.num_hidden_layers
-        spec = config.block_spec(decoder=is_decoder)
-        self.layers = nn.ModuleList([TransformerBlock(config, spec, layer_idx) for layer_idx in range(num_layers)])
+        self.layers = nn.ModuleList(TinySeq2SeqLayer(config, i, decoder=is_decoder) for i in range(num_layers))
         self.norm = build_norm(config.norm_type, hidden, config.layer_norm_eps) if config.final_norm else None
         self.dropout = nn.Dropout(config.hidden_dropout)
 
@@ -170,7 +223,6 @@ class TinySeq2SeqStack(nn.Module):
         )
         return self.relative_attention_bias(buckets).permute(2, 0, 1)[None]
 
-    @lean_forward
     def forward(
         self,
         input_ids: Optional[torch.LongTensor] = None,
@@ -217,25 +269,20 @@ class TinySeq2SeqStack(nn.Module):
             )
             cross_mask = cross_attention_mask(encoder_attention_mask, query_length=seq_len)
 
-        collected = LayerOutputs(OutputFlags(output_attentions, output_hidden_states, return_dict), cross_attentions=self.is_decoder)
-        with layer_workspace(hidden_states):
+        flags = OutputFlags(output_attentions, output_hidden_states, return_dict)
+        attention = [layer.self_attn for layer in self.layers] if output_attentions else ()
+        crossing = [layer.cross_attn for layer in self.layers] if output_attentions and self.is_decoder else ()
+        with LayerOutputs(flags, attention_modules=attention, cross_attention_modules=crossing) as collected:
             for layer in self.layers:
                 collected.add_hidden(hidden_states)
                 # encoder states are positional so that gradient checkpointing propagates their gradients
-                hidden_states, self_weights, cross_weights, _ = layer(
-                    hidden_states,
-                    self_mask.mask,
-                    None,
-                    encoder_hidden_states,
-                    None if cross_mask is None else cross_mask.mask,
-                    is_causal=self_mask.is_causal,
-                    cache=cache,
-                    output_attentions=output_attentions,
+                hidden_states = layer(
+                    hidden_states, self_mask.mask, encoder_hidden_states, None if cross_mask is None else cross_mask.mask,
+                    is_causal=self_mask.is_causal, cache=cache, output_attentions=output_attentions,
                 )
-                collected.add_attentions(self_weights, cross_weights)
-        if self.norm is not None:
-            hidden_states = self.dropout(self.norm(hidden_states))
-        collected.add_hidden(hidden_states)
+            if self.norm is not None:
+                hidden_states = self.dropout(self.norm(hidden_states))
+            collected.add_hidden(hidden_states)
 
         if self.is_decoder:
             output = with_cache(
@@ -257,7 +304,7 @@ class TinySeq2SeqPreTrainedModel(HfTinyPreTrainedModel):
     _has_lm_head = False  # True for the LM class: its tied head enters the tie map
     config_class = TinySeq2SeqConfig
     config: TinySeq2SeqConfig
-    _no_split_modules = ["TransformerBlock"]
+    _no_split_modules = ["TinySeq2SeqLayer"]
     # All embeddings that may be tied; get_expanded_tied_weights_keys picks the ones this config ties.
     _tied_weights_keys = {
         "encoder.embed_tokens.weight": "shared.weight",
@@ -436,7 +483,7 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
         super().__init__(config)
         self.model = TinySeq2SeqModel(config)
         self.lm_head_transform = LMHeadTransform(config) if config.lm_head_transform else None
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=config.lm_head_bias)
         self.register_buffer("final_logits_bias", torch.zeros(1, config.vocab_size) if config.final_logits_bias else None)
         self.post_init()
 

@@ -108,13 +108,14 @@ class SparseMoeFeedForward(nn.Module):
             if spec.shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
 
-    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, S, hidden] -> (output [B, S, hidden], router_logits [B * S, E])."""
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[B, S, hidden] -> [B, S, hidden]. The router's logits ([B * S, E]) are the first output of `gate`, where
+        output_router_logits reads them."""
         if self.training and self.spec.jitter_noise > 0:
             noise = torch.empty_like(hidden_states).uniform_(1.0 - self.spec.jitter_noise, 1.0 + self.spec.jitter_noise)
             hidden_states = hidden_states * noise
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
-        router_logits, top_k_index, top_k_weights = self.gate(tokens)
+        _router_logits, top_k_index, top_k_weights = self.gate(tokens)
         output = torch.zeros_like(tokens)
         for expert_index, expert in enumerate(self.experts):
             # the tokens that chose this expert, and in which of their k slots (a token picks an expert once)
@@ -128,7 +129,7 @@ class SparseMoeFeedForward(nn.Module):
             if self.shared_expert_gate is not None:
                 shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
             output = output + shared
-        return output.view_as(hidden_states), router_logits
+        return output.view_as(hidden_states)
 
 
 def load_balancing_loss(

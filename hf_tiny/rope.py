@@ -1,4 +1,5 @@
-"""Rotary position embeddings (RoPE): the frequency tables, their scaling variants, and applying cos/sin.
+"""Rotary position embeddings (RoPE): the frequencies of every scaling variant, and the checks of rope_parameters
+(the module that turns positions into cos/sin, and applying them, are layers.py's RotaryEmbedding / apply_rotary).
 
 Scaling variants follow transformers' `modeling_rope_utils.py` and its `rope_parameters` dict exactly (same
 fields, same defaults, same float32 arithmetic), so a converted checkpoint rotates queries and keys the way the
@@ -22,9 +23,6 @@ import math
 from typing import Optional
 
 import torch
-from torch import nn
-
-from .validation import is_compiling
 
 DEFAULT_ROPE_THETA = 10000.0
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
@@ -53,30 +51,6 @@ _NUMERIC_ROPE_FIELDS = (
 # A cos/sin table over every position costs 2 * positions * head_dim floats: above this many positions (long
 # context models) cos/sin are computed from the positions at each call instead.
 MAX_TABLE_POSITIONS = 16384
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """Llama's convention: the two halves of the head dimension form the (real, imaginary) pairs."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, S, D]; cos, sin [B, S, R], or [B, 1, S, R] already broadcast over heads (the model unsqueezes
-    once per forward instead of once per layer). R < D (partial rotary): only x[..., :R] is rotated. Returns x
-    rotated, in x's dtype."""
-    if cos.dim() == 3:
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    rotary_dim = cos.shape[-1]
-    if rotary_dim < x.shape[-1]:
-        rotated = apply_rotary(x[..., :rotary_dim], cos, sin)
-        return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
-    rotated = (x * cos) + (rotate_half(x) * sin)
-    return rotated if rotated.dtype == x.dtype else rotated.to(x.dtype)
-
-
-def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -300,123 +274,3 @@ def compute_inv_freq(
     """
     function = _INV_FREQ_FUNCTIONS[rope_parameters["rope_type"]]
     return function(rope_parameters, head_dim, max_position_embeddings, device, seq_len)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The module
-# ----------------------------------------------------------------------------------------------------------------
-
-
-class RotaryEmbedding(nn.Module):
-    """cos/sin [B, S, head_dim] for position ids [B, S]; computed in float32 and returned in x's dtype.
-
-    Reads config.rope_parameters (standardized), config.head_dim (or hidden_size // num_attention_heads) and
-    config.max_position_embeddings. For every rope type but "dynamic", cos/sin of the first
-    max_position_embeddings positions come from a float32 table (built once per device; identical values, fewer
-    kernels per step); positions past it are computed from the same formula, as official models do for any
-    position (checkpoints keep the pre-scaling length as max_position_embeddings). "dynamic" recomputes inv_freq
-    when the sequence grows past the cached length and restores it for short sequences, exactly like
-    transformers' `dynamic_rope_update` (which is stateful the same way).
-    """
-
-    def __init__(self, config, rope_parameters: Optional[dict] = None, head_dim: Optional[int] = None):
-        """rope_parameters: this module's own (one layer type's); by default config.rope_parameters. head_dim: the
-        dimensions the rotation covers when they are not config.head_dim (MLA's qk_rope_head_dim)."""
-        super().__init__()
-        self.rope_parameters = standardize_rope_parameters(
-            rope_parameters if rope_parameters is not None else getattr(config, "rope_parameters", None),
-            max_position_embeddings=config.max_position_embeddings,
-            owner=type(config).__name__,
-        )
-        self.rope_type = self.rope_parameters["rope_type"]
-        if head_dim is None:
-            head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        self.head_dim = rotary_dim(self.rope_parameters, head_dim, owner=type(config).__name__)
-        self.max_position_embeddings = config.max_position_embeddings
-        inv_freq, self.attention_scaling = compute_inv_freq(
-            self.rope_parameters, self.head_dim, self.max_position_embeddings
-        )
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.register_buffer("original_inv_freq", inv_freq.clone(), persistent=False)
-        self.original_max_seq_len = self.max_position_embeddings
-        self.max_seq_len_cached = self.max_position_embeddings
-        table = self.max_position_embeddings
-        sequence_dependent = self.rope_type in SEQUENCE_DEPENDENT_TYPES
-        self._table_positions = table if not sequence_dependent and table <= MAX_TABLE_POSITIONS else 0
-        self._long_inv_freq = None  # longrope: the long-factor frequencies, computed on first use
-        self._table = None  # (key, cos, sin): a plain attribute, rebuilt when the device or inv_freq changes
-
-    @torch.no_grad()
-    def _init_buffers(self) -> None:
-        """Recomputes the non-persistent buffers (from_pretrained leaves them uninitialised)."""
-        inv_freq, self.attention_scaling = compute_inv_freq(
-            self.rope_parameters, self.head_dim, self.max_position_embeddings
-        )
-        if self.inv_freq.device.type != "meta":
-            self.inv_freq.copy_(inv_freq)
-            self.original_inv_freq.copy_(inv_freq)
-        self.max_seq_len_cached = self.original_max_seq_len
-        self._table = None
-
-    @torch.no_grad()
-    def _dynamic_update(self, position_ids: torch.Tensor, device: torch.device) -> None:
-        seq_len = torch.max(position_ids) + 1
-        max_seq_len_cached = self.max_seq_len_cached
-        if seq_len > max_seq_len_cached:  # grown past what inv_freq was computed for
-            inv_freq, self.attention_scaling = compute_inv_freq(
-                self.rope_parameters, self.head_dim, self.max_position_embeddings, device=device, seq_len=seq_len
-            )
-            self.register_buffer("inv_freq", inv_freq, persistent=False)
-            self.max_seq_len_cached = seq_len
-        if seq_len < self.original_max_seq_len and max_seq_len_cached > self.original_max_seq_len:  # back to short
-            original_inv_freq = self.original_inv_freq.to(device)
-            self.register_buffer("inv_freq", original_inv_freq, persistent=False)
-            self.original_inv_freq = original_inv_freq
-            self.max_seq_len_cached = self.original_max_seq_len
-
-    @torch.no_grad()
-    def _longrope_update(self, position_ids: torch.Tensor, device: torch.device) -> None:
-        """The long factors once the sequence (max position + 1) passes original_max_position_embeddings, the short
-        ones otherwise, chosen at every call exactly like transformers' `longrope_frequency_update`."""
-        seq_len = torch.max(position_ids) + 1
-        original_max = self.rope_parameters["original_max_position_embeddings"]
-        if self._long_inv_freq is None:
-            self._long_inv_freq, _ = compute_inv_freq(
-                self.rope_parameters, self.head_dim, self.max_position_embeddings, seq_len=original_max + 1
-            )
-        long_inv_freq = self._long_inv_freq.to(device)
-        inv_freq = torch.where(seq_len > original_max, long_inv_freq, self.original_inv_freq.to(device))
-        self.inv_freq.copy_(inv_freq)
-
-    def _cos_sin(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions[..., None].float() * self.inv_freq.to(device=device, dtype=torch.float)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos() * self.attention_scaling, emb.sin() * self.attention_scaling
-
-    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (device, self.inv_freq.dtype, self.inv_freq.data_ptr())
-        if self._table is None or self._table[0] != key:
-            positions = torch.arange(self._table_positions, device=device)
-            self._table = (key, *self._cos_sin(positions, device))
-        return self._table[1], self._table[2]
-
-    @torch.no_grad()
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.rope_type == "dynamic":
-            self._dynamic_update(position_ids, x.device)
-        elif self.rope_type == "longrope":
-            self._longrope_update(position_ids, x.device)
-        if (
-            self._table_positions
-            and not is_compiling()
-            and int(position_ids.max()) < self._table_positions
-        ):
-            cos_table, sin_table = self._tables(x.device)
-            cos, sin = cos_table[position_ids], sin_table[position_ids]
-        else:
-            # compiled graphs fuse this computation; a Python-held table would only add guards
-            cos, sin = self._cos_sin(position_ids, x.device)
-        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
-
-    def extra_repr(self) -> str:
-        return f"rope_type={self.rope_type!r}, head_dim={self.head_dim}, theta={self.rope_parameters['rope_theta']}"

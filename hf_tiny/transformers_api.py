@@ -4,22 +4,18 @@
   installed and the tested versions, and before a model class first generates it checks that cached greedy
   decoding gives the logits of uncached decoding: a release that renames what generation passes then stops with a
   clear error instead of producing garbage text (transformers 5.24 did exactly that to the cache argument).
-- The cache's name. transformers 5.24 renamed the cache argument and output field `past_key_values` -> `cache`;
-  generation sends the KV cache as `cache=` from 5.24 on and as `past_key_values=` before, and continuous batching
-  passes its paged cache as `cache=` in every version. Forwards take both names (`cache_arguments`) and write
-  their outputs under the field name the installed output classes declare (`with_cache`, `cache_of`).
+- The cache's two names (`cache` from 5.24 on, `past_key_values` before) are read where every forward's arguments
+  are: step.py (`cache_arguments`, `with_cache`, `cache_of`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import warnings
 from typing import Optional
 
 import torch
 import transformers
-from transformers.cache_utils import Cache
 
 # Oldest and newest transformers the whole suite passed on (CI runs both ends). Raise the upper bound here, in
 # pyproject.toml and in the README together, after the suite passes on the new version.
@@ -68,62 +64,6 @@ def warn_if_untested() -> bool:
             stacklevel=3,
         )
     return True
-
-
-# ---- the cache's argument and output names ----------------------------------------------------------------------
-
-
-def _paged_cache_class():
-    try:
-        from transformers.generation.continuous_batching import PagedAttentionCache
-    except ImportError:  # a transformers without continuous batching
-        return None
-    return PagedAttentionCache
-
-
-def is_paged_cache(cache) -> bool:
-    """Continuous batching's paged cache (not a transformers Cache: its update takes the runner's kwargs)."""
-    paged = _paged_cache_class()
-    return paged is not None and isinstance(cache, paged)
-
-
-def cache_arguments(cache, past_key_values) -> tuple[Optional[Cache], object]:
-    """(KV cache, paged cache) from forward's `cache` and `past_key_values` arguments, at most one of them set."""
-    if cache is not None and past_key_values is not None:
-        raise ValueError(
-            "pass the cache once: cache= (the name transformers uses from 5.24 on) or past_key_values= (before), "
-            f"not both; got cache={type(cache).__name__} and past_key_values={type(past_key_values).__name__}"
-        )
-    if is_paged_cache(cache):
-        return None, cache
-    name, kv_cache = ("past_key_values", past_key_values) if cache is None else ("cache", cache)
-    if kv_cache is not None and not isinstance(kv_cache, Cache):
-        raise TypeError(
-            f"{name} must be a transformers Cache (e.g. DynamicCache, StaticCache, EncoderDecoderCache), got "
-            f"{type(kv_cache).__name__}"
-        )
-    return kv_cache, None
-
-
-def _cache_field() -> str:
-    from transformers.modeling_outputs import BaseModelOutputWithPast
-
-    return "cache" if "cache" in {field.name for field in dataclasses.fields(BaseModelOutputWithPast)} else "past_key_values"
-
-
-# The name of the cache field of the installed transformers' output classes (all renamed together in 5.24). A
-# constant, so that compiled forwards read no dataclass metadata.
-CACHE_FIELD = _cache_field()
-
-
-def with_cache(output_class: type, cache, **fields):
-    """output_class(**fields) with the cache under the field name the installed transformers declares."""
-    return output_class(**fields, **{CACHE_FIELD: cache})
-
-
-def cache_of(output) -> Optional[Cache]:
-    """The cache a model output carries, read under the field name the installed transformers declares."""
-    return getattr(output, CACHE_FIELD)
 
 
 # ---- the one-time generation check outside the tested range -------------------------------------------------------

@@ -7,6 +7,9 @@ import math
 from typing import Callable, Iterable, Optional
 
 import torch
+from transformers.utils import logging
+
+logger = logging.get_logger("hf_tiny")
 
 
 def is_compiling() -> bool:
@@ -75,17 +78,37 @@ def check_bool(owner: str, **fields) -> None:
 
 
 def check_token_ids(owner: str, vocab_size: int, **token_ids) -> None:
-    """Special token ids (pad, bos, eos, decoder start): None or an id in [0, vocab_size)."""
+    """Special token ids that index the embeddings (pad, decoder start): None or an id in [0, vocab_size)."""
     for name, value in token_ids.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < vocab_size):
             raise ValueError(f"{owner}: {name} must be None or a token id in [0, {vocab_size}), got {value!r}")
 
 
-def store_init_fields(config, init: Callable, arguments: dict) -> None:
+def warn_on_token_ids_outside(vocab_size: int, **token_ids) -> None:
+    """Special token ids the model never looks up (bos, eos): accepted outside the vocabulary with official
+    transformers' warning (GPT-2 configs keep 50256 with any vocabulary), refused when they are not integers
+    (or lists of integers, eos)."""
+    for name, value in token_ids.items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for item in values:
+            if item is None:
+                continue
+            if isinstance(item, bool) or not isinstance(item, int):
+                raise ValueError(f"{name} must be None or an integer token id, got {value!r}")
+            if not 0 <= item < vocab_size:
+                logger.warning_once(
+                    f"Model config: {name} must be `None` or an integer within the vocabulary (between 0 and "
+                    f"{vocab_size - 1}), got {item}. This may result in unexpected behavior."
+                )
+
+
+def store_init_fields(config, init: Callable, arguments: dict, skip: Iterable[str] = ()) -> None:
     """Sets every named parameter of the config's `init` from `arguments` (its locals() once defaults are
-    resolved), so a config's field list is written once: in its signature."""
+    resolved), so a config's field list is written once: in its signature. `skip`: fields of mechanisms this
+    config does not use, which it then does not hold at all."""
+    skip = set(skip)
     for name in inspect.signature(init).parameters:
-        if name not in ("self", "kwargs"):
+        if name not in ("self", "kwargs") and name not in skip:
             setattr(config, name, arguments[name])
 
 

@@ -80,7 +80,7 @@ def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def weight_first_model(seed: int = 0):
     """A random hf_tiny causal LM (eval mode) wide enough that, decoding on 2 threads, q, gate / up / down and the
-    head take hf_tiny's weight-first product (k / v stay F.linear): hf_tiny/linear.py's thresholds."""
+    head take hf_tiny's weight-first product (k / v stay F.linear): hf_tiny/runtime.py's thresholds."""
     from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM
 
     config = TinyCausalConfig(

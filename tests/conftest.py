@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,11 @@ import torch
 # before triton is first imported (triton.language's own helpers are defined at that import).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# The tests import the packages of the checkout they belong to. An editable install of another checkout (a second
+# worktree) must not fill in a module this one does not have: its import finder is dropped for the test process.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.meta_path[:] = [finder for finder in sys.meta_path if not getattr(finder, "__module__", "").startswith("__editable__")]
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -16,7 +16,7 @@ import hf_tiny  # noqa: F401  (registers the Auto classes)
 from causal_helpers import left_padded_batch, max_diff, randomize, real_logits
 from conversion import ConversionError, mpt
 from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM
-from hf_tiny.alibi import alibi_slopes
+from hf_tiny.step import alibi_slopes
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 

@@ -28,7 +28,7 @@ from hf_tiny.attention import (
     naive_attention,
     torch_attention,
 )
-from hf_tiny.masks import cross_attention_mask, self_attention_mask, with_position_bias
+from hf_tiny.step import cross_attention_mask, self_attention_mask, with_position_bias
 
 CPU = torch.device("cpu")
 HAS_CUDA = torch.cuda.is_available()
@@ -73,7 +73,7 @@ def reference_attention(q, k, v, mask, *, scale, is_causal):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Cases: masks built through hf_tiny.masks as the modules do, plus raw bool masks.
+# Cases: masks built through hf_tiny.step as the modules do, plus raw bool masks.
 # ----------------------------------------------------------------------------------------------------------------
 
 KINDS = [
@@ -200,13 +200,16 @@ def run_backend(fn, case: Case, *, grad: bool = False):
     return out.detach(), tuple(torch.zeros_like(t) if t.grad is None else t.grad for t in (q, k, v))
 
 
-def check_padded_query_rows_are_zero(case: Case, out: torch.Tensor) -> None:
-    """Causal self-attention with padding: a padding query (the last Sq positions of the key mask) gives zeros."""
+def check_padded_query_rows_see_earlier_real_keys(case: Case, out: torch.Tensor, visible: torch.Tensor) -> None:
+    """Causal self-attention with padding: a padding query (the last Sq positions of the key mask) that sees a real
+    key (at or before it, within its window) attends to it, as in official transformers' eager / sdpa; one that sees
+    none gives zeros."""
     if case.key_padding is None or not case.is_causal:
         return
     sq, sk = case.q.shape[2], case.k.shape[2]
-    query_is_padding = case.key_padding[:, sk - sq :] == 0  # [B, Sq]
-    assert torch.all(out.permute(0, 2, 1, 3)[query_is_padding] == 0)
+    query_is_padding = (case.key_padding[:, sk - sq :] == 0)[:, None, :].expand(visible.shape)  # [B, H, Sq]
+    assert torch.all(out[query_is_padding & ~visible] == 0)
+    assert torch.all(out[query_is_padding & visible].abs().amax(dim=-1) > 0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -229,7 +232,7 @@ def test_backends_match_reference_and_naive(kind: str, data):
         torch.testing.assert_close(out, naive_out, atol=FP32_ATOL, rtol=0, msg=lambda m: f"{name} vs naive: {m}")
         # Fully masked query rows are exactly zero, never NaN, and gradients stay finite and match naive.
         assert torch.all(out[~visible] == 0), name
-        check_padded_query_rows_are_zero(case, out)
+        check_padded_query_rows_see_earlier_real_keys(case, out, visible)
         for grad, naive_grad in zip(grads, naive_grads):
             assert torch.isfinite(grad).all(), name
             torch.testing.assert_close(grad, naive_grad, atol=GRAD_ATOL, rtol=0, msg=lambda m: f"{name} grad: {m}")
@@ -535,11 +538,12 @@ def test_padding_pattern_decode_and_chunk():
     mask, is_causal, _ = self_attention_mask(padding, batch_size=2, query_length=1, key_length=6, causal=True, device=CPU)
     query_valid, key_valid, _ = _pattern(mask, 2, 4, 1, 6, is_causal)
     assert torch.equal(query_valid, torch.tensor([[True], [True]])) and torch.equal(key_valid, padding.bool())
-    # Right padding while decoding: the new token is padding, so its row is empty and no key is used.
+    # Right padding while decoding: the new token is padding; its row sees the two real keys (eager and sdpa compute
+    # it), flash drops the padding query (its own key is padding), as flash-attn's varlen path does.
     padding = padding_mask([6, 2], 6, "right")
     mask, is_causal, _ = self_attention_mask(padding, batch_size=2, query_length=1, key_length=6, causal=True, device=CPU)
     query_valid, key_valid, _ = _pattern(mask, 2, 4, 1, 6, is_causal)
-    assert query_valid.tolist() == [[True], [False]] and key_valid[1].sum() == 0
+    assert query_valid.tolist() == [[True], [False]] and key_valid[1].tolist() == [True, True, False, False, False, False]
     # Chunked prefill: 3 new queries over 7 keys, causal within the real tokens.
     padding = padding_mask([7, 4], 7, "left")
     mask, is_causal, _ = self_attention_mask(padding, batch_size=2, query_length=3, key_length=7, causal=True, device=CPU)
@@ -621,6 +625,17 @@ def _flash_on_cpu(monkeypatch_context, *, package: Optional[FakeFlashAttn]):
         monkeypatch_context.setitem(sys.modules, "flash_attn", package)
 
 
+def flash_semantics(case: Case) -> Case:
+    """The case as flash computes it: in causal self-attention a padding query (its own key is padding) is dropped
+    and gives zeros, as in flash-attn's varlen path and official transformers' flash_attention_2 (eager and sdpa
+    let it see the real keys before it)."""
+    if not case.is_causal or case.key_padding is None or case.mask is None or case.mask.dtype != torch.bool:
+        return case  # flash refuses additive masks
+    sq, sk = case.q.shape[2], case.k.shape[2]
+    query_real = case.key_padding[:, sk - sq :].bool()[:, None, :, None]
+    return Case(case.kind, case.q, case.k, case.v, case.mask & query_real, case.is_causal, case.scale, case.key_padding)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("use_package", [True, False], ids=["flash_attn_varlen", "sdpa_flash_fallback"])
 @PER_KIND
@@ -633,7 +648,7 @@ def test_flash_path_emulated_on_cpu_matches_naive(kind: str, use_package: bool, 
     package = FakeFlashAttn() if use_package else None
     with pytest.MonkeyPatch.context() as patch:
         _flash_on_cpu(patch, package=package)
-        naive_out, naive_grads = run_backend(naive_attention, case, grad=True)
+        naive_out, naive_grads = run_backend(naive_attention, flash_semantics(case), grad=True)
         try:
             out, grads = run_backend(flash_attention, case, grad=True)
         except ValueError as error:

@@ -99,9 +99,10 @@ def test_decode_profile_counts_the_one_row_product_as_a_weight_product_and_atten
     from torch.profiler import ProfilerActivity, profile
 
     from benchmarks import measure
-    from hf_tiny.linear import Linear
+    from hf_tiny import runtime
 
-    linear = Linear(512, 1024, bias=False)
+    linear = torch.nn.Linear(512, 1024, bias=False)
+    runtime.install_few_rows(linear)
     q = k = v = torch.randn(1, 2, 5, 8)
     threads(2)
     with torch.no_grad():

@@ -167,7 +167,7 @@ def test_mtp_module_survives_conversion_both_ways_and_drafts(tmp_path):
     result = llama.convert(tmp_path / "src", tmp_path / "ours")
     assert all(row["max_abs_diff"] <= row["tolerance"] for row in result["parity"])
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
-    assert ours.config.num_nextn_predict_layers == 1
+    assert ours.config.mtp_depth() == 1
     # the MTP block's tensors are layer 2's, converted by the same rules (rotary rows included)
     main, mtp_block = ours.model.layers[2].state_dict(), ours.mtp[0].block.state_dict()
     assert main.keys() == mtp_block.keys() and all(torch.equal(main[k], mtp_block[k]) for k in main)
@@ -187,7 +187,8 @@ def test_mtp_module_survives_conversion_both_ways_and_drafts(tmp_path):
 def test_checkpoint_without_mtp_tensors_converts_without_modules(tmp_path):
     official = tiny_deepseek("mla_moe", num_nextn_predict_layers=1)
     convert(official, tmp_path)  # official save_pretrained drops MTP tensors but keeps the field
-    assert AutoModelForCausalLM.from_pretrained(tmp_path / "ours").config.num_nextn_predict_layers == 0
+    config = AutoModelForCausalLM.from_pretrained(tmp_path / "ours").config
+    assert config.mtp_depth() == 0 and not hasattr(config, "num_nextn_predict_layers")  # no MTP field at all
     assert "converted without MTP modules" in (tmp_path / "ours" / "README.md").read_text()
 
 

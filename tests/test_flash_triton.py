@@ -288,7 +288,7 @@ def test_backend_refuses_what_it_cannot_do(kernel):
 def test_read_mask_finds_sliding_windows_over_real_tokens():
     """The mask reading the backend relies on: a causal sliding window over left-padded rows comes back as
     (causal, W); the flash_attention_2 reading (no windows) still refuses it."""
-    from hf_tiny.masks import self_attention_mask
+    from hf_tiny.step import self_attention_mask
 
     padding = torch.tensor([[1] * 8, [0, 0, 0] + [1] * 5])
     mask, is_causal, _ = self_attention_mask(padding, batch_size=2, query_length=8, key_length=8, causal=True,

@@ -2,7 +2,13 @@
 every step of it. Outputs and gradients must be bit-identical; state-dict keys identical.
 
 On a CPU whose kernels differ from the one that wrote the files (another instruction set), bit-identity is not
-expected from any change: there the comparison falls back to 1e-5 relative and says so in its message."""
+expected from any change: there the comparison falls back to 1e-5 relative and says so in its message.
+
+One deliberate change since the files were written: the runtime (runtime.py) recomputes a layer in backward by
+replaying its own forward, so a training step's loss and gradients now equal the keep-everything path bit for bit;
+the old recompute formed its own gradient products and differed from it in low bits (up to 2e-6). The default
+path's `train.loss` / `grad.*` are therefore compared with the stored `keep_all.*` values, which are plain
+autograd's (official transformers' path)."""
 
 from __future__ import annotations
 
@@ -38,6 +44,8 @@ def test_outputs_and_gradients_are_bit_identical(family):
     different = []
     for key, want in expected.items():
         got = found[key]
+        if key == "train.loss" or key.startswith("grad."):
+            want = expected[f"keep_all.{key}"]
         assert got.shape == want.shape and got.dtype == want.dtype, key
         if same_kernels or not want.is_floating_point():
             if not torch.equal(got, want):

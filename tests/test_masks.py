@@ -16,7 +16,7 @@ from transformers.masking_utils import (
     sliding_window_causal_mask_function,
 )
 
-from hf_tiny.masks import AttentionMask, cross_attention_mask, self_attention_mask, with_position_bias
+from hf_tiny.step import AttentionMask, cross_attention_mask, self_attention_mask, with_position_bias
 
 CPU = torch.device("cpu")
 HYPO = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -25,16 +25,16 @@ HYPO = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 def brute_force_mask(
     key_padding: Optional[list[list[int]]], batch: int, sq: int, sk: int, causal: bool, window: Optional[int]
 ) -> torch.Tensor:
-    """The rules of masks.py as loops: padding keys are never seen; causal query i sits at position i + sk - sq and
-    sees keys at or before it, the last `window` of them with a sliding window; a causal padding query sees nothing."""
+    """The rules of step.py's masks as loops: padding keys are never seen; causal query i sits at position i + sk - sq and
+    sees keys at or before it, the last `window` of them with a sliding window; a query is never masked for being
+    padding (a right-padded one sees the real tokens before it, as in official transformers)."""
     offset = sk - sq
     out = torch.zeros(batch, 1, sq, sk, dtype=torch.bool)
     for b in range(batch):
         for i in range(sq):
             for j in range(sk):
                 key_real = key_padding is None or key_padding[b][j] == 1
-                query_real = key_padding is None or not causal or key_padding[b][i + offset] == 1
-                allowed = key_real and query_real
+                allowed = key_real
                 if causal:
                     allowed = allowed and j <= i + offset and (window is None or (i + offset) - j < window)
                 out[b, 0, i, j] = allowed
@@ -124,9 +124,9 @@ def test_sliding_window_wider_than_the_keys_is_plain_causal():
 
 @settings(max_examples=60, deadline=None)
 @given(inputs=mask_inputs())
-def test_real_query_rows_match_transformers_masks(inputs):
-    """transformers' sdpa_mask (causal / sliding-window causal with padding, same offsets) agrees with ours on
-    every real query row; it leaves padding query rows unmasked where we mask them (they give zeros)."""
+def test_masks_match_transformers_masks(inputs):
+    """transformers' sdpa_mask (causal / sliding-window causal with padding, same offsets) equals ours, padding
+    query rows included."""
     batch, sq, sk, causal, window, padding, _ = inputs
     if not causal:
         return
@@ -143,9 +143,7 @@ def test_real_query_rows_match_transformers_masks(inputs):
         ),
         batch, sq, sk,
     )
-    real_query = torch.ones(batch, sq, dtype=torch.bool) if padding is None else attention_mask[:, sk - sq :]
-    assert torch.equal(ours[:, 0][real_query], theirs[:, 0][real_query])
-    assert not ours[:, 0][~real_query].any()
+    assert torch.equal(ours[:, 0], theirs.expand(batch, 1, sq, sk)[:, 0])
 
 
 # ----------------------------------------------------------------------------------------------------------------

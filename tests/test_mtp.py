@@ -10,7 +10,7 @@ from torch.nn import functional as F
 
 import hf_tiny
 from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM
-from hf_tiny.masks import AttentionMask
+from hf_tiny.step import AttentionMask
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -35,7 +35,7 @@ def reference_mtp_loss(m, ids: torch.Tensor, concat_order=("embedding", "hidden"
     L_MTP = lambda / D * sum_k L^k (eq. 25). The blocks, norms and projections are the model's modules;
     the shifting, masking, concatenation and averaging are written here."""
     length = ids.shape[1]
-    depths = m.config.num_nextn_predict_layers
+    depths = m.config.mtp_depth()
     previous = m.model(input_ids=ids).last_hidden_state
     total = 0.0
     for k, layer in enumerate(m.mtp, start=1):
@@ -45,7 +45,7 @@ def reference_mtp_loss(m, ids: torch.Tensor, concat_order=("embedding", "hidden"
         parts = {"embedding": embedded, "hidden": hidden}
         merged = layer.eh_proj(torch.cat([parts[name] for name in concat_order], dim=-1))
         cos, sin = m.model.rotary_emb(merged, torch.arange(n)[None])
-        previous, *_ = layer.block(merged, None, (cos[:, None], sin[:, None]), is_causal=True)
+        previous = layer.block(merged, AttentionMask(None, True), (cos[:, None], sin[:, None]))
         logits = m.lm_head(layer.norm(previous))[:, : n - 1]
         total = total + F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, k + 1 :].reshape(-1))
     return m.config.mtp_loss_weight / depths * total

@@ -10,7 +10,7 @@ from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
 from causal_helpers import max_diff, tiny_official
 from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM
-from hf_tiny.masks import packed_causal_mask, segment_ids_from_cu_seq_lens, segment_ids_from_position_ids
+from hf_tiny.step import packed_causal_mask, segment_ids_from_cu_seq_lens, segment_ids_from_position_ids
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 

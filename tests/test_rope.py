@@ -9,12 +9,8 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM
-from hf_tiny.rope import (
-    RotaryEmbedding,
-    apply_rotary_pos_emb,
-    compute_inv_freq,
-    standardize_rope_parameters,
-)
+from hf_tiny.layers import RotaryEmbedding, apply_rotary
+from hf_tiny.rope import compute_inv_freq, standardize_rope_parameters
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -137,8 +133,8 @@ def test_apply_rotary_is_a_rotation_relative_in_position():
     def score(m, n):
         cos_m, sin_m = rope(q, torch.tensor([[m]]))
         cos_n, sin_n = rope(q, torch.tensor([[n]]))
-        q_rot, _ = apply_rotary_pos_emb(q, q, cos_m, sin_m)
-        _, k_rot = apply_rotary_pos_emb(k, k, cos_n, sin_n)
+        q_rot = apply_rotary(q, cos_m, sin_m)
+        k_rot = apply_rotary(k, cos_n, sin_n)
         return float((q_rot * k_rot).sum())
 
     assert score(7, 3) == pytest.approx(score(14, 10), abs=1e-4)

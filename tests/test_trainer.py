@@ -173,10 +173,10 @@ def layer_call_counter(model):
     checkpoints the block's forward, not its __call__, so the hook sits on a submodule: self-attention, the first
     one (torch stops a non-reentrant recompute early, once the last saved tensor is back, so a hook on the last
     sublayer may not fire)."""
-    from hf_tiny.layers import TransformerBlock
+    from transformers.modeling_layers import GradientCheckpointingLayer
 
     calls = {"n": 0}
-    blocks = [module for module in model.modules() if isinstance(module, TransformerBlock)]
+    blocks = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
     for block in blocks:
         block.self_attn.register_forward_hook(lambda *_: calls.__setitem__("n", calls["n"] + 1))
     return calls, len(blocks)

@@ -18,6 +18,7 @@ import transformers
 from transformers import DynamicCache
 
 import hf_tiny.transformers_api as api
+from hf_tiny import step as step_prep
 from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM, TinySeq2SeqConfig, TinySeq2SeqForConditionalGeneration
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,7 +67,7 @@ def test_cache_and_past_key_values_name_one_argument():
         cache = DynamicCache(config=model.config)
         model(prompt, **{name: cache}, use_cache=True)
         out = model(step, **{name: cache}, use_cache=True)
-        assert api.cache_of(out) is cache
+        assert step_prep.cache_of(out) is cache
         assert cache.get_seq_length() == 6
         logits[name] = out.logits
     full = model(IDS, use_cache=False).logits[:, -1:]
@@ -81,8 +82,8 @@ def test_cache_and_past_key_values_name_one_argument():
 def test_outputs_declare_the_installed_cache_field():
     model = causal_model()
     out = model(IDS, use_cache=True)
-    assert api.CACHE_FIELD in out.keys()
-    assert isinstance(out[api.CACHE_FIELD], DynamicCache)
+    assert step_prep.CACHE_FIELD in out.keys()
+    assert isinstance(out[step_prep.CACHE_FIELD], DynamicCache)
 
 
 @pytest.fixture
