@@ -84,11 +84,12 @@ COMPARED = ("last_hidden_state", "pooler_output", "logits", "start_logits", "end
 OUR_NAME = {"sop_logits": "seq_relationship_logits"}  # ALBERT's sentence-order logits
 
 
-def max_diff(official, ours, batch) -> float:
-    """max |Δ| over every output both models return, per-token outputs at real tokens only."""
+def max_diff(official, ours, batch, *, padding_too=False) -> float:
+    """max |Δ| over every output both models return, per-token outputs at real tokens only (padding_too: at every
+    position, padding included: RoBERTa's position ids depend on the padding, and official computes them there too)."""
     with torch.no_grad():
         expected, got = official(**batch), ours(**batch)
-    real = batch["attention_mask"].bool()
+    real = torch.ones_like(batch["attention_mask"], dtype=torch.bool) if padding_too else batch["attention_mask"].bool()
     worst, compared = 0.0, 0
     for field in COMPARED:
         a, b = getattr(expected, field, None), getattr(got, OUR_NAME.get(field, field), None)
@@ -286,11 +287,31 @@ def test_roberta_parity(architecture, heads, layers, intermediate, hidden, tmp_p
     for backend in ("eager", "sdpa"):
         ours = auto.from_pretrained(tmp_path / "dst", attn_implementation=backend).eval()
         assert ours.config.positions_from_padding
-        assert max_diff(official, ours, padded_batch(token_types=False)) <= TOLERANCE, backend
+        assert max_diff(official, ours, padded_batch(token_types=False), padding_too=True) <= TOLERANCE, backend
         # inputs_embeds: positions count every token as real, as official does
         batch = padded_batch(token_types=False)
         embeds = {"inputs_embeds": official.get_input_embeddings()(batch["input_ids"]), "attention_mask": batch["attention_mask"]}
         assert max_diff(official, ours, embeds) <= TOLERANCE, backend
+
+
+def test_roberta_negative_control_other_positions_at_padding_are_rejected(tmp_path, monkeypatch):
+    """The comparison at padded positions sees their position ids: padding counted as real tokens (positions
+    continuing past the sequence) changes only the outputs at padding, and the same comparison rejects it."""
+    official = official_roberta("RobertaForTokenClassification")
+    roberta_conversion.convert(save(official, tmp_path / "src"), tmp_path / "dst")
+    ours = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path / "dst").eval()
+    batch = padded_batch(token_types=False)
+    base = type(ours.model)
+    right = base.default_position_ids
+
+    def padding_counted(self, input_ids, seq_len, device):
+        return torch.cumsum(torch.ones_like(input_ids), dim=1) + self.config.pad_token_id
+
+    monkeypatch.setattr(base, "default_position_ids", padding_counted)
+    assert max_diff(official, ours, batch) <= TOLERANCE  # real tokens: the same positions either way
+    assert max_diff(official, ours, batch, padding_too=True) > 1e-2
+    monkeypatch.setattr(base, "default_position_ids", right)
+    assert max_diff(official, ours, batch, padding_too=True) <= TOLERANCE
 
 
 def test_roberta_negative_control_bert_positions_are_rejected(tmp_path):
