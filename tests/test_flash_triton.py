@@ -3,7 +3,8 @@ definition, and the `hf_tiny_flash` backend against the naive one inside whole m
 
 Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py before triton is
 first imported): the same kernel code, each program executed with numpy on CPU tensors. With a
-GPU they run compiled on CUDA. Shapes are small so the interpreter keeps this file to about a minute.
+GPU they run compiled on CUDA. Shapes are small so the interpreter keeps this file to about two minutes on two
+cores, half of it the sliding-window cases at every tile boundary (one per tiling the launcher picks).
 """
 
 from __future__ import annotations
@@ -206,13 +207,15 @@ def _tilings(device, head_dim, dtype):
 def tile_boundary_batches(forward, backward, window):
     """Two varlen batches, [(q_lens, k_lens)]. In the first, sequence s (s = 0 .. R-1, R the largest block size a
     window bound is rounded with: forward and backward BLOCK_N, backward BLOCK_M) has the diagonal offset
-    diag = window - 1 + s, so that window - diag takes every residue modulo each of them (powers of two dividing R),
-    and backward-BLOCK_M queries, so that the last query seeing each key tile exists for every residue. The second
+    diag = window - 1 + s, so that window - diag takes every residue modulo each of them (powers of two dividing R).
+    The first backward-block-size sequences have backward-BLOCK_M queries, so that the last query seeing each key tile
+    exists for every residue of the backward blocks; the others (forward residues only) one query. The second batch
     holds two sequences of three forward query tiles (self-attention, and after a cache): in a batch of their own,
     so that the first batch's launch grids stay one query tile long (the interpreter's time goes by programs)."""
     block_m, block_n = forward[:2]
     widest = max(forward[1], *backward[:2])
-    boundaries = ([backward[0]] * widest, [backward[0] + window - 1 + s for s in range(widest)])
+    q_lens = [backward[0] if s < max(backward[:2]) else 1 for s in range(widest)]
+    boundaries = (q_lens, [q_len + window - 1 + s for s, q_len in enumerate(q_lens)])
     long = ([2 * block_m + 3] * 2, [2 * block_m + 3, 2 * block_m + 3 + block_n // 2 + 1])
     return [boundaries, long]
 
