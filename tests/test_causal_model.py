@@ -90,7 +90,7 @@ def test_bad_inputs_are_clear_errors():
         model(torch.tensor([[1, 2]]), position_ids=torch.tensor([[-3, 20]]))
     with pytest.raises(TypeError, match="past_key_values must be a transformers Cache"):
         model(torch.tensor([[1]]), past_key_values=((torch.zeros(1),),))
-    with pytest.raises(TypeError, match=r"got \['block_table'\] without a paged cache: these belong to transformers' continuous"):
+    with pytest.raises(TypeError, match=r"got \['block_table'\] without cache=: these belong to transformers' continuous"):
         model(torch.tensor([[1]]), block_table=torch.tensor([0, 1]))
     with pytest.raises(TypeError, match="integer token ids"):
         model(torch.tensor([[1.0]]))
