@@ -39,6 +39,9 @@ def save_state_dict_safetensors(
             seen_storages.add(storage)
         prepared[key] = tensor.to("cpu").contiguous()
     save_file(prepared, str(path), metadata={"format": "pt", **(metadata or {})})
+    from hf_tiny.io_utils import follow_umask
+
+    follow_umask(path)  # safetensors creates the file 0600, whatever the umask
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -62,7 +65,7 @@ def atomic_output_dir(
     The mechanism is hf_tiny.io_utils.atomic_directory (shared with save_pretrained); imported here lazily so
     that this module stays importable without the model package.
     """
-    from hf_tiny.io_utils import atomic_directory, clean_stale_temporaries
+    from hf_tiny.io_utils import atomic_directory, clean_stale_temporaries, follow_umask
 
     dst = Path(dst).absolute()
     if dst.is_symlink():  # the folder the link points to is replaced; the link stays (see atomic_directory)
@@ -84,6 +87,7 @@ def atomic_output_dir(
         with atomic_directory(dst, replace=force, exchange=_exchange) as tmp:
             stage = "write"
             yield tmp
+            follow_umask(tmp)  # every file written (copied ones included) with the modes a plain write gives
             stage = "swap"
     except OSError as error:
         if stage == "create":

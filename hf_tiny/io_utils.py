@@ -204,6 +204,40 @@ def atomic_directory(
             raise
 
 
+def current_umask() -> int:
+    """The process's umask. Read from /proc/self/status where the system has it (Linux), since os.umask can only
+    read it by setting it, which races with other threads creating files; elsewhere set and put back at once."""
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
+
+
+def follow_umask(paths) -> None:
+    """Gives each path (a folder: it and everything under it, symlinks left alone) the mode a plain open() or
+    mkdir() would have given it under the current umask: 0o666 or 0o777 less the umask. Needed because safetensors
+    (0.8, safetensors#782) writes its files through a temporary file created 0600 and renamed into place, and
+    shutil's copy2 / copytree copy the source's modes, while everything else a save writes follows the umask."""
+    mask = current_umask()
+
+    def fix(path: str) -> None:
+        if not os.path.islink(path):
+            os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~mask)
+
+    for path in [paths] if isinstance(paths, (str, os.PathLike)) else paths:
+        fix(path)
+        if os.path.isdir(path) and not os.path.islink(path):
+            for root, folders, files in os.walk(path):
+                for name in folders + files:
+                    fix(os.path.join(root, name))
+
+
 def link_or_copy_tree(src: Path, dst: Path) -> None:
     """Recreates src at dst (a path that does not exist yet) without touching src: files are hard-linked (copied
     where links are not possible), symlinks are recreated as symlinks, folders are recursed into."""
@@ -222,6 +256,8 @@ def link_or_copy_tree(src: Path, dst: Path) -> None:
 
 __all__ = [
     "atomic_directory",
+    "current_umask",
+    "follow_umask",
     "remove_entry",
     "clean_stale_temporaries",
     "exchange_paths",

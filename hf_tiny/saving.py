@@ -11,7 +11,7 @@ from pathlib import Path
 from transformers import PreTrainedModel
 
 from .hub import CARD_FILE, carry_model_card, check_repo_id, source_card
-from .io_utils import atomic_directory, link_or_copy_tree
+from .io_utils import atomic_directory, follow_umask, link_or_copy_tree
 
 
 class AtomicSaveAndCardMixin:
@@ -28,13 +28,18 @@ class AtomicSaveAndCardMixin:
         arguments.apply_defaults()
         options = arguments.arguments
         if not _can_save_atomically(save_directory, options):
+            before = _entries(save_directory)
             result = super().save_pretrained(save_directory, *args, **kwargs)
             if options.get("is_main_process", True) and os.path.isdir(save_directory):
                 carry_model_card(self, save_directory)
+                # what this save wrote (new or replaced files) follows the umask, as in the atomic case
+                follow_umask([os.path.join(save_directory, name) for name, inode in _entries(save_directory).items()
+                              if before.get(name) != inode])
             return result
         destination = Path(os.path.realpath(save_directory))
         with atomic_directory(destination, replace=True) as tmp:
             result = super().save_pretrained(tmp, *args, **kwargs)
+            follow_umask(tmp)  # before the previous folder's entries are linked in: those keep their modes
             _carry_over_previous_folder(self, destination, tmp, os.fspath(save_directory), options.get("variant"))
         return result
 
@@ -46,6 +51,13 @@ class AtomicSaveAndCardMixin:
         # pointed at the repo, before the upload.
         carry_model_card(self, working_dir, model_id=repo_id)
         return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
+
+
+def _entries(folder) -> dict:
+    """{name: inode} of a folder's files (empty when it is not a folder)."""
+    if not os.path.isdir(folder):
+        return {}
+    return {entry.name: entry.inode() for entry in os.scandir(folder) if entry.is_file(follow_symlinks=False)}
 
 
 def _can_save_atomically(save_directory, options: dict) -> bool:

@@ -631,10 +631,13 @@ def test_cuda_parity_tiny(architecture, backend, dtype, tmp_path):
 def test_cuda_parity_real_minilm(backend, dtype, real_minilm_dir, converted_minilm):
     from transformers import AutoTokenizer
 
-    if not _cuda_case_runs(backend, dtype):
-        pytest.skip("flash_attention_2 runs in fp16/bf16 only (the fp32 error is tested on the tiny model)")
     dst, _ = converted_minilm
     batch = {k: v.cuda() for k, v in AutoTokenizer.from_pretrained(dst)(SENTENCES, padding=True, return_tensors="pt").items()}
+    if not _cuda_case_runs(backend, dtype):  # flash_attention_2 in fp32 on CUDA: a clear error
+        ours = AutoModel.from_pretrained(dst, attn_implementation=backend).cuda().eval()
+        with pytest.raises(ValueError, match="float16 or bfloat16"):
+            ours(**batch)
+        return
     official = transformers.BertModel.from_pretrained(real_minilm_dir, attn_implementation="eager").cuda().eval()
     ours = AutoModel.from_pretrained(dst, attn_implementation=backend, dtype=dtype).cuda().eval()
     with torch.no_grad():

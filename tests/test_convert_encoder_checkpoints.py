@@ -23,11 +23,11 @@ import hf_tiny
 from conversion import ConversionError
 from conversion import bert as bert_conversion
 from conversion import roberta as roberta_conversion
+from tolerances import model_reduction_length, relative_error, rounding_bound
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 97
 PAD = 1  # RoBERTa's pad id; its positions start at PAD + 1
-TOLERANCE = 1e-5
 SHAPES = [(2, 1, 37, 32), (4, 2, 64, 32), (8, 3, 48, 64)]  # (heads, layers, intermediate, hidden)
 ROBERTA_CLASSES = [
     "RobertaModel", "RobertaForMaskedLM", "RobertaForSequenceClassification", "RobertaForTokenClassification",
@@ -84,12 +84,14 @@ COMPARED = ("last_hidden_state", "pooler_output", "logits", "start_logits", "end
 OUR_NAME = {"sop_logits": "seq_relationship_logits"}  # ALBERT's sentence-order logits
 
 
-def max_diff(official, ours, batch) -> float:
-    """max |Δ| over every output both models return, per-token outputs at real tokens only."""
+def _compared_outputs(official, ours, batch, padding_too):
+    """(official, ours) for every output both models return, per-token outputs at real tokens only (padding_too:
+    at every position, padding included: RoBERTa's position ids depend on the padding, and official computes them
+    there too)."""
     with torch.no_grad():
         expected, got = official(**batch), ours(**batch)
-    real = batch["attention_mask"].bool()
-    worst, compared = 0.0, 0
+    real = torch.ones_like(batch["attention_mask"], dtype=torch.bool) if padding_too else batch["attention_mask"].bool()
+    pairs = []
     for field in COMPARED:
         a, b = getattr(expected, field, None), getattr(got, OUR_NAME.get(field, field), None)
         if a is None:
@@ -97,9 +99,26 @@ def max_diff(official, ours, batch) -> float:
         assert b is not None, f"ours has no {field}"
         if a.dim() >= 2 and tuple(a.shape[:2]) == tuple(real.shape):
             a, b = a[real], b[real]
-        worst, compared = max(worst, (a - b).abs().max().item()), compared + 1
-    assert compared, "no output compared"
-    return worst
+        pairs.append((a, b))
+    assert pairs, "no output compared"
+    return pairs
+
+
+def max_diff(official, ours, batch, *, padding_too=False) -> float:
+    """max |Δ| over every output both models return (see _compared_outputs)."""
+    return max((a - b).abs().max().item() for a, b in _compared_outputs(official, ours, batch, padding_too))
+
+
+def parity_bound(official, batch) -> float:
+    """The fp32 rounding bound on the relative error of the official model's forward (tests/tolerances.py)."""
+    return rounding_bound(torch.float32, model_reduction_length(official.config, batch["attention_mask"].shape[1]))
+
+
+def assert_parity(official, ours, batch, what: str = "", *, padding_too=False) -> None:
+    """Every output both models return within the rounding bound, relative to the official output's largest value."""
+    worst = max(relative_error(b, a) for a, b in _compared_outputs(official, ours, batch, padding_too))
+    bound = parity_bound(official, batch)
+    assert worst <= bound, f"{what}: relative error {worst:.3g} > {bound:.3g}"
 
 
 def save(model, folder: Path, **config_changes) -> Path:
@@ -139,7 +158,7 @@ def test_pretraining_checkpoint_converts_with_both_heads(heads, layers, intermed
     ours = AutoModelForPreTraining.from_pretrained(tmp_path / "dst").eval()
     assert isinstance(ours, hf_tiny.TinyEncoderForPreTraining)
     for seed in (1, 2):
-        assert max_diff(official, ours, padded_batch(seed=seed)) <= TOLERANCE
+        assert_parity(official, ours, padded_batch(seed=seed))
     # Negative control: the next-sentence head's two rows swapped must be rejected by the same comparison.
     with torch.no_grad():
         ours.next_sentence.weight.copy_(ours.next_sentence.weight.flip(0))
@@ -187,7 +206,7 @@ def test_original_bert_checkpoint_named_masked_lm_drops_the_next_sentence_head_w
     assert "cls.seq_relationship.bias" in (tmp_path / "dst" / "README.md").read_text()
     official = transformers.BertForMaskedLM.from_pretrained(src).eval()  # official loading drops the same tensors
     ours = AutoModelForMaskedLM.from_pretrained(tmp_path / "dst").eval()
-    assert max_diff(official, ours, padded_batch()) <= TOLERANCE
+    assert_parity(official, ours, padded_batch())
 
 
 def test_pretraining_checkpoint_as_base_model_strips_the_prefix(tmp_path):
@@ -195,7 +214,7 @@ def test_pretraining_checkpoint_as_base_model_strips_the_prefix(tmp_path):
     report = bert_conversion.convert(src, tmp_path / "dst")
     assert report["hf_tiny_class"] == "TinyEncoderModel"
     official = transformers.BertModel.from_pretrained(src).eval()
-    assert max_diff(official, AutoModel.from_pretrained(tmp_path / "dst").eval(), padded_batch()) <= TOLERANCE
+    assert_parity(official, AutoModel.from_pretrained(tmp_path / "dst").eval(), padded_batch())
 
 
 def test_unknown_tensor_beside_the_heads_is_still_an_error(tmp_path):
@@ -228,7 +247,7 @@ def test_config_without_model_type_converts_by_name_and_by_tensor_names(tmp_path
     assert "detected family bert (config.json has no model_type; the checkpoint holds bert.embeddings" in detected.stderr
     for folder in ("named", "detected"):
         ours = AutoModelForMaskedLM.from_pretrained(tmp_path / folder).eval()
-        assert max_diff(official, ours, padded_batch()) <= TOLERANCE
+        assert_parity(official, ours, padded_batch())
     assert "old transformers version" in (tmp_path / "named" / "README.md").read_text()
 
 
@@ -260,7 +279,7 @@ def test_pytorch_model_bin_in_both_serializations(zipped, tmp_path):
         assert (handle.read(2) == b"PK") == zipped  # the legacy format is not a zip archive
     bert_conversion.convert(src, tmp_path / "dst")
     ours = AutoModelForMaskedLM.from_pretrained(tmp_path / "dst").eval()
-    assert max_diff(official, ours, padded_batch()) <= TOLERANCE
+    assert_parity(official, ours, padded_batch())
 
 
 def test_bare_encoder_state_dict_named_as_a_head_converts_as_the_base_model(tmp_path, capsys):
@@ -270,7 +289,7 @@ def test_bare_encoder_state_dict_named_as_a_head_converts_as_the_base_model(tmp_
     report = bert_conversion.convert(src, tmp_path / "dst")
     assert report["hf_tiny_class"] == "TinyEncoderModel"
     assert "bare BertModel state dict" in capsys.readouterr().err
-    assert max_diff(official, AutoModel.from_pretrained(tmp_path / "dst").eval(), padded_batch()) <= TOLERANCE
+    assert_parity(official, AutoModel.from_pretrained(tmp_path / "dst").eval(), padded_batch())
 
 
 # --- RoBERTa ---------------------------------------------------------------------------------------------------
@@ -286,11 +305,31 @@ def test_roberta_parity(architecture, heads, layers, intermediate, hidden, tmp_p
     for backend in ("eager", "sdpa"):
         ours = auto.from_pretrained(tmp_path / "dst", attn_implementation=backend).eval()
         assert ours.config.positions_from_padding
-        assert max_diff(official, ours, padded_batch(token_types=False)) <= TOLERANCE, backend
+        assert_parity(official, ours, padded_batch(token_types=False), backend, padding_too=True)
         # inputs_embeds: positions count every token as real, as official does
         batch = padded_batch(token_types=False)
         embeds = {"inputs_embeds": official.get_input_embeddings()(batch["input_ids"]), "attention_mask": batch["attention_mask"]}
-        assert max_diff(official, ours, embeds) <= TOLERANCE, backend
+        assert_parity(official, ours, embeds, backend)
+
+
+def test_roberta_negative_control_other_positions_at_padding_are_rejected(tmp_path, monkeypatch):
+    """The comparison at padded positions sees their position ids: padding counted as real tokens (positions
+    continuing past the sequence) changes only the outputs at padding, and the same comparison rejects it."""
+    official = official_roberta("RobertaForTokenClassification")
+    roberta_conversion.convert(save(official, tmp_path / "src"), tmp_path / "dst")
+    ours = transformers.AutoModelForTokenClassification.from_pretrained(tmp_path / "dst").eval()
+    batch = padded_batch(token_types=False)
+    base = type(ours.model)
+    right = base.default_position_ids
+
+    def padding_counted(self, input_ids, seq_len, device):
+        return torch.cumsum(torch.ones_like(input_ids), dim=1) + self.config.pad_token_id
+
+    monkeypatch.setattr(base, "default_position_ids", padding_counted)
+    assert_parity(official, ours, batch)  # real tokens: the same positions either way
+    assert max_diff(official, ours, batch, padding_too=True) > 1e-2
+    monkeypatch.setattr(base, "default_position_ids", right)
+    assert_parity(official, ours, batch, padding_too=True)
 
 
 def test_roberta_negative_control_bert_positions_are_rejected(tmp_path):
@@ -393,7 +432,7 @@ def test_distilbert_parity(architecture, heads, layers, intermediate, hidden, tm
         ours = _auto_for(architecture, "DistilBert").from_pretrained(tmp_path / "dst", attn_implementation=backend).eval()
         base = ours.model if hasattr(ours, "model") else ours
         assert ours.config.type_vocab_size == 0 and base.embed_token_types is None
-        assert max_diff(official, ours, padded_batch(token_types=False)) <= TOLERANCE, backend
+        assert_parity(official, ours, padded_batch(token_types=False), backend)
 
 
 def test_distilbert_sinusoidal_positions_convert_and_init_like_official(tmp_path):
@@ -405,7 +444,7 @@ def test_distilbert_sinusoidal_positions_convert_and_init_like_official(tmp_path
     reloaded_official = transformers.DistilBertForMaskedLM.from_pretrained(tmp_path / "src")
     assert ours.model.embed_positions.weight.requires_grad == (
         reloaded_official.distilbert.embeddings.position_embeddings.weight.requires_grad)
-    assert max_diff(official, ours, padded_batch(token_types=False)) <= TOLERANCE
+    assert_parity(official, ours, padded_batch(token_types=False))
     # A model built from the config writes the same fixed table official DistilBERT writes.
     expected = torch.empty(40, 32)
     transformers.models.distilbert.modeling_distilbert.create_sinusoidal_embeddings(40, 32, expected)
@@ -501,7 +540,7 @@ def test_electra_parity(architecture, heads, layers, intermediate, hidden, embed
         ours = auto.from_pretrained(tmp_path / "dst", attn_implementation=backend).eval()
         base = ours.model if hasattr(ours, "model") else ours
         assert (base.embed_projection is not None) == (embedding != hidden)
-        assert max_diff(official, ours, padded_batch()) <= TOLERANCE, backend
+        assert_parity(official, ours, padded_batch(), backend)
 
 
 def test_electra_discriminator_loss_matches_official_and_negative_control(tmp_path):
@@ -590,14 +629,15 @@ def test_albert_parity(architecture, layers, groups, inner, tmp_path):
         ours = _albert_auto(architecture).from_pretrained(tmp_path / "dst", attn_implementation=backend).eval()
         base = ours.model if hasattr(ours, "model") else ours
         assert len(base.layers) == groups * inner  # the weights are shared, not copied
-        assert max_diff(official, ours, padded_batch()) <= TOLERANCE, backend
+        assert_parity(official, ours, padded_batch(), backend)
     if architecture == "AlbertModel":  # one hidden state per block run, as official records them
         with torch.no_grad():
             expected = official(**padded_batch(), output_hidden_states=True).hidden_states
             got = ours(**padded_batch(), output_hidden_states=True).hidden_states
         assert len(got) == len(expected) == 1 + layers * inner
         real = padded_batch()["attention_mask"].bool()
-        assert max((a[real] - b[real]).abs().max().item() for a, b in zip(expected, got)) <= TOLERANCE
+        bound = parity_bound(official, padded_batch())
+        assert max(relative_error(b[real], a[real]) for a, b in zip(expected, got)) <= bound
 
 
 def test_albert_sentence_order_loss_and_dropout_match_official(tmp_path):

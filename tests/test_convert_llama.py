@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+import transformers
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
@@ -161,6 +162,58 @@ def test_negative_control_each_gemma_and_window_switch_matters(variant, perturba
     batch = left_padded_batch(official.config.vocab_size)
     wrong = AutoModelForCausalLM.from_pretrained(dst, **perturbation).eval()
     assert max_diff(real_logits(wrong, batch), real_logits(official, batch)) > 100 * TOLERANCE
+
+
+GEMMA3_BF16 = dict(
+    hidden_size=640, head_dim=16, num_hidden_layers=2, intermediate_size=96, sliding_window=4, query_pre_attn_scalar=12,
+    layer_types=["sliding_attention", "full_attention"],
+)
+
+
+def _gemma3_bf16_pair(tmp_path):
+    """Official Gemma 3 and ours, both loaded from their folders in bfloat16 (as the real 270M runs), hidden 640 like
+    the real 270M: sqrt(640) = 25.298 is not a bfloat16 number (bfloat16 holds 25.25), so the embedding scale's
+    rounding shows."""
+    dst, _ = convert_official(tiny_official("gemma3_text", **GEMMA3_BF16), tmp_path)
+    official = transformers.Gemma3ForCausalLM.from_pretrained(tmp_path / "src", dtype=torch.bfloat16,
+                                                              attn_implementation="sdpa").eval()
+    ours = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
+    assert ours.dtype == official.dtype == torch.bfloat16
+    assert float(torch.tensor(640**0.5, dtype=torch.bfloat16)) != 640**0.5
+    return official, ours
+
+
+def test_gemma3_bfloat16_logits_are_bit_identical_to_official(tmp_path):
+    """bf16 on CPU with the sdpa backend: the same operations in the same dtypes give the same bits: (1 + w) norms
+    multiplied in fp32 and then rounded, the embedding scale rounded to bf16 before the product, as official. (Our
+    eager backend computes the scores in fp32 where official's eager multiplies in bf16, so it is not compared bit for
+    bit.) The negative controls are the two one-line changes this comparison exists to catch."""
+    official, ours = _gemma3_bf16_pair(tmp_path)
+    batch = left_padded_batch(official.config.vocab_size)
+    expected = real_logits(official, batch)
+    assert expected.dtype == torch.bfloat16 and expected.abs().max() > 1.0
+    assert torch.equal(real_logits(ours, batch), expected)
+
+
+def test_gemma3_bfloat16_negative_controls_norm_product_and_embedding_scale_in_another_dtype(tmp_path, monkeypatch):
+    from hf_tiny.layers import RMSNorm
+    from hf_tiny.modeling_causal import TinyCausalModel
+
+    official, ours = _gemma3_bf16_pair(tmp_path)
+    batch = left_padded_batch(official.config.vocab_size)
+    expected = real_logits(official, batch)
+
+    def product_in_input_dtype(self, hidden_states):
+        normalized = hidden_states.float() * torch.rsqrt(hidden_states.float().pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return normalized.to(hidden_states.dtype) * (1.0 + self.weight)
+
+    def scale_rounded_in_fp32(self, input_ids):
+        return self.embed_tokens(input_ids) * torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32)
+
+    for cls, name, wrong in ((RMSNorm, "forward", product_in_input_dtype), (TinyCausalModel, "embed", scale_rounded_in_fp32)):
+        with monkeypatch.context() as patch:
+            patch.setattr(cls, name, wrong)
+            assert not torch.equal(real_logits(ours, batch), expected), name
 
 
 @pytest.mark.parametrize("variant", ["qwen3_qk_norm", "qwen3_biases_mha"])

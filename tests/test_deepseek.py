@@ -88,6 +88,28 @@ def test_greedy_beam_and_absorbed_tokens_identical(variant, tmp_path):
             assert torch.equal(ours.generate(batch["input_ids"], **settings, **extra), expected), (absorb, extra)
 
 
+DISTINCT_MSCALES = {"rope_type": "yarn", "rope_theta": 1000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+                    "mscale": 0.7, "mscale_all_dim": 1.3}
+
+
+def test_distinct_mscale_and_mscale_all_dim_match_official(tmp_path):
+    """YaRN with mscale != mscale_all_dim (the variants above set both to 1.0, where exchanging them changes nothing):
+    the rotary attention factor is mscale(factor, mscale) / mscale(factor, mscale_all_dim) and MLA scales its scores
+    by mscale(factor, mscale_all_dim)^2, as official. Negative control: the same weights with the two values
+    exchanged."""
+    official = tiny_deepseek("yarn_mscale_dense_norm_off", rope_parameters=dict(DISTINCT_MSCALES))
+    convert(official, tmp_path)
+    batch = left_padded_batch(official.config.vocab_size)
+    expected = real_logits(official, batch)
+    for extra in ({"attn_implementation": "eager"}, {"attn_implementation": "sdpa"}, {"mla_absorb": True}):
+        ours = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", **extra).eval()
+        assert ours.config.rope_parameters["mscale"] == 0.7 and ours.config.rope_parameters["mscale_all_dim"] == 1.3
+        assert max_diff(real_logits(ours, batch), expected) <= bound(expected), extra
+    exchanged = {**DISTINCT_MSCALES, "mscale": 1.3, "mscale_all_dim": 0.7}
+    wrong = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", rope_parameters=exchanged).eval()
+    assert max_diff(real_logits(wrong, batch), expected) > 100 * bound(expected)
+
+
 def test_the_cache_holds_the_latent_not_keys_and_values(tmp_path):
     official = tiny_deepseek("mla_moe")
     convert(official, tmp_path)

@@ -161,25 +161,37 @@ def test_unknown_attention_name_lists_ours_and_the_registered():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_flash_attention_2_on_cpu_equals_sdpa_and_generates_the_same_tokens(converted, dtype):
+    """Full attention: flash_attention_2 on CPU (PyTorch's flash kernel) against sdpa. Sliding-window layers:
+    PyTorch's flash kernel takes no window, so flash_attention_2 on CPU refuses them with a clear error, and the
+    same comparison runs our Triton kernel (hf_tiny_flash, which flash_attention_2 uses on CUDA without the
+    flash-attn package): interpreted on CPU, compiled on a GPU."""
     _, ours = converted
-    if "sliding_attention" in ours.config.layer_types:
-        pytest.skip("flash refuses sliding-window masks (a clear error, tested in test_attention.py)")
+    sliding = "sliding_attention" in ours.config.layer_types
+    implementation, device = "flash_attention_2", torch.device("cpu")
     model = ours.to(dtype)
     batch = left_padded_batch(model.config.vocab_size)
     try:
+        if sliding:
+            model.set_attn_implementation("flash_attention_2")
+            with pytest.raises(ValueError, match="padding and causal masks only.*sliding window"):
+                real_logits(model, batch)
+            implementation = "hf_tiny_flash"
+            device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+            model.to(device)
+            batch = {k: v.to(device) for k, v in batch.items()}
         model.set_attn_implementation("sdpa")
         expected = real_logits(model, batch).float()
         settings = dict(attention_mask=batch["attention_mask"], max_new_tokens=6, do_sample=False, pad_token_id=0,
                         eos_token_id=None)
         expected_tokens = model.generate(batch["input_ids"], **settings)
-        model.set_attn_implementation("flash_attention_2")
+        model.set_attn_implementation(implementation)
         tolerance = TOLERANCE if dtype == torch.float32 else 5e-2 * float(expected.abs().max())
         assert max_diff(real_logits(model, batch).float(), expected) <= tolerance
         if dtype == torch.float32:
             assert torch.equal(model.generate(batch["input_ids"], **settings), expected_tokens)
     finally:
         model.set_attn_implementation("sdpa")
-        model.to(torch.float32)
+        model.to("cpu", torch.float32)
 
 
 @pytest.mark.parametrize("style", ["bart", "t5"])

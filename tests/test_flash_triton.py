@@ -3,7 +3,8 @@ definition, and the `hf_tiny_flash` backend against the naive one inside whole m
 
 Without a GPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py before triton is
 first imported): the same kernel code, each program executed with numpy on CPU tensors. With a
-GPU they run compiled on CUDA. Shapes are small so the interpreter keeps this file to about a minute.
+GPU they run compiled on CUDA. Shapes are small so the interpreter keeps this file to about two minutes on two
+cores, half of it the sliding-window cases at every tile boundary (one per tiling the launcher picks).
 """
 
 from __future__ import annotations
@@ -170,6 +171,109 @@ def test_kernel_bad_inputs_are_clear_errors(kernel):
         module.flash_attn_varlen(q, k, v, cu_q, torch.tensor([0, 2, 4]), 4, 4)
     with pytest.raises(ValueError, match="runs on CUDA tensors.*got device 'meta'"):
         module.check_device_and_dtype(torch.device("meta"), torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sliding windows at every tile boundary, for every tiling the launcher picks
+# ----------------------------------------------------------------------------------------------------------------
+#
+# A window's bounds are computed per tile: the forward (and dQ) kernel starts at the key tile holding the first key
+# its tile's first query sees (start + diag - window + 1, rounded down to BLOCK_N), and the dK/dV kernel stops after
+# the query tile holding the last query that sees its tile's last key ((tile + 1) * BLOCK_N - 1 - diag + window - 1).
+# Off by one, either bound drops one (query, key) pair exactly when that position is the first of its tile, i.e. for
+# one residue of window - diag modulo the block size (the random cases above draw it too rarely). The cases below
+# meet every residue of every bound, for each tiling, in one varlen call (and a second one of longer sequences).
+
+# (device whose choice it is, head_dim, dtype, window): one case per distinct (forward, backward) tiling of
+# _block_sizes / _backward_block_sizes (test_tiling_cases_are_every_tiling_the_launcher_picks keeps the list
+# complete). Half-precision windows are small, so that one dropped key of the window shows above the fp16 / bf16
+# bounds; fp32 / fp16 windows reach past one key tile.
+TILING_CASES = [
+    ("cuda", 40, torch.float32, 37),    # fp32 head_dim <= 128, and half head_dim > 128: forward 64x32, backward 32x32
+    ("cuda", 136, torch.float32, 37),   # fp32 head_dim > 128: forward 32x32, backward 16x16
+    ("cuda", 24, torch.bfloat16, 3),    # half head_dim <= 64: forward 128x64, backward 64x64
+    ("cuda", 72, torch.bfloat16, 3),    # half head_dim 65..128: forward 128x128, backward 64x64
+    ("cpu", 48, torch.float16, 21),     # the interpreter: 16x16 both ways
+]
+
+
+def _tilings(device, head_dim, dtype):
+    from hf_tiny import flash_triton
+
+    device = torch.device(device)
+    return (flash_triton._block_sizes(head_dim, dtype, device), flash_triton._backward_block_sizes(head_dim, dtype, device))
+
+
+def tile_boundary_batches(forward, backward, window):
+    """Two varlen batches, [(q_lens, k_lens)]. In the first, sequence s (s = 0 .. R-1, R the largest block size a
+    window bound is rounded with: forward and backward BLOCK_N, backward BLOCK_M) has the diagonal offset
+    diag = window - 1 + s, so that window - diag takes every residue modulo each of them (powers of two dividing R).
+    The first backward-block-size sequences have backward-BLOCK_M queries, so that the last query seeing each key tile
+    exists for every residue of the backward blocks; the others (forward residues only) one query. The second batch
+    holds two sequences of three forward query tiles (self-attention, and after a cache): in a batch of their own,
+    so that the first batch's launch grids stay one query tile long (the interpreter's time goes by programs)."""
+    block_m, block_n = forward[:2]
+    widest = max(forward[1], *backward[:2])
+    q_lens = [backward[0] if s < max(backward[:2]) else 1 for s in range(widest)]
+    boundaries = (q_lens, [q_len + window - 1 + s for s, q_len in enumerate(q_lens)])
+    long = ([2 * block_m + 3] * 2, [2 * block_m + 3, 2 * block_m + 3 + block_n // 2 + 1])
+    return [boundaries, long]
+
+
+def tile_boundaries_met(q_lens, k_lens, window, forward, backward):
+    """{bound: residues met}: for every tile, the position its window bound falls on (when that position exists and
+    the bound is not clamped at the sequence start), modulo the block size the kernel rounds it with."""
+    met = {"forward first key": set(), "dq first key": set(), "dkdv last query": set()}
+    for q_len, k_len in zip(q_lens, k_lens):
+        diag = k_len - q_len
+        for name, (block_m, block_n) in (("forward first key", forward[:2]), ("dq first key", backward[:2])):
+            for start in range(0, q_len, block_m):
+                first = start + diag - window + 1
+                if 0 <= first < k_len:
+                    met[name].add(first % block_n)
+        block_m, block_n = backward[:2]
+        for start in range(0, k_len, block_n):
+            last_key = start + block_n - 1
+            last_query = last_key - diag + window - 1
+            if last_key < k_len and 0 <= last_query < q_len:
+                met["dkdv last query"].add(last_query % block_m)
+    return met
+
+
+def test_tiling_cases_are_every_tiling_the_launcher_picks():
+    from hf_tiny import flash_triton
+
+    picked = {(tuple(f[:2]), tuple(b[:2]))
+              for device in ("cuda", "cpu")
+              for dtype in flash_triton.SUPPORTED_DTYPES
+              for head_dim in range(flash_triton.MIN_HEAD_DIM, flash_triton.MAX_HEAD_DIM + 1)
+              for f, b in [_tilings(device, head_dim, dtype)]}
+    cases = [_tilings(device, head_dim, dtype) for device, head_dim, dtype, _ in TILING_CASES]
+    assert {(tuple(f[:2]), tuple(b[:2])) for f, b in cases} == picked
+    assert len(cases) == len(picked)  # one case each
+
+
+@pytest.mark.parametrize("device_choice, head_dim, dtype, window", TILING_CASES,
+                         ids=[f"{d}-{h}-{str(t).removeprefix('torch.')}-w{w}" for d, h, t, w in TILING_CASES])
+def test_sliding_window_forward_and_backward_at_every_tile_boundary(kernel, monkeypatch, device_choice, head_dim,
+                                                                    dtype, window):
+    """The kernel runs with the tiling `device_choice` selects for (head_dim, dtype) (on CPU, the CUDA tilings under
+    the interpreter, where any tile size is valid), on sequences meeting every residue of every window bound."""
+    module, device = kernel
+    forward, backward = _tilings(device_choice, head_dim, dtype)
+    monkeypatch.setattr(module, "_block_sizes", lambda *args: forward)
+    monkeypatch.setattr(module, "_backward_block_sizes", lambda *args: backward)
+    batches = tile_boundary_batches(forward, backward, window)
+    met = tile_boundaries_met(*(sum(lens, []) for lens in zip(*batches)), window, forward, backward)
+    assert met == {"forward first key": set(range(forward[1])), "dq first key": set(range(backward[1])),
+                   "dkdv last query": set(range(backward[0]))}
+    heads, kv_heads = (2, 1) if device_choice == "cpu" else (1, 1)  # GQA where the tiles are small
+    for q_lens, k_lens in batches:
+        q, k, v, cu_q, cu_k, grad_out = packed_inputs(q_lens, k_lens, heads, kv_heads, head_dim, dtype, device,
+                                                      seed=head_dim)
+        errors = relative_errors(module, q, k, v, cu_q, cu_k, grad_out, causal=True, window=window)
+        bound = TOLERANCE[dtype]
+        assert max(errors) <= bound, f"out/dq/dk/dv errors {['%.2e' % e for e in errors]} > {bound} ({len(q_lens)} sequences)"
 
 
 # ----------------------------------------------------------------------------------------------------------------

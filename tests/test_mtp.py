@@ -27,13 +27,15 @@ def model(seed=0, **overrides):
     return TinyCausalForCausalLM(TinyCausalConfig(**{**BASE, **overrides}))
 
 
-def reference_mtp_loss(m, ids: torch.Tensor, concat_order=("embedding", "hidden")) -> torch.Tensor:
+def reference_mtp_loss(m, ids: torch.Tensor, concat_order=("embedding", "hidden"), labels=None) -> torch.Tensor:
     """Eq. 21-25 of the DeepSeek-V3 report, written out: h^0 the main model's output; for k = 1..D,
     h'^k_i = M_k[RMSNorm(Emb(t_{i+k})); RMSNorm(h^{k-1}_i)] (eq. 21, in the checkpoint's concatenation order),
     h^k = TRM_k(h'^k) over positions 0..T-k-1 (eq. 22), P^k = softmax(OutHead(h^k)) (eq. 23),
     L^k = mean cross-entropy of P^k_i against t_{i+k+1} for i + k + 1 <= T - 1 (eq. 24),
     L_MTP = lambda / D * sum_k L^k (eq. 25). The blocks, norms and projections are the model's modules;
-    the shifting, masking, concatenation and averaging are written here."""
+    the shifting, masking, concatenation and averaging are written here. labels (unshifted, as the model takes
+    them; default ids): the targets t_{i+k+1} are labels[i+k+1], and the mean skips the -100 ones."""
+    labels = ids if labels is None else labels
     length = ids.shape[1]
     depths = m.config.mtp_depth()
     previous = m.model(input_ids=ids).last_hidden_state
@@ -47,7 +49,7 @@ def reference_mtp_loss(m, ids: torch.Tensor, concat_order=("embedding", "hidden"
         cos, sin = m.model.rotary_emb(merged, torch.arange(n)[None])
         previous = layer.block(merged, AttentionMask(None, True), (cos[:, None], sin[:, None]))
         logits = m.lm_head(layer.norm(previous))[:, : n - 1]
-        total = total + F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, k + 1 :].reshape(-1))
+        total = total + F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, k + 1 :].reshape(-1), ignore_index=-100)
     return m.config.mtp_loss_weight / depths * total
 
 
@@ -65,6 +67,31 @@ def test_mtp_loss_equals_the_reports_equations(overrides):
     with torch.no_grad():
         swapped = reference_mtp_loss(m, ids, concat_order=("hidden", "embedding"))
     assert abs(float(swapped) - float(expected)) > 1e-3
+
+
+@pytest.mark.parametrize("overrides", [{}, DEEPSEEK_LIKE], ids=["llama-like", "mla-moe"])
+def test_mtp_loss_with_labels_unlike_the_inputs_and_ignored_spans(overrides):
+    """Labels that are not the input ids (as in instruction tuning) with -100 spans at the start, in the middle and
+    at the end: every depth predicts labels k + 1 ahead and skips the ignored ones. Weights at std 0.3, so that the
+    predictions are far from uniform and the targets matter. Negative control: the targets taken from input_ids
+    instead, with the same ignored positions, are 100 times further off than the comparison allows."""
+    m = model(**overrides, initializer_range=0.3).train()
+    generator = torch.Generator().manual_seed(5)
+    ids = torch.randint(1, 40, (3, 12), generator=generator)
+    labels = torch.randint(1, 40, (3, 12), generator=generator)
+    labels[0, :5] = -100
+    labels[1, 4:8] = -100
+    labels[2, 9:] = -100
+    assert (labels != ids).float().mean() > 0.8
+    out = m(ids, labels=labels)
+    with torch.no_grad():
+        expected = reference_mtp_loss(m, ids, labels=labels)
+        logits = m(ids).logits[:, :-1]
+        main = F.cross_entropy(logits.reshape(-1, 40), labels[:, 1:].reshape(-1), ignore_index=-100)
+        from_inputs = reference_mtp_loss(m, ids, labels=ids.masked_fill(labels == -100, -100))
+    assert float(out.mtp_loss.detach()) == pytest.approx(float(expected), rel=1e-5)
+    assert float(out.loss.detach()) == pytest.approx(float(main + expected), rel=1e-5)
+    assert abs(float(from_inputs) - float(expected)) > 100 * 1e-5 * float(expected)
 
 
 def test_mtp_loss_ignores_padding_labels_and_reaches_every_module():

@@ -114,6 +114,32 @@ def test_dynamic_ntk_follows_the_official_stateful_update():
     assert not torch.allclose(first_long, default, atol=1e-3)  # negative control: NTK scaling did kick in
 
 
+# Lengths (max position + 1) around max_position_embeddings = 64, in an order that meets both stateful rules at
+# their boundary: growth past the cached length (seq_len > cached: 64 keeps, 65 grows) and the reset to the
+# original frequencies (seq_len < 64 after growing: 63 resets, 64 and 65 keep the grown ones).
+DYNAMIC_BOUNDARY_LENGTHS = (63, 64, 65, 64, 63, 64, 100, 64, 65, 63, 65, 66, 65, 64, 63, 63)
+
+
+def test_dynamic_ntk_at_max_position_embeddings_and_one_either_side():
+    """Each call's cos/sin bit for bit those of official's module after the same calls (both are stateful)."""
+    official_config, ours = configs(ROPE_CASES["dynamic"])
+    assert ours.max_position_embeddings == 64
+    official, mine = LlamaRotaryEmbedding(official_config), RotaryEmbedding(ours)
+    x = torch.zeros(1)
+    produced = {}
+    for step, length in enumerate(DYNAMIC_BOUNDARY_LENGTHS):
+        positions = torch.arange(length)[None]
+        (cos_ref, sin_ref), (cos, sin) = official(x, positions), mine(x, positions)
+        assert torch.equal(cos, cos_ref) and torch.equal(sin, sin_ref), (step, length)
+        produced.setdefault(length, []).append(cos[0, -1])
+    # The calls really reach different states at the boundary, so a rule off by one there changes the outputs.
+    # Length 64 ran with the original frequencies (calls 1 and 5), 65's (call 3), 100's (call 7), 66's (call 13);
+    # length 65 with its own (calls 2 and 10), 100's (call 8), 66's (call 12).
+    at_64, at_65 = produced[64], produced[65]
+    assert torch.equal(at_64[0], at_64[2]) and torch.equal(at_65[0], at_65[2])
+    assert len({tuple(cos.tolist()) for cos in at_64}) == 4 and len({tuple(cos.tolist()) for cos in at_65}) == 3
+
+
 def test_init_buffers_rebuilds_garbage_inv_freq():
     _, ours = configs(ROPE_CASES["yarn"])
     rope = RotaryEmbedding(ours)
