@@ -21,8 +21,11 @@ scaled_dot_product_attention, "flash_attention_2" runs FlashAttention kernels (t
 installed, else our Triton kernel on CUDA and PyTorch's FLASH_ATTENTION SDPA kernel on CPU); "hf_tiny_flash" is our
 Triton kernel by name (hf_tiny/flash_triton.py: CUDA, or CPU under Triton's interpreter).
 
-How models call these functions (transformers' attention interface, its masks, paged caches, vLLM) is
-engines.py's business.
+Models call them the way transformers' models call attention, through the attention interface
+(`ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, None)(module, q, k, v, mask, scaling=...)`,
+output [B, S, H, D]): the end of this file wraps each backend in that convention and registers it, under its own
+name, in an instance of transformers' AttentionInterface whose other names are transformers' (flex_attention,
+paged|eager, hub kernels, vLLM's, a user's). What those other functions and engines need is engines.py's.
 """
 
 from __future__ import annotations
@@ -52,33 +55,27 @@ def repeat_kv(hidden: torch.Tensor, n_rep: int) -> torch.Tensor:
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: Optional[str] = None) -> int:
     """The heads' repeat factor of GQA. Values may be narrower or wider than keys (MLA's v_head_dim), except in
     the flash kernels (`backend` names one), which need one head_dim for q, k and v."""
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(
-            f"attention expects 4-D q, k, v [batch, heads, seq, head_dim]; got q {tuple(q.shape)}, "
-            f"k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
+        raise ValueError(f"attention expects 4-D q, k, v [batch, heads, seq, head_dim]; got {shapes}")
     if k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            "k and v must have the same [batch, heads, seq] and q, k the same head_dim; got "
-            f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-        )
+        raise ValueError(f"k and v must have the same [batch, heads, seq] and q, k the same head_dim; got {shapes}")
     if backend is not None and v.shape[-1] != q.shape[-1]:
         raise ValueError(
-            f"attn_implementation={backend!r} needs one head_dim for queries, keys and values; got q/k "
-            f"{q.shape[-1]} and v {v.shape[-1]} (MLA's v_head_dim); use attn_implementation='sdpa' or 'eager'"
+            f"attn_implementation={backend!r} needs one head_dim for queries, keys and values; got {shapes} (MLA's "
+            "v_head_dim); use attn_implementation='sdpa' or 'eager'"
         )
-    heads, kv_heads = q.shape[1], k.shape[1]
-    if heads % kv_heads != 0:
-        raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads})")
-    return heads // kv_heads
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    return q.shape[1] // k.shape[1]
 
 
-def causal_bool_mask(query_length: int, key_length: int, device: torch.device) -> torch.Tensor:
-    """[Sq, Sk] bool, True where query i may see key j (bottom-right aligned)."""
-    offset = key_length - query_length
-    rows = torch.arange(query_length, device=device)[:, None]
-    cols = torch.arange(key_length, device=device)[None, :]
-    return cols <= rows + offset
+def causal_bool_mask(query_length: int, key_length: int, device: torch.device, window: Optional[int] = None) -> torch.Tensor:
+    """[Sq, Sk] bool, True where query i (at key position i + Sk - Sq: bottom-right aligned) may see key j: keys at
+    or before it, with a window only the last `window` of them."""
+    distance = torch.arange(query_length, device=device)[:, None] + (key_length - query_length)
+    distance = distance - torch.arange(key_length, device=device)[None, :]
+    return distance >= 0 if window is None else (distance >= 0) & (distance < window)
 
 
 def visible_rows(mask: torch.Tensor) -> torch.Tensor:
@@ -133,62 +130,33 @@ def naive_attention(
     return out, (weights if output_attentions else None)
 
 
-# SDPA shares KV heads itself (enable_gqa) from torch 2.5 on; older builds get repeated K/V.
-_SDPA_HAS_GQA = tuple(int(part) for part in torch.__version__.split(".")[:2]) >= (2, 5)
-
-
-def torch_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: Optional[torch.Tensor] = None,
-    *,
-    scale: float,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    output_attentions: bool = False,
-    segment_ids: Optional[torch.Tensor] = None,
-) -> BackendOutput:
-    """torch.nn.functional.scaled_dot_product_attention (picks flash / memory-efficient / math kernels itself)."""
-    if output_attentions:
-        raise ValueError(
-            "output_attentions=True needs the attention weights, which the 'sdpa' backend does not compute; "
-            "use attn_implementation='eager'"
-        )
+def torch_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0, is_causal: bool = False,
+                    output_attentions: bool = False, segment_ids=None) -> BackendOutput:
+    """torch's scaled_dot_product_attention (it picks the flash, memory-efficient or math kernel). A row that sees
+    no key is handed to the kernel as seeing every key and zeroed after: some kernels return NaN for a fully masked
+    row, forward and backward (CUDA memory-efficient, pytorch#110213)."""
+    _no_weights(output_attentions, "sdpa")
     n_rep = _check_shapes(q, k, v)
     sq, sk = q.shape[2], k.shape[2]
-    if mask is not None:
+    if mask is None and is_causal and sq != sk:  # SDPA's is_causal is top-left aligned, ours bottom-right
+        mask = None if sq == 1 else causal_bool_mask(sq, sk, q.device)
         is_causal = False
-    elif is_causal and sq != sk:
-        # SDPA's is_causal is top-left aligned; a single new query (decoding) sees everything, otherwise
-        # build the bottom-right mask explicitly.
-        if sq == 1:
-            is_causal = False
-        else:
-            mask, is_causal = causal_bool_mask(sq, sk, q.device), False
-    gqa_kwargs = {}
-    if n_rep > 1:
-        if _SDPA_HAS_GQA:
-            gqa_kwargs["enable_gqa"] = True
-        else:
-            k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-    visible = None
-    if mask is not None:
-        # A fully masked row is NaN on some SDPA kernels (CUDA memory-efficient: pytorch#110213), in the forward
-        # and in the gradients. Such rows attend to everything inside the kernel and are zeroed after, so no
-        # -inf row ever reaches a kernel; the zeroed rows send no gradient back.
-        visible = visible_rows(mask)
-        if mask.dtype == torch.bool:
-            mask = mask | ~visible
-        else:
-            lowest = torch.finfo(q.dtype).min
-            mask = torch.where(visible, mask.to(q.dtype).clamp(min=lowest), 0.0).to(q.dtype)
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale, **gqa_kwargs
-    )
-    if visible is not None:
-        out = out.masked_fill(~visible, 0.0)
-    return out, None
+    visible = None if mask is None else visible_rows(mask)
+    if mask is not None and mask.dtype == torch.bool:
+        mask = mask | ~visible
+    elif mask is not None:
+        mask = torch.where(visible, mask.to(q.dtype).clamp(min=torch.finfo(q.dtype).min), 0.0).to(q.dtype)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                         is_causal=is_causal and mask is None, scale=scale, enable_gqa=n_rep > 1)
+    return (out if visible is None else out.masked_fill(~visible, 0.0)), None
+
+
+def _no_weights(output_attentions: bool, backend: str) -> None:
+    if output_attentions:
+        raise ValueError(
+            f"output_attentions=True needs the attention weights, which the {backend!r} backend does not compute; "
+            "use attn_implementation='eager'"
+        )
 
 
 FLASH_DTYPES = {"cuda": (torch.float16, torch.bfloat16), "cpu": (torch.float32, torch.float16, torch.bfloat16)}
@@ -628,3 +596,101 @@ def check_backend_can_run(name: str, device: torch.device, dtype: torch.dtype) -
         check_flash_can_run(torch.device(device), dtype)
     if name == "hf_tiny_flash":
         _triton_kernel().check_device_and_dtype(torch.device(device), dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Our backends as transformers' attention interface: attention modules call
+# `ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, None)(module, q, k, v, mask, scaling=...)`.
+# ----------------------------------------------------------------------------------------------------------------
+
+AttentionInterfaceFn = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
+
+
+def as_attention_interface(backend: Callable[..., BackendOutput]) -> AttentionInterfaceFn:
+    """One of our pure backends in transformers' attention-interface convention (module first, output
+    [B, S, H, D]). Keyword arguments it does not use (sliding_window, position_ids, ...) are accepted and ignored:
+    our masks already hold them."""
+
+    def attention_forward(
+        module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, is_causal=None,
+        output_attentions=False, segment_ids=None, **kwargs,
+    ):
+        out, weights = backend(
+            query, key, value, attention_mask,
+            scale=module.scaling if scaling is None else scaling,
+            dropout_p=dropout,
+            is_causal=getattr(module, "is_causal", False) if is_causal is None else is_causal,
+            output_attentions=output_attentions,
+            segment_ids=segment_ids,
+        )
+        return out.transpose(1, 2), weights
+
+    attention_forward.__name__ = attention_forward.__qualname__ = f"hf_tiny_{backend.__name__}_interface"
+    return attention_forward
+
+
+HF_TINY_INTERFACES: dict[str, AttentionInterfaceFn] = {
+    name: as_attention_interface(backend) for name, backend in ATTENTION_BACKENDS.items()
+}
+
+
+def is_hf_tiny_backend(name: str) -> bool:
+    """Our own backends, also under transformers' "paged|" prefix (our wrappers handle paged caches)."""
+    return name.removeprefix("paged|") in HF_TINY_INTERFACES
+
+
+def _hf_tiny_attention_functions():
+    """transformers' AttentionInterface with our backends registered locally (its mechanism for a model's own
+    overrides): our math under "eager", "sdpa", "flash_attention_2" (and "paged|eager"); every other name from the
+    global mapping (flex_attention, vLLM's, functions users register with AttentionInterface.register). Registering
+    ours globally would replace transformers' sdpa in every official model of the process."""
+    from transformers import AttentionInterface
+
+    functions = AttentionInterface()
+    for name, function in HF_TINY_INTERFACES.items():
+        functions[name] = function
+    functions["paged|eager"] = HF_TINY_INTERFACES["eager"]
+    return functions
+
+
+HF_TINY_ATTENTION_FUNCTIONS = _hf_tiny_attention_functions()
+# The name attention modules look the function up under. vLLM's Transformers backend finds the attention module by
+# reading its forward's source for `<name> = ALL_ATTENTION_FUNCTIONS.get_interface(...)` and exactly one call of
+# <name>, so the lookup is spelled that way (it is still our instance, which falls back to transformers' global one).
+ALL_ATTENTION_FUNCTIONS = HF_TINY_ATTENTION_FUNCTIONS
+
+
+def registered_attention_names() -> list[str]:
+    return sorted(HF_TINY_ATTENTION_FUNCTIONS.valid_keys())
+
+
+def get_attention_interface(name: str) -> AttentionInterfaceFn:
+    """The attention function `config._attn_implementation` names: ours, or one transformers holds."""
+    try:
+        return HF_TINY_ATTENTION_FUNCTIONS.get_interface(name, None)
+    except (KeyError, ValueError):
+        raise ValueError(
+            f"attn_implementation={name!r} is neither an hf_tiny backend ({sorted(HF_TINY_INTERFACES)}) nor registered "
+            f"in transformers' AttentionInterface; registered: {registered_attention_names()} (add one with "
+            "transformers.AttentionInterface.register(name, fn))"
+        ) from None
+
+
+def interface_inputs(module, attention_mask, query: torch.Tensor, key: torch.Tensor, attention_kwargs: dict):
+    """(mask, is_causal, visible rows or None) from a step.AttentionMask (or None) for the function
+    module.config._attn_implementation names: ours take it as it is (packed rows' segment_ids into
+    attention_kwargs), transformers' take their own forms (engines.foreign_mask)."""
+    mask, is_causal, segment_ids = attention_mask if attention_mask is not None else (None, False, None)
+    implementation = module.config._attn_implementation
+    if is_hf_tiny_backend(implementation):
+        if segment_ids is not None:
+            attention_kwargs["segment_ids"] = segment_ids
+        return mask, is_causal, None
+    from .engines import foreign_mask
+
+    return foreign_mask(module, implementation, mask, is_causal, query, key.shape[2])
+
+
+def zero_invisible_rows(out: torch.Tensor, visible: Optional[torch.Tensor]) -> torch.Tensor:
+    """Query rows that see no key (padding) give zeros, as in our own backends; out is [B, S, H, D]."""
+    return out if visible is None else out.masked_fill(~visible[:, 0, :, 0, None, None], 0.0)

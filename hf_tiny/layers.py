@@ -12,11 +12,10 @@ from typing import Optional
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
-from transformers.cache_utils import EncoderDecoderCache
+from transformers.cache_utils import Cache, EncoderDecoderCache
 
-from .engines import ALL_ATTENTION_FUNCTIONS, interface_inputs, update_cache, zero_invisible_rows
+from .attention import ALL_ATTENTION_FUNCTIONS, interface_inputs, zero_invisible_rows
 from .rope import MAX_TABLE_POSITIONS, SEQUENCE_DEPENDENT_TYPES, compute_inv_freq, rotary_dim, standardize_rope_parameters
-from .validation import is_compiling
 
 NORM_TYPES = ("layernorm", "rmsnorm")
 
@@ -215,7 +214,7 @@ class RotaryEmbedding(nn.Module):
             self._dynamic_update(position_ids, x.device)
         elif self.rope_type == "longrope":
             self._longrope_update(position_ids, x.device)
-        if self._table_positions and not is_compiling() and int(position_ids.max()) < self._table_positions:
+        if self._table_positions and not torch.compiler.is_compiling() and int(position_ids.max()) < self._table_positions:
             cos_table, sin_table = self._tables(x.device)
             cos, sin = cos_table[position_ids], sin_table[position_ids]
         else:  # compiled graphs fuse this computation; a Python-held table would only add guards
@@ -227,6 +226,16 @@ class RotaryEmbedding(nn.Module):
 
 
 # ---- attention ---------------------------------------------------------------------------------------------------
+
+
+def update_cache(cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int, attention_kwargs: dict):
+    """Stores this step's K/V [B, Hkv, S, D] in the cache and returns the keys and values to attend to: a
+    transformers Cache's update, or continuous batching's paged cache (which also fills attention_kwargs)."""
+    if isinstance(cache, Cache):
+        return cache.update(key, value, layer_idx)
+    from .engines import paged_cache_update
+
+    return paged_cache_update(cache, key, value, layer_idx, attention_kwargs)
 
 
 class Attention(nn.Module):
@@ -286,9 +295,8 @@ class Attention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None, *, cache=None,
                 key_value_states: Optional[torch.Tensor] = None, output_attentions: bool = False, **attention_kwargs):
-        """attention_mask: step.AttentionMask or None; position_embeddings: (cos, sin) or None; cache: a
-        transformers Cache (an EncoderDecoderCache in seq2seq decoders) or continuous batching's paged cache.
-        attention_kwargs travel to the attention function (continuous batching's indices, for example)."""
+        """attention_mask: a step.AttentionMask; position_embeddings: (cos, sin); cache: a transformers Cache or
+        continuous batching's paged cache; attention_kwargs travel to the attention function."""
         batch, length = hidden_states.shape[:2]
         query = self._heads(self.q_proj(hidden_states), self.q_norm)
         if self.is_cross_attention:

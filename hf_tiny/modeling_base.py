@@ -8,7 +8,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .runtime import disable as disable_runtime, enable as enable_runtime, install as install_runtime
-from .engines import get_attention_interface
+from .attention import get_attention_interface
 from .layers import RMSNorm
 from .moe import TopKRouter
 from .saving import AtomicSaveAndCardMixin

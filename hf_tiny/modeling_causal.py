@@ -38,7 +38,7 @@ from .layers import Attention, RotaryEmbedding, build_norm, feed_forward
 from .mla import LatentAttention
 from .modeling_base import HfTinyPreTrainedModel
 from .moe import SparseMoeFeedForward, load_balancing_loss
-from .mtp import MtpLayer, generate_with_mtp
+from .mtp import MtpLayer, generate_with_mtp, mtp_loss
 from .step import (
     LayerOutputs, check_extra_kwargs, format_output, output_flags, prepare_causal_step, cache_of, with_cache,
     PACKING_KWARGS,
@@ -132,6 +132,8 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         self.rotary_emb = RotaryEmbedding(config, full, head_dim=config.rotary_head_dim()) if rope else None
         own_sliding = rope and sliding != full
         self.sliding_rotary_emb = RotaryEmbedding(config, sliding, head_dim=config.rotary_head_dim()) if own_sliding else None
+        self.is_moe = config.moe_spec() is not None
+        self.cache_layout = config.cache_layout()  # (heads, key dimension) of what the KV cache holds per token
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -159,25 +161,12 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
                 embeddings[layer_type] = (cos.unsqueeze(1), sin.unsqueeze(1))
         return embeddings
 
-    def forward(
-        self,
-        input_ids: Optional[torch.LongTensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.LongTensor] = None,
-        cache=None,
-        inputs_embeds: Optional[torch.FloatTensor] = None,
-        use_cache: Optional[bool] = None,
-        output_attentions: Optional[bool] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
-        output_router_logits: Optional[bool] = None,
-        *,
-        past_key_values=None,
-        **kwargs,
-    ) -> Union[BaseModelOutputWithPast, MoeModelOutputWithPast, tuple]:
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                use_cache=None, output_attentions=None, output_hidden_states=None, return_dict=None,
+                output_router_logits=None, *, past_key_values=None, **kwargs):
         """cache: the KV cache (past_key_values: its name before transformers 5.24), or continuous batching's paged
         cache. output_router_logits (MoE models; default config.output_router_logits): also return each sparse
-        layer's router logits ([batch * seq, num_local_experts]) as `router_logits`."""
+        layer's router logits ([batch * seq, num_local_experts])."""
         flags = output_flags(self.config, output_attentions, output_hidden_states, return_dict)
         step = prepare_causal_step(self, input_ids, inputs_embeds, attention_mask, position_ids, cache,
                                    past_key_values, use_cache, flags, kwargs)
@@ -194,11 +183,10 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
             hidden_states = self.norm(hidden_states)
             collected.add_hidden(hidden_states)
         fields = dict(last_hidden_state=hidden_states, hidden_states=collected.hidden_states, attentions=collected.attentions)
-        if self.config.moe_spec() is not None:
-            output = with_cache(MoeModelOutputWithPast, step.returned_cache, **fields, router_logits=collected.router_logits)
-        else:
-            output = with_cache(BaseModelOutputWithPast, step.returned_cache, **fields)
-        return format_output(output, step.flags)
+        if self.is_moe:
+            fields["router_logits"] = collected.router_logits
+        output_class = MoeModelOutputWithPast if self.is_moe else BaseModelOutputWithPast
+        return format_output(with_cache(output_class, step.returned_cache, **fields), step.flags)
 
     def _learned_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         """Learned position embeddings exist for positions 0 .. max_position_embeddings - 1 only."""
@@ -211,14 +199,12 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         return position_ids
 
     def _collected_outputs(self, flags, output_router_logits: Optional[bool]) -> LayerOutputs:
-        routers = ()
-        if self.config.moe_spec() is not None:
-            wanted = self.config.output_router_logits if output_router_logits is None else bool(output_router_logits)
-            routers = [layer.mlp.gate for layer in self.layers if isinstance(layer.mlp, SparseMoeFeedForward)] if wanted else ()
-        elif output_router_logits:
+        if not self.is_moe and output_router_logits:
             raise ValueError(
                 "output_router_logits=True needs a Mixture-of-Experts model; this one is dense (num_local_experts=0)"
             )
+        wanted = self.is_moe and (self.config.output_router_logits if output_router_logits is None else output_router_logits)
+        routers = [layer.mlp.gate for layer in self.layers if isinstance(layer.mlp, SparseMoeFeedForward)] if wanted else ()
         attention = [layer.self_attn for layer in self.layers] if flags.attentions else ()
         return LayerOutputs(flags, attention_modules=attention, routers=routers)
 
@@ -267,74 +253,65 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
                 kwargs["next_sequence_length"] = None
         return super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)
 
-    def forward(
-        self,
-        input_ids: Optional[torch.LongTensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.LongTensor] = None,
-        cache=None,
-        inputs_embeds: Optional[torch.FloatTensor] = None,
-        labels: Optional[torch.LongTensor] = None,
-        use_cache: Optional[bool] = None,
-        output_attentions: Optional[bool] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
-        logits_to_keep: Union[int, torch.Tensor] = 0,
-        output_router_logits: Optional[bool] = None,
-        *,
-        past_key_values=None,
-        **kwargs,
-    ) -> Union[CausalLMOutputWithPast, MoeCausalLMOutputWithPast, tuple]:
-        """labels: token ids (-100 = ignored), unshifted; the loss predicts token t+1 from tokens <= t.
-        num_items_in_batch (passed by Trainer): the loss is then summed and divided by it, so gradient
-        accumulation over micro-batches equals one big batch. logits_to_keep: compute logits only for the last
-        N positions (0 = all; generate passes 1), or for the given position indices.
-        skip_logits: while training with labels the loss is computed a chunk of tokens at a time without the full
-        logits (chunked_loss.py) and `logits` is None; skip_logits=False returns the logits as usual."""
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
+                labels=None, use_cache=None, output_attentions=None, output_hidden_states=None, return_dict=None,
+                logits_to_keep=0, output_router_logits=None, *, past_key_values=None, **kwargs):
+        """labels: token ids (-100 = ignored), unshifted: the loss predicts token t+1 from tokens <= t (keyword
+        arguments of the loss: LOSS_KWARGS, HEAD_KWARGS; see _losses). logits_to_keep: logits of the last N
+        positions only (0: all; generate passes 1), or of the given position indices."""
         head_kwargs = {k: kwargs.pop(k) for k in LOSS_KWARGS + HEAD_KWARGS if k in kwargs}
-        loss_kwargs = {k: v for k, v in head_kwargs.items() if k in LOSS_KWARGS}
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
             output_hidden_states=output_hidden_states, return_dict=True, output_router_logits=output_router_logits,
             past_key_values=past_key_values, **kwargs,
         )
-        hidden_states = outputs.last_hidden_state
-        if labels is not None and "shift_labels" not in loss_kwargs:  # labels align with the input tokens (unshifted)
+        if labels is None:
+            logits, losses = self._logits(outputs.last_hidden_state, logits_to_keep), {"loss": None}
+        else:
+            logits, losses = self._losses(outputs.last_hidden_state, labels, logits_to_keep, head_kwargs,
+                                          (input_ids, attention_mask, position_ids, kwargs))
+        fields = dict(logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions, **losses)
+        output_class = CausalLMOutputWithPast
+        if self.model.is_moe or self.mtp is not None:
+            output_class = MtpCausalLMOutput if self.mtp is not None else MoeCausalLMOutputWithPast
+            fields.update(self._routing(getattr(outputs, "router_logits", None), attention_mask, fields["loss"]))
+        return format_output(with_cache(output_class, cache_of(outputs), **fields),
+                             self.config.return_dict if return_dict is None else return_dict)
+
+    def _logits(self, hidden_states: torch.Tensor, logits_to_keep) -> torch.Tensor:
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        softcap = self.config.final_logit_softcapping
+        return logits if softcap is None else torch.tanh(logits / softcap) * softcap  # Gemma: c * tanh(logits / c)
+
+    def _losses(self, hidden_states, labels, logits_to_keep, head_kwargs: dict, inputs: tuple):
+        """(logits, {loss, and mtp_loss for MTP models}). num_items_in_batch (passed by Trainer): the loss is summed
+        and divided by it, so gradient accumulation over micro-batches equals one big batch. skip_logits: while
+        training the loss is computed a chunk of tokens at a time without the full logits (chunked_loss.py) and
+        the logits are None; skip_logits=False returns them as usual."""
+        loss_kwargs = {k: v for k, v in head_kwargs.items() if k in LOSS_KWARGS}
+        if "shift_labels" not in loss_kwargs:  # labels align with the input tokens (unshifted)
             check_labels(labels, num_classes=self.config.vocab_size, expected_shape=tuple(hidden_states.shape[:2]),
                          ignore_index=loss_kwargs.get("ignore_index", -100))
         chunked = use_chunked_loss(head_kwargs.get("skip_logits"), labels, training=self.training, head=self.lm_head)
         if chunked and isinstance(logits_to_keep, int) and logits_to_keep == 0:
             logits, loss = None, self._chunked_loss(hidden_states, labels, **loss_kwargs)
         else:
-            logits, loss = self._logits_and_loss(hidden_states, labels, logits_to_keep, loss_kwargs)
-        mtp_loss = self._mtp_loss(hidden_states, input_ids, attention_mask, position_ids, labels, kwargs, loss_kwargs)
-        if mtp_loss is not None:
-            loss = loss + mtp_loss
-        router_logits = getattr(outputs, "router_logits", None)
-        aux_loss = self._aux_loss(router_logits, attention_mask)
+            logits = self._logits(hidden_states, logits_to_keep)
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
+        if self.mtp is None:
+            return logits, {"loss": loss}
+        mtp_loss = self._mtp_loss(hidden_states, *inputs[:3], labels, inputs[3], loss_kwargs)
+        return logits, {"loss": loss if mtp_loss is None else loss + mtp_loss, "mtp_loss": mtp_loss}
+
+    def _routing(self, router_logits, attention_mask, loss) -> dict:
+        """The router logits, their load-balancing loss (Switch Transformer's, as transformers computes it for
+        Mixtral), and the loss with router_aux_loss_coef times it added."""
+        aux_loss = self._aux_loss(router_logits, attention_mask) if router_logits else None
         if aux_loss is not None and loss is not None:
             loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
-        fields = dict(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
-        if self.mtp is not None:
-            fields.update(aux_loss=aux_loss, mtp_loss=mtp_loss, router_logits=router_logits)
-            output = with_cache(MtpCausalLMOutput, cache_of(outputs), **fields)
-        elif self.config.moe_spec() is not None:
-            output = with_cache(MoeCausalLMOutputWithPast, cache_of(outputs), **fields, aux_loss=aux_loss, router_logits=router_logits)
-        else:
-            output = with_cache(CausalLMOutputWithPast, cache_of(outputs), **fields)
-        return format_output(output, self.config.return_dict if return_dict is None else return_dict)
-
-    def _logits_and_loss(self, hidden_states, labels, logits_to_keep, loss_kwargs):
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, keep, :])
-        softcap = self.config.final_logit_softcapping
-        if softcap is not None:  # Gemma: c * tanh(logits / c)
-            logits = torch.tanh(logits / softcap) * softcap
-        loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **loss_kwargs)
-        return logits, loss
+        return {"router_logits": router_logits, "aux_loss": aux_loss, "loss": loss}
 
     def _chunked_loss(self, hidden_states, labels, *, ignore_index=-100, shift_labels=None, num_items_in_batch=None):
         """transformers' ForCausalLMLoss (labels shifted left, -100 appended) through the chunked head."""
@@ -346,18 +323,14 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         )
 
     def _mtp_loss(self, hidden_states, input_ids, attention_mask, position_ids, labels, kwargs, loss_kwargs):
-        """L_MTP = mtp_loss_weight / D * sum_k L^k (mtp.py, eq. 21-25) while training with labels; else None."""
-        if self.mtp is None or labels is None or not self.training or not self.config.mtp_loss_weight:
+        """L_MTP = mtp_loss_weight / D * sum_k L^k (mtp.py, eq. 21-25) while training; else None."""
+        if not self.training or not self.config.mtp_loss_weight:
             return None
-        from .mtp import mtp_loss
-
         return mtp_loss(self, hidden_states, input_ids, attention_mask, position_ids, labels, kwargs, loss_kwargs)
 
-    def _aux_loss(self, router_logits, attention_mask) -> Optional[torch.Tensor]:
+    def _aux_loss(self, router_logits, attention_mask) -> torch.Tensor:
         """The load-balancing loss of this forward's tokens; a 2-D padding mask's last columns are those tokens
         (earlier ones are cached), other masks (4-D, per layer type) weigh every token."""
-        if not router_logits:
-            return None
         tokens = router_logits[0].shape[0]
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2:
             attention_mask = attention_mask[:, attention_mask.shape[1] - tokens // attention_mask.shape[0] :]

@@ -29,8 +29,9 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.utils import ModelOutput
 
-from .attention import causal_bool_mask
-from .validation import is_compiling
+from .attention import causal_bool_mask, is_hf_tiny_backend
+
+is_compiling = torch.compiler.is_compiling
 
 
 class AttentionMask(NamedTuple):
@@ -42,18 +43,13 @@ class AttentionMask(NamedTuple):
 # ---- the cache's two names, and the outputs' -----------------------------------------------------------------------
 
 
-def _paged_cache_class():
+def is_paged_cache(cache) -> bool:
+    """Continuous batching's paged cache (not a transformers Cache: its update takes the runner's kwargs)."""
     try:
         from transformers.generation.continuous_batching import PagedAttentionCache
     except ImportError:  # a transformers without continuous batching
-        return None
-    return PagedAttentionCache
-
-
-def is_paged_cache(cache) -> bool:
-    """Continuous batching's paged cache (not a transformers Cache: its update takes the runner's kwargs)."""
-    paged = _paged_cache_class()
-    return paged is not None and isinstance(cache, paged)
+        return False
+    return isinstance(cache, PagedAttentionCache)
 
 
 def cache_arguments(cache, past_key_values) -> tuple[Optional[Cache], object]:
@@ -65,15 +61,13 @@ def cache_arguments(cache, past_key_values) -> tuple[Optional[Cache], object]:
             "pass the cache once: cache= (the name transformers uses from 5.24 on) or past_key_values= (before), "
             f"not both; got cache={type(cache).__name__} and past_key_values={type(past_key_values).__name__}"
         )
+    given = past_key_values if cache is None else cache
+    if given is None or isinstance(given, Cache):
+        return given, None
     if is_paged_cache(cache):
         return None, cache
-    name, kv_cache = ("past_key_values", past_key_values) if cache is None else ("cache", cache)
-    if kv_cache is not None and not isinstance(kv_cache, Cache):
-        raise TypeError(
-            f"{name} must be a transformers Cache (e.g. DynamicCache, StaticCache, EncoderDecoderCache), got "
-            f"{type(kv_cache).__name__}"
-        )
-    return kv_cache, None
+    raise TypeError(f"{'cache' if cache is not None else 'past_key_values'} must be a transformers Cache (e.g. "
+                    f"DynamicCache, StaticCache, EncoderDecoderCache), got {type(given).__name__}")
 
 
 def _cache_field() -> str:
@@ -111,8 +105,7 @@ class OutputFlags:
 
 
 def output_flags(config, output_attentions=None, output_hidden_states=None, return_dict=None) -> OutputFlags:
-    """The caller's choices, or the config's defaults where they are None. Attention weights exist only in the
-    'eager' backend: asking for them with another is an error that says how to switch."""
+    """The caller's choices, or the config's defaults; attention weights exist only in the 'eager' backend."""
     flags = OutputFlags(
         attentions=bool(config.output_attentions if output_attentions is None else output_attentions),
         hidden_states=bool(config.output_hidden_states if output_hidden_states is None else output_hidden_states),
@@ -341,10 +334,32 @@ def ready_4d_mask(attention_mask: torch.Tensor, *, query_length: int, key_length
 
 def self_attention_mask(attention_mask, *, batch_size: int, query_length: int, key_length: int, causal: bool,
                         sliding_window: Optional[int] = None, device: torch.device) -> AttentionMask:
-    """Mask for self-attention of `query_length` new tokens over `key_length` keys (cached + new), aligned
-    bottom-right: query i is the key at position i + key_length - query_length. attention_mask: None, a 2-D
-    [B, key_length] tensor of 1 (real token) / 0 (padding), or a ready 4-D mask. sliding_window: a query sees the
-    last `sliding_window` keys up to itself."""
+    """Self-attention of query_length new tokens over key_length keys (cached + new), aligned bottom-right;
+    attention_mask None, 2-D [B, key_length] 1/0, or a ready 4-D mask; a query sees the last sliding_window keys."""
+    _check_self_attention(attention_mask, batch_size, query_length, key_length, causal, sliding_window)
+    if attention_mask is not None and attention_mask.dim() == 4:
+        return AttentionMask(ready_4d_mask(attention_mask, query_length=query_length, key_length=key_length), causal)
+    return _self_attention(attention_mask, batch_size, query_length, key_length, causal, sliding_window, device)
+
+
+def _self_attention(attention_mask, batch_size: int, query_length: int, key_length: int, causal: bool,
+                    sliding_window: Optional[int], device) -> AttentionMask:
+    """self_attention_mask for checked arguments and a 2-D mask or none."""
+    padded = attention_mask is not None and _has_padding(attention_mask)
+    windowed = causal and sliding_window is not None and key_length > sliding_window
+    if not padded and not windowed and (not causal or query_length in (1, key_length)):
+        return AttentionMask(None, causal and query_length > 1)
+    if causal:
+        mask = causal_bool_mask(query_length, key_length, device, window=sliding_window if windowed else None)
+    else:
+        mask = torch.ones(query_length, key_length, dtype=torch.bool, device=device)
+    mask = mask[None, None].expand(batch_size, 1, query_length, key_length)
+    if padded:
+        mask = mask & attention_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
+    return AttentionMask(mask, causal)
+
+
+def _check_self_attention(attention_mask, batch_size, query_length, key_length, causal, sliding_window) -> None:
     if not 1 <= query_length <= key_length:
         raise ValueError(
             f"self-attention needs 1 <= query_length <= key_length (keys = cached + new tokens); got "
@@ -355,35 +370,18 @@ def self_attention_mask(attention_mask, *, batch_size: int, query_length: int, k
             f"sliding_window={sliding_window!r}: a sliding window must be a positive int and applies to causal "
             f"self-attention only (causal={causal})"
         )
-    if attention_mask is not None and attention_mask.dim() == 4:
-        mask = ready_4d_mask(attention_mask, query_length=query_length, key_length=key_length)
-        if mask.shape[0] not in (1, batch_size):
-            raise ValueError(f"attention_mask of shape {tuple(attention_mask.shape)} does not match batch_size={batch_size}")
-        return AttentionMask(mask, causal)
-    if attention_mask is not None and attention_mask.dim() != 2:
+    if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[0] not in (1, batch_size):
+        raise ValueError(f"attention_mask of shape {tuple(attention_mask.shape)} does not match batch_size={batch_size}")
+    if attention_mask is not None and attention_mask.dim() not in (2, 4):
         raise ValueError(
             f"attention_mask must be 2-D [batch, key_length] or 4-D [batch, 1, query, key]; got shape "
             f"{tuple(attention_mask.shape)}"
         )
-    if attention_mask is not None and tuple(attention_mask.shape) != (batch_size, key_length):
+    if attention_mask is not None and attention_mask.dim() == 2 and tuple(attention_mask.shape) != (batch_size, key_length):
         raise ValueError(
             f"attention_mask of shape {tuple(attention_mask.shape)} does not match batch_size={batch_size} and "
             f"key_length={key_length} (cached + new tokens); expected [{batch_size}, {key_length}]"
         )
-    padded = attention_mask is not None and _has_padding(attention_mask)
-    windowed = causal and sliding_window is not None and key_length > sliding_window
-    if not padded and not windowed and (not causal or query_length in (1, key_length)):
-        return AttentionMask(None, causal and query_length > 1)
-    mask = torch.ones(query_length, key_length, dtype=torch.bool, device=device)
-    if causal:
-        mask = causal_bool_mask(query_length, key_length, device)
-        if windowed:
-            rows = torch.arange(query_length, device=device)[:, None] + (key_length - query_length)
-            mask = mask & (rows - torch.arange(key_length, device=device)[None, :] < sliding_window)
-    mask = mask[None, None].expand(batch_size, 1, query_length, key_length)
-    if padded:
-        mask = mask & attention_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
-    return AttentionMask(mask, causal)
 
 
 def cross_attention_mask(encoder_attention_mask, *, query_length: int) -> AttentionMask:
@@ -543,40 +541,38 @@ def prepare_causal_step(model, input_ids, inputs_embeds, attention_mask, positio
                         use_cache, flags: OutputFlags, kwargs: dict) -> CausalStep:
     """Checks a causal forward's arguments and prepares its cache, positions and masks (model: the base model, for
     its config, its training state and its cache-less defaults)."""
-    config = model.config
     extras = check_extra_kwargs(type(model).__name__, kwargs, PACKING_KWARGS + PAGED_KWARGS, IGNORED_KWARGS)
     cache, paged_cache = cache_arguments(cache, past_key_values)
-    orphans = sorted(k for k in PAGED_KWARGS if k in extras and k not in PAGED_RUNNER_ONLY)
-    if paged_cache is None and orphans:
-        raise TypeError(
-            f"{type(model).__name__}.forward() got {orphans} without cache=: these belong to transformers' "
-            "continuous batching and describe its paged cache (pass that as cache=), or drop them"
-        )
-    batch_size, query_length = check_token_inputs(config, input_ids, inputs_embeds)
-    if paged_cache is not None:
-        return _paged_step(config, attention_mask, position_ids, paged_cache, flags, extras)
-    if use_cache is None:  # a training step builds no cache unless asked (its layers are recomputed in backward)
-        use_cache = config.use_cache and not (model.training and torch.is_grad_enabled())
-    if use_cache and cache is None and not (model.gradient_checkpointing and model.training):
-        cache = DynamicCache(config=config)
+    batch_size, query_length = check_token_inputs(model.config, input_ids, inputs_embeds)
+    if paged_cache is not None or any(k in extras for k in PAGED_KWARGS if k not in PAGED_RUNNER_ONLY):
+        return _paged_step(model, attention_mask, position_ids, paged_cache, flags, extras)
+    cache = _cache_to_fill(model, cache, use_cache, batch_size)
     past_length = cache.get_seq_length() if cache is not None else 0
-    if cache is not None and not is_compiling():
-        heads, dim = config.cache_layout()
-        check_cache_matches(cache, batch_size=batch_size, num_key_value_heads=heads, head_dim=dim)
     device = (input_ids if input_ids is not None else inputs_embeds).device
-    position_ids_given = position_ids is not None
+    shape = CausalShape(batch_size, query_length, past_length, device)
+    if attention_mask is not None and not isinstance(attention_mask, dict) and not is_compiling():
+        check_attention_mask(attention_mask, expected_shape=(batch_size, int(past_length) + query_length))
+    segment_ids = None
+    if position_ids is not None or extras:  # packed rows announce themselves by their positions or boundaries
+        position_ids = None if position_ids is None else check_positions(position_ids, batch_size, query_length)
+        segment_ids = packed_segments(position_ids, attention_mask, cache, shape, extras)
     if position_ids is None:
         position_ids = (torch.arange(query_length, device=device) + past_length).unsqueeze(0)
-    else:
-        position_ids = check_positions(position_ids, batch_size, query_length)
-    shape = CausalShape(batch_size, query_length, past_length, device)
-    if attention_mask is not None and not isinstance(attention_mask, dict) and not is_compiling() and (
-        not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4
-    ):
-        check_attention_mask(attention_mask, expected_shape=(batch_size, int(past_length) + query_length))
-    segment_ids = packed_segments(position_ids if position_ids_given else None, attention_mask, cache, shape, extras)
-    masks = causal_masks(model, attention_mask, cache, shape, segment_ids)
-    return CausalStep(cache, position_ids, masks, flags)
+    return CausalStep(cache, position_ids, causal_masks(model, attention_mask, cache, shape, segment_ids), flags)
+
+
+def _cache_to_fill(model, cache, use_cache: Optional[bool], batch_size: int):
+    """The given cache (checked to fit), a new DynamicCache, or none: a training step builds no cache unless asked
+    (its layers are recomputed in backward), nor does a gradient-checkpointed one."""
+    if cache is not None:
+        if not is_compiling():
+            heads, dim = model.cache_layout
+            check_cache_matches(cache, batch_size=batch_size, num_key_value_heads=heads, head_dim=dim)
+        return cache
+    if use_cache is None:
+        use_cache = model.config.use_cache and not (model.training and torch.is_grad_enabled())
+    checkpointed = model.gradient_checkpointing and model.training
+    return DynamicCache(config=model.config) if use_cache and not checkpointed else None
 
 
 @dataclass(frozen=True)
@@ -611,20 +607,27 @@ def packed_segments(position_ids, attention_mask, cache, shape: CausalShape, ext
     return segment_ids_from_position_ids(position_ids.expand(shape.batch_size, -1))
 
 
+def takes_mask(implementation: str) -> bool:
+    """Whether the attention function is handed a mask: ours always, transformers' by its rule (engines.py)."""
+    if is_hf_tiny_backend(implementation):
+        return True
+    from .engines import interface_takes_mask
+
+    return interface_takes_mask(implementation)
+
+
 def causal_masks(model, attention_mask, cache, shape: CausalShape, segment_ids) -> dict:
     """{layer type: AttentionMask} for every layer type of the model (full, sliding), built once per forward; with
     ALiBi's distance bias folded in; none for functions that mask by their own metadata (vLLM's)."""
-    from .engines import interface_takes_mask
-
     config = model.config
     layer_types = dict.fromkeys(config.layer_types)
-    if not interface_takes_mask(config._attn_implementation):
+    if not takes_mask(config._attn_implementation):
         refuse_alibi(config, f"attn_implementation={config._attn_implementation!r}")
         return {layer_type: AttentionMask(None, True) for layer_type in layer_types}
-    by_type = _masks_by_layer_type(config, attention_mask)
+    by_type = _masks_by_layer_type(config, attention_mask) if isinstance(attention_mask, dict) else None
     masks = {}
     for layer_type in layer_types:
-        window = config.sliding_window_for(layer_type)
+        window = config.sliding_window if layer_type == "sliding_attention" else None
         if segment_ids is not None:
             masks[layer_type] = packed_causal_mask(segment_ids, sliding_window=window)
             continue
@@ -636,11 +639,9 @@ def causal_masks(model, attention_mask, cache, shape: CausalShape, segment_ids) 
     return masks
 
 
-def _masks_by_layer_type(config, attention_mask) -> Optional[dict]:
+def _masks_by_layer_type(config, attention_mask: dict) -> dict:
     """A dict attention_mask ({layer type: 4-D mask or None}, as generate() prepares for static caches of models
-    with layer_types) checked to cover every layer type; None for any other attention_mask."""
-    if not isinstance(attention_mask, dict):
-        return None
+    with layer_types) checked to cover every layer type."""
     missing = sorted(set(config.layer_types) - set(attention_mask))
     for layer_type, mask in attention_mask.items():
         if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 4):
@@ -678,8 +679,7 @@ def causal_mask(attention_mask, cache, shape: CausalShape, window: Optional[int]
         # aligned and the padding mask's last key_length columns belong to them.
         if attention_mask is not None:
             attention_mask = attention_mask[:, attention_mask.shape[-1] - key_length :]
-        return self_attention_mask(attention_mask, batch_size=shape.batch_size, query_length=shape.query_length,
-                                   key_length=key_length, causal=True, sliding_window=window, device=shape.device)
+        return _self_attention(attention_mask, shape.batch_size, shape.query_length, key_length, True, window, shape.device)
     return static_cache_mask(attention_mask, shape.past_length, key_offset, key_length, shape.batch_size,
                              shape.query_length, window, shape.device)
 
@@ -702,10 +702,17 @@ def _with_alibi(config, mask: AttentionMask, cache, shape: CausalShape, layer_ty
     return with_position_bias(mask, alibi_bias(slopes, queries, keys), dtype)
 
 
-def _paged_step(config, attention_mask, position_ids, paged_cache, flags: OutputFlags, extras: dict) -> CausalStep:
+def _paged_step(model, attention_mask, position_ids, paged_cache, flags: OutputFlags, extras: dict) -> CausalStep:
     """One step of transformers' continuous batching: every request's new tokens in one row, position_ids restarting
     per request, masks ready per layer type (None when the attention function reads the boundaries itself), and
     the paged cache, which the attention modules fill through the indices in attention_kwargs."""
+    config = model.config
+    orphans = sorted(k for k in PAGED_KWARGS if k in extras and k not in PAGED_RUNNER_ONLY)
+    if paged_cache is None and orphans:
+        raise TypeError(
+            f"{type(model).__name__}.forward() got {orphans} without cache=: these belong to transformers' "
+            "continuous batching and describe its paged cache (pass that as cache=), or drop them"
+        )
     refuse_alibi(config, "continuous batching (a paged cache)")
     if position_ids is None:
         raise ValueError("continuous batching (a paged `cache`) needs position_ids for the flattened requests")
