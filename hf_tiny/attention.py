@@ -96,18 +96,8 @@ def _score_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def naive_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: Optional[torch.Tensor] = None,
-    *,
-    scale: float,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    output_attentions: bool = False,
-    segment_ids: Optional[torch.Tensor] = None,
-) -> BackendOutput:
+def naive_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0, is_causal: bool = False,
+                    output_attentions: bool = False, segment_ids=None) -> BackendOutput:
     """softmax(Q Kᵀ · scale + M) V written out; the reference the other backends are tested against."""
     n_rep = _check_shapes(q, k, v)
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
@@ -335,18 +325,8 @@ def _flash_package(q, k, v, query_valid, key_valid, *, scale, dropout_p, is_caus
     return out.view(batch, sq, *q_.shape[2:]).transpose(1, 2)
 
 
-def flash_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: Optional[torch.Tensor] = None,
-    *,
-    scale: float,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    output_attentions: bool = False,
-    segment_ids: Optional[torch.Tensor] = None,
-) -> BackendOutput:
+def flash_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0, is_causal: bool = False,
+                    output_attentions: bool = False, segment_ids=None) -> BackendOutput:
     """FlashAttention: the flash-attn package (CUDA, varlen for padded batches) when installed; otherwise on CUDA
     our Triton kernel (hf_tiny_flash_attention, one varlen call; with attention dropout, which it lacks, PyTorch's
     flash kernel one sequence at a time), and on CPU PyTorch's FLASH_ATTENTION SDPA kernel (one sequence at a time
@@ -541,18 +521,8 @@ def _triton_flash(q, k, v, mask, *, scale, is_causal, segment_ids) -> torch.Tens
     return out.view(batch, sq, heads, dim).transpose(1, 2)
 
 
-def hf_tiny_flash_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    mask: Optional[torch.Tensor] = None,
-    *,
-    scale: float,
-    dropout_p: float = 0.0,
-    is_causal: bool = False,
-    output_attentions: bool = False,
-    segment_ids: Optional[torch.Tensor] = None,
-) -> BackendOutput:
+def hf_tiny_flash_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0, is_causal: bool = False,
+                            output_attentions: bool = False, segment_ids=None) -> BackendOutput:
     """hf_tiny's own FlashAttention kernel in Triton (hf_tiny/flash_triton.py): padded and packed batches in one
     varlen call, GQA without repeated K/V, causal and sliding-window masks, fp16/bf16/fp32. Runs on CUDA, and on
     CPU under Triton's interpreter (TRITON_INTERPRET=1)."""
@@ -674,23 +644,3 @@ def get_attention_interface(name: str) -> AttentionInterfaceFn:
             f"in transformers' AttentionInterface; registered: {registered_attention_names()} (add one with "
             "transformers.AttentionInterface.register(name, fn))"
         ) from None
-
-
-def interface_inputs(module, attention_mask, query: torch.Tensor, key: torch.Tensor, attention_kwargs: dict):
-    """(mask, is_causal, visible rows or None) from a step.AttentionMask (or None) for the function
-    module.config._attn_implementation names: ours take it as it is (packed rows' segment_ids into
-    attention_kwargs), transformers' take their own forms (engines.foreign_mask)."""
-    mask, is_causal, segment_ids = attention_mask if attention_mask is not None else (None, False, None)
-    implementation = module.config._attn_implementation
-    if is_hf_tiny_backend(implementation):
-        if segment_ids is not None:
-            attention_kwargs["segment_ids"] = segment_ids
-        return mask, is_causal, None
-    from .engines import foreign_mask
-
-    return foreign_mask(module, implementation, mask, is_causal, query, key.shape[2])
-
-
-def zero_invisible_rows(out: torch.Tensor, visible: Optional[torch.Tensor]) -> torch.Tensor:
-    """Query rows that see no key (padding) give zeros, as in our own backends; out is [B, S, H, D]."""
-    return out if visible is None else out.masked_fill(~visible[:, 0, :, 0, None, None], 0.0)

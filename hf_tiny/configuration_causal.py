@@ -154,17 +154,28 @@ def check_mla_fields(owner: str, values: dict) -> int:
     return head_dim
 
 
-# Fields of the mechanisms a checkpoint may not use: a config holds them only when it uses the mechanism, so that
-# a dense model has no field a tool could read as "this is a Mixture-of-Experts model" (TRL enables router losses
-# when a config has output_router_logits).
-MOE_FIELDS = (
-    "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "router_scoring", "norm_topk_prob", "n_group",
-    "topk_group", "routed_scaling_factor", "shared_expert_intermediate_size", "shared_expert_gate", "mlp_layer_types",
-    "router_aux_loss_coef", "router_jitter_noise", "output_router_logits",
-)
-MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "mla_absorb")
-MTP_FIELDS = ("num_nextn_predict_layers", "mtp_loss_weight")
-ALIBI_FIELDS = ("alibi_bias_max",)
+# The fields of the mechanisms a checkpoint may not use, with their defaults: a config holds them only when it uses
+# the mechanism, so that a dense model has no field a tool could read as "this is a Mixture-of-Experts model" (TRL
+# enables router losses when a config has output_router_logits).
+OPTIONAL_FIELDS = {
+    "moe": dict(
+        num_local_experts=0, num_experts_per_tok=2, moe_intermediate_size=None, router_scoring="softmax",
+        norm_topk_prob=True, n_group=1, topk_group=1, routed_scaling_factor=1.0, shared_expert_intermediate_size=0,
+        shared_expert_gate=False, mlp_layer_types=None, router_aux_loss_coef=0.001, router_jitter_noise=0.0,
+        output_router_logits=False,
+    ),
+    "mla": dict(kv_lora_rank=None, q_lora_rank=None, qk_nope_head_dim=None, qk_rope_head_dim=None, v_head_dim=None,
+                mla_absorb=False),
+    "mtp": dict(num_nextn_predict_layers=0, mtp_loss_weight=0.3),
+    "alibi": dict(alibi_bias_max=8.0),
+}
+
+
+def _uses(group: str, values: dict) -> bool:
+    return {
+        "moe": bool(values["num_local_experts"]), "mla": values["kv_lora_rank"] is not None,
+        "mtp": bool(values["num_nextn_predict_layers"]), "alibi": values["position_embedding_type"] == "alibi",
+    }[group]
 
 
 def field_value(config, name: str):
@@ -172,22 +183,10 @@ def field_value(config, name: str):
     config holds no num_local_experts: 0)."""
     if hasattr(config, name):
         return getattr(config, name)
-    import inspect
-
-    return inspect.signature(type(config).__init__).parameters[name].default
-
-
-def _unused_fields(values: dict) -> tuple:
-    unused = ()
-    if not values["num_local_experts"]:
-        unused += MOE_FIELDS
-    if values["kv_lora_rank"] is None:
-        unused += MLA_FIELDS
-    if not values["num_nextn_predict_layers"]:
-        unused += MTP_FIELDS
-    if values["position_embedding_type"] != "alibi":
-        unused += ALIBI_FIELDS
-    return unused
+    for fields in OPTIONAL_FIELDS.values():
+        if name in fields:
+            return fields[name]
+    raise AttributeError(f"{type(config).__name__} has no field {name!r}")
 
 
 def _check_sizes(owner: str, values: dict) -> int:
@@ -371,82 +370,41 @@ class TinyCausalConfig(PretrainedConfig):
     }
 
     def __init__(
-        self,
-        vocab_size: int = 32000,
-        hidden_size: int = 4096,
-        intermediate_size: int = 11008,
-        num_hidden_layers: int = 32,
-        num_attention_heads: int = 32,
-        num_key_value_heads: int | None = None,
-        head_dim: int | None = None,
-        hidden_act: str = "silu",
-        max_position_embeddings: int = 2048,
-        initializer_range: float = 0.02,
-        rms_norm_eps: float = 1e-6,
-        rope_parameters: dict | None = None,
-        attention_bias: bool = False,
-        attention_output_bias: bool | None = None,
-        attention_dropout: float = 0.0,
-        mlp_bias: bool = False,
-        sliding_window: int | None = None,
-        layer_types: list[str] | None = None,
-        qk_norm: bool = False,
-        rms_norm_unit_offset: bool = False,
-        scale_embeddings: bool = False,
-        sandwich_norms: bool = False,
-        query_pre_attn_scalar: float | None = None,
-        final_logit_softcapping: float | None = None,
-        position_embedding_type: str = "rope",
-        norm_type: str = "rmsnorm",
-        layer_norm_eps: float = 1e-5,
-        norm_bias: bool = True,
-        alibi_bias_max: float = 8.0,
-        mlp_gated: bool = True,
-        hidden_dropout: float = 0.0,
-        embedding_dropout: float = 0.0,
-        num_local_experts: int = 0,
-        num_experts_per_tok: int = 2,
-        moe_intermediate_size: int | None = None,
-        router_scoring: str = "softmax",
-        norm_topk_prob: bool = True,
-        n_group: int = 1,
-        topk_group: int = 1,
-        routed_scaling_factor: float = 1.0,
-        shared_expert_intermediate_size: int = 0,
-        shared_expert_gate: bool = False,
-        mlp_layer_types: list[str] | None = None,
-        router_aux_loss_coef: float = 0.001,
-        router_jitter_noise: float = 0.0,
-        output_router_logits: bool = False,
-        kv_lora_rank: int | None = None,
-        q_lora_rank: int | None = None,
-        qk_nope_head_dim: int | None = None,
-        qk_rope_head_dim: int | None = None,
-        v_head_dim: int | None = None,
-        mla_absorb: bool = False,
-        num_nextn_predict_layers: int = 0,
-        mtp_loss_weight: float = 0.3,
-        tie_word_embeddings: bool = False,
-        pad_token_id: int | None = None,
-        bos_token_id: int | None = 1,
-        eos_token_id: int | list[int] | None = 2,
-        use_cache: bool = True,
-        **kwargs,
+        self, vocab_size: int = 32000, hidden_size: int = 4096, intermediate_size: int = 11008,
+        num_hidden_layers: int = 32, num_attention_heads: int = 32, num_key_value_heads: int | None = None,
+        head_dim: int | None = None, hidden_act: str = "silu", max_position_embeddings: int = 2048,
+        initializer_range: float = 0.02, rms_norm_eps: float = 1e-6, rope_parameters: dict | None = None,
+        attention_bias: bool = False, attention_output_bias: bool | None = None, attention_dropout: float = 0.0,
+        mlp_bias: bool = False, sliding_window: int | None = None, layer_types: list[str] | None = None,
+        qk_norm: bool = False, rms_norm_unit_offset: bool = False, scale_embeddings: bool = False,
+        sandwich_norms: bool = False, query_pre_attn_scalar: float | None = None,
+        final_logit_softcapping: float | None = None, position_embedding_type: str = "rope", norm_type: str = "rmsnorm",
+        layer_norm_eps: float = 1e-5, norm_bias: bool = True, mlp_gated: bool = True, hidden_dropout: float = 0.0,
+        embedding_dropout: float = 0.0, tie_word_embeddings: bool = False, pad_token_id: int | None = None,
+        bos_token_id: int | None = 1, eos_token_id: int | list[int] | None = 2, use_cache: bool = True, **kwargs,
     ):
+        """Every field this docstring's class describes; the optional mechanisms' fields (OPTIONAL_FIELDS: MoE,
+        MLA, MTP, ALiBi) arrive through kwargs and are held only when their mechanism is on."""
         owner = type(self).__name__
-        values = init_arguments(locals())
+        optional = {name: kwargs.pop(name, default) for group in OPTIONAL_FIELDS.values() for name, default in group.items()}
+        values = {**init_arguments({k: v for k, v in locals().items() if k not in ("optional", "owner")}), **optional}
         check_finite_fields(owner, values)
         values["num_key_value_heads"] = num_attention_heads if num_key_value_heads is None else num_key_value_heads
         values["head_dim"] = _check_sizes(owner, values)
         _check_parts(owner, values, kwargs)
         values["layer_types"] = check_layer_types(owner, layer_types, num_hidden_layers, sliding_window)
-        values["moe_intermediate_size"] = intermediate_size if moe_intermediate_size is None else moe_intermediate_size
+        if values["moe_intermediate_size"] is None:
+            values["moe_intermediate_size"] = intermediate_size
         values["mlp_layer_types"] = check_moe_fields(owner, values, num_hidden_layers, kwargs.pop("first_k_dense_replace", None))
         _check_mtp(owner, values)
         check_token_ids(owner, vocab_size, pad_token_id=pad_token_id)
         warn_on_token_ids_outside(vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
         standardized = _rope_parameters(owner, values, kwargs.pop("rope_scaling", None), kwargs.pop("rope_theta", None))
-        store_init_fields(self, TinyCausalConfig.__init__, values, skip=_unused_fields(values) + ("rope_parameters",))
+        store_init_fields(self, TinyCausalConfig.__init__, values, skip=("rope_parameters",))
+        for group, fields in OPTIONAL_FIELDS.items():
+            if _uses(group, values):
+                for name in fields:
+                    setattr(self, name, values[name])
         # PretrainedConfig.__init__ standardizes rope_parameters itself, differently per transformers version (5.17
         # adds rope_theta into a dict keyed by layer type, then fails validating it); ours is standardized already.
         super().__init__(**kwargs)

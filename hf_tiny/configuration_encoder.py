@@ -56,103 +56,92 @@ class TinyEncoderConfig(PretrainedConfig):
     base_model_fsdp_plan = {"embed_tokens": "free_full_weight", "layers.*": "free_full_weight"}
 
     def __init__(
-        self,
-        vocab_size: int = 30522,
-        hidden_size: int = 768,
-        num_hidden_layers: int = 12,
-        num_attention_heads: int = 12,
-        intermediate_size: int = 3072,
-        hidden_act: str = "gelu",
-        hidden_dropout: float = 0.1,
-        attention_dropout: float = 0.1,
-        max_position_embeddings: int = 512,
-        type_vocab_size: int = 2,
-        layer_norm_eps: float = 1e-12,
-        initializer_range: float = 0.02,
-        pad_token_id: int | None = 0,
-        classifier_dropout: float | None = None,
-        attention_bias: bool = True,
-        tie_word_embeddings: bool = True,
-        positions_from_padding: bool = False,
-        dropout_before_pooler: bool = False,
-        embedding_size: int | None = None,
-        add_pooling_layer: bool = True,
-        pooler_act: str = "tanh",
-        sinusoidal_positions: bool = False,
-        sequence_classifier_dropout: float | None = None,
-        qa_dropout: float = 0.0,
-        project_embeddings: bool | None = None,
-        num_hidden_groups: int | None = None,
-        inner_group_num: int = 1,
-        next_sentence_dropout: float = 0.0,
-        **kwargs,
+        self, vocab_size: int = 30522, hidden_size: int = 768, num_hidden_layers: int = 12, num_attention_heads: int = 12,
+        intermediate_size: int = 3072, hidden_act: str = "gelu", hidden_dropout: float = 0.1,
+        attention_dropout: float = 0.1, max_position_embeddings: int = 512, type_vocab_size: int = 2,
+        layer_norm_eps: float = 1e-12, initializer_range: float = 0.02, pad_token_id: int | None = 0,
+        classifier_dropout: float | None = None, attention_bias: bool = True, tie_word_embeddings: bool = True,
+        positions_from_padding: bool = False, dropout_before_pooler: bool = False, embedding_size: int | None = None,
+        add_pooling_layer: bool = True, pooler_act: str = "tanh", sinusoidal_positions: bool = False,
+        sequence_classifier_dropout: float | None = None, qa_dropout: float = 0.0, project_embeddings: bool | None = None,
+        num_hidden_groups: int | None = None, inner_group_num: int = 1, next_sentence_dropout: float = 0.0, **kwargs,
     ):
         owner = type(self).__name__
-        check_finite_fields(owner, init_arguments(locals()))
-        check_positive(
-            owner,
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            num_hidden_layers=num_hidden_layers,
-            num_attention_heads=num_attention_heads,
-            intermediate_size=intermediate_size,
-            max_position_embeddings=max_position_embeddings,
-        )
-        check_non_negative(owner, "0 = no token types", type_vocab_size=type_vocab_size)
-        if embedding_size is None:
-            embedding_size = hidden_size
-        check_positive(owner, embedding_size=embedding_size)
-        check_choice(owner, "pooler_act", pooler_act, sorted(ACT2FN))
-        check_probability(owner, qa_dropout=qa_dropout)
-        if sequence_classifier_dropout is not None:
-            check_probability(owner, sequence_classifier_dropout=sequence_classifier_dropout)
-        check_bool(owner, add_pooling_layer=add_pooling_layer, sinusoidal_positions=sinusoidal_positions)
-        if project_embeddings is None:
-            project_embeddings = embedding_size != hidden_size
-        check_bool(owner, project_embeddings=project_embeddings)
-        if embedding_size != hidden_size and not project_embeddings:
-            raise ValueError(
-                f"{owner}: embedding_size={embedding_size} differs from hidden_size={hidden_size}, which needs "
-                "project_embeddings=True"
-            )
-        if num_hidden_groups is None:
-            num_hidden_groups = num_hidden_layers
-        check_positive(owner, num_hidden_groups=num_hidden_groups, inner_group_num=inner_group_num)
-        if isinstance(num_hidden_layers, int) and num_hidden_layers % num_hidden_groups:
-            raise ValueError(
-                f"{owner}: num_hidden_groups={num_hidden_groups} must divide num_hidden_layers={num_hidden_layers} "
-                "(each group of shared layers runs for the same number of passes)"
-            )
-        check_probability(owner, next_sentence_dropout=next_sentence_dropout)
-        if sinusoidal_positions and embedding_size % 2:
-            raise ValueError(f"{owner}: sinusoidal_positions needs an even embedding_size, got {embedding_size}")
+        values = init_arguments(locals())
+        check_finite_fields(owner, values)
+        check_positive(owner, vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
+                       num_attention_heads=num_attention_heads, intermediate_size=intermediate_size,
+                       max_position_embeddings=max_position_embeddings)
         check_divisible(owner, "hidden_size", hidden_size, "num_attention_heads", num_attention_heads)
         check_choice(owner, "hidden_act", hidden_act, sorted(ACT2FN))
         for field, allowed in (("position_embedding_type", ("absolute",)), ("rope_parameters", (None,)), ("rope_scaling", (None,))):
-            check_unsupported_field(
-                owner, kwargs, field, allowed, "this encoder has learned absolute positions only (position_embedding_type='absolute')"
-            )
-        check_probability(owner, hidden_dropout=hidden_dropout, attention_dropout=attention_dropout)
-        if classifier_dropout is not None:
-            check_probability(owner, classifier_dropout=classifier_dropout)
-        check_positive_number(owner, layer_norm_eps=layer_norm_eps, initializer_range=initializer_range)
+            check_unsupported_field(owner, kwargs, field, allowed,
+                                    "this encoder has learned absolute positions only (position_embedding_type='absolute')")
+        _check_dropouts_and_norms(owner, values)
+        values.update(_embedding_fields(owner, values))
+        values["num_hidden_groups"] = _layer_sharing(owner, values)
         check_token_ids(owner, vocab_size, pad_token_id=pad_token_id)
-        check_bool(owner, positions_from_padding=positions_from_padding, dropout_before_pooler=dropout_before_pooler)
-        if positions_from_padding:
-            if pad_token_id is None:
-                raise ValueError(f"{owner}: positions_from_padding=True needs a pad_token_id, got pad_token_id=None")
-            if max_position_embeddings <= pad_token_id + 1:
-                raise ValueError(
-                    f"{owner}: positions_from_padding=True numbers positions from pad_token_id + 1 = {pad_token_id + 1}, "
-                    f"so max_position_embeddings={max_position_embeddings} leaves no room for a single token"
-                )
-
-        store_init_fields(self, TinyEncoderConfig.__init__, locals())
+        _check_positions_from_padding(owner, values)
+        store_init_fields(self, TinyEncoderConfig.__init__, values)
         super().__init__(**kwargs)
 
     def num_blocks(self) -> int:
         """Blocks of weights: num_hidden_layers, or fewer when layers share them (ALBERT)."""
         return self.num_hidden_groups * self.inner_group_num
+
+
+def _check_dropouts_and_norms(owner: str, values: dict) -> None:
+    check_probability(owner, hidden_dropout=values["hidden_dropout"], attention_dropout=values["attention_dropout"],
+                      qa_dropout=values["qa_dropout"], next_sentence_dropout=values["next_sentence_dropout"])
+    for name in ("classifier_dropout", "sequence_classifier_dropout"):
+        if values[name] is not None:
+            check_probability(owner, **{name: values[name]})
+    check_positive_number(owner, layer_norm_eps=values["layer_norm_eps"], initializer_range=values["initializer_range"])
+    check_choice(owner, "pooler_act", values["pooler_act"], sorted(ACT2FN))
+    check_bool(owner, add_pooling_layer=values["add_pooling_layer"], sinusoidal_positions=values["sinusoidal_positions"],
+               positions_from_padding=values["positions_from_padding"],
+               dropout_before_pooler=values["dropout_before_pooler"])
+
+
+def _embedding_fields(owner: str, values: dict) -> dict:
+    """embedding_size and project_embeddings filled in (ELECTRA, ALBERT factorize the embeddings) and checked."""
+    check_non_negative(owner, "0 = no token types", type_vocab_size=values["type_vocab_size"])
+    hidden = values["hidden_size"]
+    width = hidden if values["embedding_size"] is None else values["embedding_size"]
+    check_positive(owner, embedding_size=width)
+    project = width != hidden if values["project_embeddings"] is None else values["project_embeddings"]
+    check_bool(owner, project_embeddings=project)
+    if width != hidden and not project:
+        raise ValueError(f"{owner}: embedding_size={width} differs from hidden_size={hidden}, which needs project_embeddings=True")
+    if values["sinusoidal_positions"] and width % 2:
+        raise ValueError(f"{owner}: sinusoidal_positions needs an even embedding_size, got {width}")
+    return {"embedding_size": width, "project_embeddings": project}
+
+
+def _layer_sharing(owner: str, values: dict) -> int:
+    """num_hidden_groups filled in (ALBERT's sharing; default: one group per layer) and checked."""
+    layers = values["num_hidden_layers"]
+    groups = layers if values["num_hidden_groups"] is None else values["num_hidden_groups"]
+    check_positive(owner, num_hidden_groups=groups, inner_group_num=values["inner_group_num"])
+    if layers % groups:
+        raise ValueError(
+            f"{owner}: num_hidden_groups={groups} must divide num_hidden_layers={layers} (each group of shared layers "
+            "runs for the same number of passes)"
+        )
+    return groups
+
+
+def _check_positions_from_padding(owner: str, values: dict) -> None:
+    if not values["positions_from_padding"]:
+        return
+    pad, limit = values["pad_token_id"], values["max_position_embeddings"]
+    if pad is None:
+        raise ValueError(f"{owner}: positions_from_padding=True needs a pad_token_id, got pad_token_id=None")
+    if limit <= pad + 1:
+        raise ValueError(
+            f"{owner}: positions_from_padding=True numbers positions from pad_token_id + 1 = {pad + 1}, so "
+            f"max_position_embeddings={limit} leaves no room for a single token"
+        )
 
 
 __all__ = ["TinyEncoderConfig"]

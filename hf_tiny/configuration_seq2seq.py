@@ -96,158 +96,38 @@ class TinySeq2SeqConfig(PretrainedConfig):
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
 
     def __init__(
-        self,
-        vocab_size: int = 50265,
-        hidden_size: int = 768,
-        num_attention_heads: int = 12,
-        num_key_value_heads: Optional[int] = None,
-        head_dim: Optional[int] = None,
-        intermediate_size: int = 3072,
-        num_hidden_layers: int = 6,
-        num_decoder_layers: Optional[int] = None,
-        hidden_act: str = "gelu",
-        max_position_embeddings: int = 1024,
-        layer_norm_eps: float = 1e-5,
-        initializer_range: float = 0.02,
-        attention_dropout: float = 0.0,
-        hidden_dropout: float = 0.1,
-        activation_dropout: float = 0.0,
-        norm_placement: str = "post",
-        norm_type: str = "layernorm",
-        position_embedding_type: str = "learned",
-        position_offset: int = 2,
-        relative_attention_num_buckets: int = 32,
-        relative_attention_max_distance: int = 128,
-        type_vocab_size: int = 0,
-        mlp_gated: bool = False,
-        mlp_bias: bool = True,
-        attention_bias: bool = True,
-        scale_embedding: bool = False,
-        attention_scale: Optional[float] = None,
-        embedding_norm: bool = True,
-        final_norm: bool = False,
-        use_padding_idx: bool = True,
-        share_encoder_decoder_embeddings: bool = True,
-        tie_word_embeddings: bool = True,
-        scale_decoder_outputs: bool = False,
-        lm_head_transform: bool = False,
-        lm_head_bias: bool = False,
-        final_logits_bias: bool = True,
-        pad_token_id: Optional[int] = 1,
-        bos_token_id: Optional[int] = 0,
-        eos_token_id: Optional[int] = 2,
-        decoder_start_token_id: Optional[int] = 2,
-        use_cache: bool = True,
-        decoder_attention_heads: Optional[int] = None,
-        decoder_head_dim: Optional[int] = None,
-        decoder_intermediate_size: Optional[int] = None,
-        **kwargs,
+        self, vocab_size: int = 50265, hidden_size: int = 768, num_attention_heads: int = 12,
+        num_key_value_heads: Optional[int] = None, head_dim: Optional[int] = None, intermediate_size: int = 3072,
+        num_hidden_layers: int = 6, num_decoder_layers: Optional[int] = None, hidden_act: str = "gelu",
+        max_position_embeddings: int = 1024, layer_norm_eps: float = 1e-5, initializer_range: float = 0.02,
+        attention_dropout: float = 0.0, hidden_dropout: float = 0.1, activation_dropout: float = 0.0,
+        norm_placement: str = "post", norm_type: str = "layernorm", position_embedding_type: str = "learned",
+        position_offset: int = 2, relative_attention_num_buckets: int = 32, relative_attention_max_distance: int = 128,
+        type_vocab_size: int = 0, mlp_gated: bool = False, mlp_bias: bool = True, attention_bias: bool = True,
+        scale_embedding: bool = False, attention_scale: Optional[float] = None, embedding_norm: bool = True,
+        final_norm: bool = False, use_padding_idx: bool = True, share_encoder_decoder_embeddings: bool = True,
+        tie_word_embeddings: bool = True, scale_decoder_outputs: bool = False, lm_head_transform: bool = False,
+        lm_head_bias: bool = False, final_logits_bias: bool = True, pad_token_id: Optional[int] = 1,
+        bos_token_id: Optional[int] = 0, eos_token_id: Optional[int] = 2, decoder_start_token_id: Optional[int] = 2,
+        use_cache: bool = True, decoder_attention_heads: Optional[int] = None, decoder_head_dim: Optional[int] = None,
+        decoder_intermediate_size: Optional[int] = None, **kwargs,
     ):
         owner = type(self).__name__
-        check_finite_fields(owner, init_arguments(locals()))
-        if num_decoder_layers is None:
-            num_decoder_layers = num_hidden_layers
-        if num_key_value_heads is None:
-            num_key_value_heads = num_attention_heads
-        check_positive(
-            owner,
-            vocab_size=vocab_size,
-            hidden_size=hidden_size,
-            num_attention_heads=num_attention_heads,
-            num_key_value_heads=num_key_value_heads,
-            intermediate_size=intermediate_size,
-            num_hidden_layers=num_hidden_layers,
-            num_decoder_layers=num_decoder_layers,
-            max_position_embeddings=max_position_embeddings,
-        )
-        # Accepted (BART-era configs name them) but not stored: they must equal hidden_size.
-        encoder_hidden_size = kwargs.pop("encoder_hidden_size", None)
-        decoder_hidden_size = kwargs.pop("decoder_hidden_size", None)
-        for name, width in (("encoder_hidden_size", encoder_hidden_size), ("decoder_hidden_size", decoder_hidden_size)):
-            if width is not None and width != hidden_size:
-                raise ValueError(
-                    f"{owner}: encoder and decoder hidden sizes must match (cross-attention reads the encoder states "
-                    f"directly); got {name}={width!r} with hidden_size={hidden_size} (encoder_hidden_size="
-                    f"{encoder_hidden_size!r}, decoder_hidden_size={decoder_hidden_size!r})"
-                )
-        explicit_head_dim = head_dim is not None
-        if head_dim is None:
-            check_divisible(owner, "hidden_size", hidden_size, "num_attention_heads", num_attention_heads)
-            head_dim = hidden_size // num_attention_heads
-        else:
-            check_positive(owner, head_dim=head_dim)
-        if decoder_attention_heads is None:
-            decoder_attention_heads = num_attention_heads
-        check_positive(owner, decoder_attention_heads=decoder_attention_heads)
-        if decoder_attention_heads != num_attention_heads and num_key_value_heads != num_attention_heads:
-            raise ValueError(
-                f"{owner}: decoder_attention_heads={decoder_attention_heads} differs from num_attention_heads="
-                f"{num_attention_heads}, which needs num_key_value_heads == num_attention_heads (got "
-                f"{num_key_value_heads}): a decoder with its own head count has no grouped-query attention"
-            )
-        if decoder_head_dim is None:
-            if explicit_head_dim or decoder_attention_heads == num_attention_heads:
-                decoder_head_dim = head_dim
-            else:
-                check_divisible(owner, "hidden_size", hidden_size, "decoder_attention_heads", decoder_attention_heads)
-                decoder_head_dim = hidden_size // decoder_attention_heads
-        check_positive(owner, decoder_head_dim=decoder_head_dim)
-        if decoder_intermediate_size is None:
-            decoder_intermediate_size = intermediate_size
-        check_positive(owner, decoder_intermediate_size=decoder_intermediate_size)
-        check_divisible(owner, "num_attention_heads", num_attention_heads, "num_key_value_heads", num_key_value_heads)
-        check_choice(owner, "hidden_act", hidden_act, sorted(ACT2FN))
-        check_choice(owner, "norm_placement", norm_placement, NORM_PLACEMENTS)
-        check_choice(owner, "norm_type", norm_type, NORM_TYPES)
-        check_choice(owner, "position_embedding_type", position_embedding_type, POSITION_EMBEDDING_TYPES)
-        for field in ("rope_parameters", "rope_scaling"):
-            check_unsupported_field(
-                owner, kwargs, field, (None,),
-                f"this family has no rotary embeddings; choose position_embedding_type from {list(POSITION_EMBEDDING_TYPES)}",
-            )
-        check_probability(
-            owner,
-            attention_dropout=attention_dropout,
-            hidden_dropout=hidden_dropout,
-            activation_dropout=activation_dropout,
-        )
-        check_positive_number(owner, layer_norm_eps=layer_norm_eps, initializer_range=initializer_range)
-        if attention_scale is not None:
-            check_positive_number(owner, attention_scale=attention_scale)
-        check_non_negative(owner, position_offset=position_offset)
-        check_non_negative(owner, "0 = none", type_vocab_size=type_vocab_size)
-        check_positive(
-            owner,
-            relative_attention_num_buckets=relative_attention_num_buckets,
-            relative_attention_max_distance=relative_attention_max_distance,
-        )
-        if position_embedding_type == "sinusoidal" and hidden_size % 2:
-            raise ValueError(f"{owner}: sinusoidal positions need an even hidden_size, got {hidden_size}")
-        check_bool(
-            owner,
-            mlp_gated=mlp_gated,
-            mlp_bias=mlp_bias,
-            attention_bias=attention_bias,
-            scale_embedding=scale_embedding,
-            embedding_norm=embedding_norm,
-            final_norm=final_norm,
-            use_padding_idx=use_padding_idx,
-            share_encoder_decoder_embeddings=share_encoder_decoder_embeddings,
-            tie_word_embeddings=tie_word_embeddings,
-            scale_decoder_outputs=scale_decoder_outputs,
-            lm_head_transform=lm_head_transform,
-            lm_head_bias=lm_head_bias,
-            final_logits_bias=final_logits_bias,
-            use_cache=use_cache,
-        )
-        check_token_ids(
-            owner, vocab_size, pad_token_id=pad_token_id, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-            decoder_start_token_id=decoder_start_token_id,
-        )
+        values = init_arguments(locals())
+        check_finite_fields(owner, values)
+        values["num_decoder_layers"] = num_hidden_layers if num_decoder_layers is None else num_decoder_layers
+        values["num_key_value_heads"] = num_attention_heads if num_key_value_heads is None else num_key_value_heads
+        check_positive(owner, **{name: values[name] for name in (
+            "vocab_size", "hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
+            "num_hidden_layers", "num_decoder_layers", "max_position_embeddings")})
+        _check_one_width(owner, hidden_size, kwargs)
+        values.update(_head_shapes(owner, values))
+        _check_parts(owner, values, kwargs)
+        check_token_ids(owner, vocab_size, pad_token_id=pad_token_id, bos_token_id=bos_token_id,
+                        eos_token_id=eos_token_id, decoder_start_token_id=decoder_start_token_id)
         if use_padding_idx and pad_token_id is None:
             raise ValueError(f"{owner}: use_padding_idx=True needs a pad_token_id, got pad_token_id=None")
-
-        store_init_fields(self, TinySeq2SeqConfig.__init__, locals())
+        store_init_fields(self, TinySeq2SeqConfig.__init__, values)
         kwargs.pop("is_encoder_decoder", None)
         super().__init__(is_encoder_decoder=True, **kwargs)
 
@@ -286,6 +166,74 @@ class TinySeq2SeqConfig(PretrainedConfig):
             if "decoder_attention_heads" in vars(self):  # not yet a decoder view (a view has them renamed)
                 text_config.num_key_value_heads = self.decoder_key_value_heads()
         return text_config
+
+
+def _check_one_width(owner: str, hidden_size: int, kwargs: dict) -> None:
+    """encoder_hidden_size / decoder_hidden_size (BART-era configs name them): accepted, not stored, equal to
+    hidden_size."""
+    widths = {name: kwargs.pop(name, None) for name in ("encoder_hidden_size", "decoder_hidden_size")}
+    for name, width in widths.items():
+        if width is not None and width != hidden_size:
+            raise ValueError(
+                f"{owner}: encoder and decoder hidden sizes must match (cross-attention reads the encoder states "
+                f"directly); got {name}={width!r} with hidden_size={hidden_size} (encoder_hidden_size="
+                f"{widths['encoder_hidden_size']!r}, decoder_hidden_size={widths['decoder_hidden_size']!r})"
+            )
+
+
+def _head_shapes(owner: str, values: dict) -> dict:
+    """head_dim and the decoder's heads, head width and MLP width filled in and checked."""
+    hidden, heads, kv_heads = values["hidden_size"], values["num_attention_heads"], values["num_key_value_heads"]
+    head_dim = values["head_dim"]
+    if head_dim is None:
+        check_divisible(owner, "hidden_size", hidden, "num_attention_heads", heads)
+        head_dim = hidden // heads
+    check_positive(owner, head_dim=head_dim)
+    decoder_heads = heads if values["decoder_attention_heads"] is None else values["decoder_attention_heads"]
+    check_positive(owner, decoder_attention_heads=decoder_heads)
+    if decoder_heads != heads and kv_heads != heads:
+        raise ValueError(
+            f"{owner}: decoder_attention_heads={decoder_heads} differs from num_attention_heads={heads}, which needs "
+            f"num_key_value_heads == num_attention_heads (got {kv_heads}): a decoder with its own head count has no "
+            "grouped-query attention"
+        )
+    decoder_head_dim = values["decoder_head_dim"]
+    if decoder_head_dim is None:
+        if values["head_dim"] is not None or decoder_heads == heads:
+            decoder_head_dim = head_dim
+        else:
+            check_divisible(owner, "hidden_size", hidden, "decoder_attention_heads", decoder_heads)
+            decoder_head_dim = hidden // decoder_heads
+    decoder_intermediate = values["decoder_intermediate_size"]
+    decoder_intermediate = values["intermediate_size"] if decoder_intermediate is None else decoder_intermediate
+    check_positive(owner, decoder_head_dim=decoder_head_dim, decoder_intermediate_size=decoder_intermediate)
+    check_divisible(owner, "num_attention_heads", heads, "num_key_value_heads", kv_heads)
+    return dict(head_dim=head_dim, decoder_attention_heads=decoder_heads, decoder_head_dim=decoder_head_dim,
+                decoder_intermediate_size=decoder_intermediate)
+
+
+def _check_parts(owner: str, values: dict, kwargs: dict) -> None:
+    check_choice(owner, "hidden_act", values["hidden_act"], sorted(ACT2FN))
+    check_choice(owner, "norm_placement", values["norm_placement"], NORM_PLACEMENTS)
+    check_choice(owner, "norm_type", values["norm_type"], NORM_TYPES)
+    check_choice(owner, "position_embedding_type", values["position_embedding_type"], POSITION_EMBEDDING_TYPES)
+    for field in ("rope_parameters", "rope_scaling"):
+        check_unsupported_field(owner, kwargs, field, (None,), "this family has no rotary embeddings; choose "
+                                f"position_embedding_type from {list(POSITION_EMBEDDING_TYPES)}")
+    check_probability(owner, **{name: values[name] for name in ("attention_dropout", "hidden_dropout", "activation_dropout")})
+    check_positive_number(owner, layer_norm_eps=values["layer_norm_eps"], initializer_range=values["initializer_range"])
+    if values["attention_scale"] is not None:
+        check_positive_number(owner, attention_scale=values["attention_scale"])
+    check_non_negative(owner, position_offset=values["position_offset"])
+    check_non_negative(owner, "0 = none", type_vocab_size=values["type_vocab_size"])
+    check_positive(owner, relative_attention_num_buckets=values["relative_attention_num_buckets"],
+                   relative_attention_max_distance=values["relative_attention_max_distance"])
+    if values["position_embedding_type"] == "sinusoidal" and values["hidden_size"] % 2:
+        raise ValueError(f"{owner}: sinusoidal positions need an even hidden_size, got {values['hidden_size']}")
+    check_bool(owner, **{name: values[name] for name in (
+        "mlp_gated", "mlp_bias", "attention_bias", "scale_embedding", "embedding_norm", "final_norm", "use_padding_idx",
+        "share_encoder_decoder_embeddings", "tie_word_embeddings", "scale_decoder_outputs", "lm_head_transform",
+        "lm_head_bias", "final_logits_bias", "use_cache")})
 
 
 __all__ = ["STYLES", "TinySeq2SeqConfig"]

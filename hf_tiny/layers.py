@@ -14,7 +14,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, EncoderDecoderCache
 
-from .attention import ALL_ATTENTION_FUNCTIONS, interface_inputs, zero_invisible_rows
+from .attention import ALL_ATTENTION_FUNCTIONS, is_hf_tiny_backend
 from .rope import MAX_TABLE_POSITIONS, SEQUENCE_DEPENDENT_TYPES, compute_inv_freq, rotary_dim, standardize_rope_parameters
 
 NORM_TYPES = ("layernorm", "rmsnorm")
@@ -236,6 +236,26 @@ def update_cache(cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int, 
     from .engines import paged_cache_update
 
     return paged_cache_update(cache, key, value, layer_idx, attention_kwargs)
+
+
+def interface_inputs(module, attention_mask, query: torch.Tensor, key: torch.Tensor, attention_kwargs: dict):
+    """(mask, is_causal, visible rows or None) from a step.AttentionMask (or None) for the function
+    module.config._attn_implementation names: ours take it as it is (packed rows' segment_ids into
+    attention_kwargs), transformers' take their own forms (engines.foreign_mask)."""
+    mask, is_causal, segment_ids = attention_mask if attention_mask is not None else (None, False, None)
+    implementation = module.config._attn_implementation
+    if is_hf_tiny_backend(implementation):
+        if segment_ids is not None:
+            attention_kwargs["segment_ids"] = segment_ids
+        return mask, is_causal, None
+    from .engines import foreign_mask
+
+    return foreign_mask(module, implementation, mask, is_causal, query, key.shape[2])
+
+
+def zero_invisible_rows(out: torch.Tensor, visible: Optional[torch.Tensor]) -> torch.Tensor:
+    """Query rows that see no key (padding) give zeros, as in our own backends; out is [B, S, H, D]."""
+    return out if visible is None else out.masked_fill(~visible[:, 0, :, 0, None, None], 0.0)
 
 
 class Attention(nn.Module):

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from .attention import ALL_ATTENTION_FUNCTIONS, interface_inputs, zero_invisible_rows
-from .layers import RMSNorm, apply_rotary, update_cache
+from .attention import ALL_ATTENTION_FUNCTIONS
+from .layers import RMSNorm, apply_rotary, interface_inputs, update_cache, zero_invisible_rows
 
 # DeepSeek's latent norms use this epsilon whatever config.rms_norm_eps says (official DeepseekV3RMSNorm default).
 LATENT_NORM_EPS = 1e-6

@@ -110,18 +110,9 @@ class TinyEncoderWithLabelsHead(TinyEncoderPreTrainedModel):
     (self.model) and hands its output to the subclass's `_head(outputs, labels, attention_mask)`, which returns the
     ModelOutput."""
 
-    def forward(
-        self,
-        input_ids: Optional[torch.Tensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        token_type_ids: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.Tensor] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
-        output_attentions: Optional[bool] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
-    ) -> Union[ModelOutput, tuple]:
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                labels: Optional[torch.Tensor] = None, output_attentions=None, output_hidden_states=None,
+                return_dict=None) -> Union[ModelOutput, tuple]:
         outputs = self._encode(
             input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions, output_hidden_states
         )
@@ -356,19 +347,11 @@ class TinyEncoderForPreTraining(_WithMaskedLMHead, TinyEncoderPreTrainedModel):
         self.next_sentence = nn.Linear(config.hidden_size, 2)
         self.post_init()
 
-    def forward(
-        self,
-        input_ids: Optional[torch.Tensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        token_type_ids: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.Tensor] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
-        next_sentence_label: Optional[torch.Tensor] = None,
-        output_attentions: Optional[bool] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
-    ) -> Union[TinyEncoderForPreTrainingOutput, tuple]:
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                labels: Optional[torch.Tensor] = None, next_sentence_label: Optional[torch.Tensor] = None,
+                output_attentions=None, output_hidden_states=None, return_dict=None):
+        """labels: [batch, seq] masked-LM targets (-100 = not masked); next_sentence_label: [batch], 0 = the second
+        segment follows the first, 1 = random."""
         outputs = self._encode(
             input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions, output_hidden_states
         )
@@ -513,19 +496,10 @@ class TinyEncoderForQuestionAnswering(TinyEncoderPreTrainedModel):
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
         self.post_init()
 
-    def forward(
-        self,
-        input_ids: Optional[torch.Tensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        token_type_ids: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.Tensor] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        start_positions: Optional[torch.Tensor] = None,
-        end_positions: Optional[torch.Tensor] = None,
-        output_attentions: Optional[bool] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
-    ) -> Union[QuestionAnsweringModelOutput, tuple]:
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                start_positions: Optional[torch.Tensor] = None, end_positions: Optional[torch.Tensor] = None,
+                output_attentions=None, output_hidden_states=None, return_dict=None):
+        """start_positions / end_positions: [batch] token indices of the answer span (a position past the sequence is left out of the loss, as in BERT)."""
         outputs = self._encode(
             input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions, output_hidden_states
         )

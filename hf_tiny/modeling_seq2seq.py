@@ -223,52 +223,19 @@ class TinySeq2SeqStack(nn.Module):
         )
         return self.relative_attention_bias(buckets).permute(2, 0, 1)[None]
 
-    def forward(
-        self,
-        input_ids: Optional[torch.LongTensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        encoder_hidden_states: Optional[torch.Tensor] = None,
-        encoder_attention_mask: Optional[torch.Tensor] = None,
-        cache: Optional[EncoderDecoderCache] = None,
-        output_attentions: bool = False,
-        output_hidden_states: bool = False,
-        return_dict: bool = True,
-    ):
+    def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, encoder_hidden_states=None,
+                encoder_attention_mask=None, cache: Optional[EncoderDecoderCache] = None, output_attentions: bool = False,
+                output_hidden_states: bool = False, return_dict: bool = True):
         names = ("decoder_input_ids", "decoder_inputs_embeds") if self.is_decoder else ("input_ids", "inputs_embeds")
         batch, seq_len = check_token_inputs(self.config, input_ids, inputs_embeds, names=names)
         if self.is_decoder and encoder_hidden_states is None:
             raise ValueError("the decoder needs encoder_hidden_states (the encoder's last_hidden_state)")
         if not self.is_decoder and cache is not None:
             raise ValueError("the encoder takes no cache")
-
         past_length = cache.self_attention_cache.get_seq_length() if cache is not None else 0
-        key_length = past_length + seq_len
-        mask_name = "decoder_attention_mask" if self.is_decoder else "attention_mask"
-        check_attention_mask(attention_mask, expected_shape=(batch, key_length), field=mask_name)
         hidden_states = self.embed(input_ids, inputs_embeds, past_length)
-        device = hidden_states.device
-
-        self_mask = self_attention_mask(
-            attention_mask,
-            batch_size=batch,
-            query_length=seq_len,
-            key_length=key_length,
-            causal=self.is_decoder,
-            device=device,
-        )
-        if self.relative_attention_bias is not None:
-            bias = self.position_bias(seq_len, key_length, past_length, device)
-            self_mask = with_position_bias(self_mask, bias, hidden_states.dtype)
-        cross_mask: Optional[AttentionMask] = None
-        if self.is_decoder:
-            check_attention_mask(
-                encoder_attention_mask,
-                expected_shape=tuple(encoder_hidden_states.shape[:2]),
-                field="attention_mask (encoder padding mask)",
-            )
-            cross_mask = cross_attention_mask(encoder_attention_mask, query_length=seq_len)
-
+        self_mask, cross_mask = self._masks(attention_mask, encoder_hidden_states, encoder_attention_mask,
+                                            (batch, seq_len, past_length), hidden_states)
         flags = OutputFlags(output_attentions, output_hidden_states, return_dict)
         attention = [layer.self_attn for layer in self.layers] if output_attentions else ()
         crossing = [layer.cross_attn for layer in self.layers] if output_attentions and self.is_decoder else ()
@@ -276,28 +243,35 @@ class TinySeq2SeqStack(nn.Module):
             for layer in self.layers:
                 collected.add_hidden(hidden_states)
                 # encoder states are positional so that gradient checkpointing propagates their gradients
-                hidden_states = layer(
-                    hidden_states, self_mask.mask, encoder_hidden_states, None if cross_mask is None else cross_mask.mask,
-                    is_causal=self_mask.is_causal, cache=cache, output_attentions=output_attentions,
-                )
+                hidden_states = layer(hidden_states, self_mask.mask, encoder_hidden_states, cross_mask.mask,
+                                      is_causal=self_mask.is_causal, cache=cache, output_attentions=output_attentions)
             if self.norm is not None:
                 hidden_states = self.dropout(self.norm(hidden_states))
             collected.add_hidden(hidden_states)
-
+        fields = dict(last_hidden_state=hidden_states, hidden_states=collected.hidden_states, attentions=collected.attentions)
         if self.is_decoder:
-            output = with_cache(
-                BaseModelOutputWithPastAndCrossAttentions,
-                cache,
-                last_hidden_state=hidden_states,
-                hidden_states=collected.hidden_states,
-                attentions=collected.attentions,
-                cross_attentions=collected.cross_attentions,
-            )
+            output = with_cache(BaseModelOutputWithPastAndCrossAttentions, cache, **fields,
+                                cross_attentions=collected.cross_attentions)
         else:
-            output = BaseModelOutput(
-                last_hidden_state=hidden_states, hidden_states=collected.hidden_states, attentions=collected.attentions
-            )
+            output = BaseModelOutput(**fields)
         return format_output(output, return_dict)
+
+    def _masks(self, attention_mask, encoder_hidden_states, encoder_attention_mask, shape: tuple, hidden_states):
+        """(self-attention mask with T5's position bias folded in, cross-attention mask) of one forward."""
+        batch, seq_len, past_length = shape
+        key_length = past_length + seq_len
+        name = "decoder_attention_mask" if self.is_decoder else "attention_mask"
+        check_attention_mask(attention_mask, expected_shape=(batch, key_length), field=name)
+        self_mask = self_attention_mask(attention_mask, batch_size=batch, query_length=seq_len, key_length=key_length,
+                                        causal=self.is_decoder, device=hidden_states.device)
+        if self.relative_attention_bias is not None:
+            bias = self.position_bias(seq_len, key_length, past_length, hidden_states.device)
+            self_mask = with_position_bias(self_mask, bias, hidden_states.dtype)
+        if not self.is_decoder:
+            return self_mask, AttentionMask(None, False)
+        check_attention_mask(encoder_attention_mask, expected_shape=tuple(encoder_hidden_states.shape[:2]),
+                             field="attention_mask (encoder padding mask)")
+        return self_mask, cross_attention_mask(encoder_attention_mask, query_length=seq_len)
 
 
 class TinySeq2SeqPreTrainedModel(HfTinyPreTrainedModel):
@@ -393,79 +367,54 @@ class TinySeq2SeqModel(TinySeq2SeqPreTrainedModel):
             cache = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
         return cache
 
-    def forward(
-        self,
-        input_ids: Optional[torch.LongTensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        decoder_input_ids: Optional[torch.LongTensor] = None,
-        decoder_attention_mask: Optional[torch.Tensor] = None,
-        encoder_outputs=None,
-        cache: Optional[Cache] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        decoder_inputs_embeds: Optional[torch.Tensor] = None,
-        use_cache: Optional[bool] = None,
-        output_attentions: Optional[bool] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
-        *,
-        past_key_values: Optional[Cache] = None,
-    ):
+    def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
+                encoder_outputs=None, cache: Optional[Cache] = None, inputs_embeds=None, decoder_inputs_embeds=None,
+                use_cache=None, output_attentions=None, output_hidden_states=None, return_dict=None, *,
+                past_key_values: Optional[Cache] = None):
         """cache: an EncoderDecoderCache (past_key_values: its name before transformers 5.24)."""
         flags = output_flags(self.config, output_attentions, output_hidden_states, return_dict)
-        output_attentions, output_hidden_states = flags.attentions, flags.hidden_states
         use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
         if decoder_input_ids is None and decoder_inputs_embeds is None:
             raise ValueError(
                 "the decoder needs an input: pass decoder_input_ids (starting with decoder_start_token_id="
                 f"{self.config.decoder_start_token_id}) or labels (shifted right into decoder_input_ids)"
             )
-
-        if encoder_outputs is None:
-            encoder_outputs = self.encoder(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                inputs_embeds=inputs_embeds,
-                output_attentions=output_attentions,
-                output_hidden_states=output_hidden_states,
-                return_dict=True,
-            )
-        elif not isinstance(encoder_outputs, BaseModelOutput):
-            if isinstance(encoder_outputs, torch.Tensor) or not isinstance(encoder_outputs, (tuple, list)) or not encoder_outputs:
-                raise TypeError(
-                    "encoder_outputs must be a BaseModelOutput or a tuple whose first item is the encoder's "
-                    f"last_hidden_state, got {type(encoder_outputs).__name__}"
-                )
-            encoder_outputs = BaseModelOutput(
-                last_hidden_state=encoder_outputs[0],
-                hidden_states=encoder_outputs[1] if len(encoder_outputs) > 1 else None,
-                attentions=encoder_outputs[2] if len(encoder_outputs) > 2 else None,
-            )
+        encoder_outputs = self._encoded(encoder_outputs, input_ids, attention_mask, inputs_embeds, flags)
         decoder_batch = (decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds).shape[0]
         _check_encoder_outputs(encoder_outputs.last_hidden_state, self.config, attention_mask, decoder_batch)
-
         decoder_outputs = self.decoder(
-            input_ids=decoder_input_ids,
-            attention_mask=decoder_attention_mask,
-            inputs_embeds=decoder_inputs_embeds,
-            encoder_hidden_states=encoder_outputs.last_hidden_state,
-            encoder_attention_mask=attention_mask,
-            cache=self._decoder_cache(cache, past_key_values, use_cache),
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
-            return_dict=True,
+            input_ids=decoder_input_ids, attention_mask=decoder_attention_mask, inputs_embeds=decoder_inputs_embeds,
+            encoder_hidden_states=encoder_outputs.last_hidden_state, encoder_attention_mask=attention_mask,
+            cache=self._decoder_cache(cache, past_key_values, use_cache), output_attentions=flags.attentions,
+            output_hidden_states=flags.hidden_states, return_dict=True,
         )
         output = with_cache(
-            Seq2SeqModelOutput,
-            cache_of(decoder_outputs) if use_cache else None,
-            last_hidden_state=decoder_outputs.last_hidden_state,
-            decoder_hidden_states=decoder_outputs.hidden_states,
-            decoder_attentions=decoder_outputs.attentions,
-            cross_attentions=decoder_outputs.cross_attentions,
+            Seq2SeqModelOutput, cache_of(decoder_outputs) if use_cache else None,
+            last_hidden_state=decoder_outputs.last_hidden_state, decoder_hidden_states=decoder_outputs.hidden_states,
+            decoder_attentions=decoder_outputs.attentions, cross_attentions=decoder_outputs.cross_attentions,
             encoder_last_hidden_state=encoder_outputs.last_hidden_state,
-            encoder_hidden_states=encoder_outputs.hidden_states,
-            encoder_attentions=encoder_outputs.attentions,
+            encoder_hidden_states=encoder_outputs.hidden_states, encoder_attentions=encoder_outputs.attentions,
         )
         return format_output(output, flags)
+
+    def _encoded(self, encoder_outputs, input_ids, attention_mask, inputs_embeds, flags) -> BaseModelOutput:
+        """The encoder's output: computed now, or given (generate encodes once) as a BaseModelOutput or a tuple."""
+        if encoder_outputs is None:
+            return self.encoder(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                                output_attentions=flags.attentions, output_hidden_states=flags.hidden_states,
+                                return_dict=True)
+        if isinstance(encoder_outputs, BaseModelOutput):
+            return encoder_outputs
+        if isinstance(encoder_outputs, torch.Tensor) or not isinstance(encoder_outputs, (tuple, list)) or not encoder_outputs:
+            raise TypeError(
+                "encoder_outputs must be a BaseModelOutput or a tuple whose first item is the encoder's "
+                f"last_hidden_state, got {type(encoder_outputs).__name__}"
+            )
+        return BaseModelOutput(
+            last_hidden_state=encoder_outputs[0],
+            hidden_states=encoder_outputs[1] if len(encoder_outputs) > 1 else None,
+            attentions=encoder_outputs[2] if len(encoder_outputs) > 2 else None,
+        )
 
 
 class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, GenerationMixin):
@@ -559,42 +508,53 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
     def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor):
         return shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
 
-    def _logits_and_loss(self, hidden_states, labels, num_items_in_batch):
+    def _check_labels(self, labels, input_ids, inputs_embeds):
+        if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
+            raise ValueError(f"labels must be a 2-D tensor [batch, target_length], got {getattr(labels, 'shape', labels)!r}")
+        check_labels(labels, num_classes=self.config.vocab_size)
+        encoder_input = input_ids if input_ids is not None else inputs_embeds
+        if isinstance(encoder_input, torch.Tensor) and encoder_input.dim() >= 2 and encoder_input.shape[0] != labels.shape[0]:
+            raise ValueError(
+                f"labels has batch size {labels.shape[0]} but the encoder input has batch size {encoder_input.shape[0]}"
+            )
+
+    def _head_input(self, hidden_states, logits_to_keep: int):
+        if logits_to_keep:
+            hidden_states = hidden_states[:, -logits_to_keep:]
+        if self.config.scale_decoder_outputs:
+            hidden_states = hidden_states * (self.config.hidden_size**-0.5)
+        if self.lm_head_transform is not None:
+            hidden_states = self.lm_head_transform(hidden_states)
+        return hidden_states
+
+    def _logits_and_loss(self, hidden_states, labels, num_items_in_batch, chunked: bool):
+        """(logits, loss); chunked: the loss a chunk of tokens at a time, without the full logits (None)."""
+        if labels is not None and labels.shape != hidden_states.shape[:2]:
+            raise ValueError(f"labels have shape {tuple(labels.shape)} but the logits cover {tuple(hidden_states.shape[:2])}")
+        if chunked:
+            bias = self.lm_head.bias
+            if self.final_logits_bias is not None:
+                bias = self.final_logits_bias if bias is None else bias + self.final_logits_bias
+            return None, linear_cross_entropy(hidden_states, self.lm_head.weight, labels, bias=bias,
+                                              num_items_in_batch=num_items_in_batch)
         logits = self.lm_head(hidden_states)
         if self.final_logits_bias is not None:
             logits = logits + self.final_logits_bias.to(logits.device)
-        loss = None
-        if labels is not None:
-            flat_logits = logits.float().reshape(-1, logits.shape[-1])
-            flat_labels = labels.to(logits.device).reshape(-1)
-            if num_items_in_batch is None:
-                loss = F.cross_entropy(flat_logits, flat_labels, ignore_index=-100)
-            else:
-                loss = F.cross_entropy(flat_logits, flat_labels, ignore_index=-100, reduction="sum")
-                loss = loss / torch.as_tensor(num_items_in_batch, device=loss.device, dtype=loss.dtype)
-        return logits, loss
+        if labels is None:
+            return logits, None
+        flat_logits = logits.float().reshape(-1, logits.shape[-1])
+        flat_labels = labels.to(logits.device).reshape(-1)
+        if num_items_in_batch is None:
+            return logits, F.cross_entropy(flat_logits, flat_labels, ignore_index=-100)
+        loss = F.cross_entropy(flat_logits, flat_labels, ignore_index=-100, reduction="sum")
+        return logits, loss / torch.as_tensor(num_items_in_batch, device=loss.device, dtype=loss.dtype)
 
-    def forward(
-        self,
-        input_ids: Optional[torch.LongTensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        decoder_input_ids: Optional[torch.LongTensor] = None,
-        decoder_attention_mask: Optional[torch.Tensor] = None,
-        encoder_outputs=None,
-        cache: Optional[Cache] = None,
-        inputs_embeds: Optional[torch.Tensor] = None,
-        decoder_inputs_embeds: Optional[torch.Tensor] = None,
-        labels: Optional[torch.LongTensor] = None,
-        use_cache: Optional[bool] = None,
-        output_attentions: Optional[bool] = None,
-        output_hidden_states: Optional[bool] = None,
-        return_dict: Optional[bool] = None,
-        logits_to_keep: int = 0,
-        num_items_in_batch: Optional[int] = None,
-        skip_logits: Optional[bool] = None,
-        *,
-        past_key_values: Optional[Cache] = None,
-    ):
+    def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
+                encoder_outputs=None, cache: Optional[Cache] = None, inputs_embeds=None, decoder_inputs_embeds=None,
+                labels: Optional[torch.LongTensor] = None, use_cache=None, output_attentions=None,
+                output_hidden_states=None, return_dict=None, logits_to_keep: int = 0,
+                num_items_in_batch: Optional[int] = None, skip_logits: Optional[bool] = None, *,
+                past_key_values: Optional[Cache] = None):
         """labels: [batch, target_length] token ids, -100 = ignored. Without decoder inputs they are shifted right
         (decoder_start_token_id first) into decoder_input_ids. num_items_in_batch (given by Trainer under gradient
         accumulation): the loss is summed and divided by it instead of averaged over this batch.
@@ -602,66 +562,26 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
         logits (chunked_loss.py) and `logits` is None; skip_logits=False returns the logits as usual."""
         chunked = use_chunked_loss(skip_logits, labels, training=self.training, head=self.lm_head)
         if labels is not None:
-            if not isinstance(labels, torch.Tensor) or labels.dim() != 2:
-                raise ValueError(f"labels must be a 2-D tensor [batch, target_length], got {getattr(labels, 'shape', labels)!r}")
-            check_labels(labels, num_classes=self.config.vocab_size)
-            encoder_input = input_ids if input_ids is not None else inputs_embeds
-            if isinstance(encoder_input, torch.Tensor) and encoder_input.dim() >= 2 and encoder_input.shape[0] != labels.shape[0]:
-                raise ValueError(
-                    f"labels has batch size {labels.shape[0]} but the encoder input has batch size {encoder_input.shape[0]}"
-                )
+            self._check_labels(labels, input_ids, inputs_embeds)
             use_cache = False
             if decoder_input_ids is None and decoder_inputs_embeds is None:
-                decoder_input_ids = shift_tokens_right(labels, self.config.pad_token_id, self.config.decoder_start_token_id)
+                decoder_input_ids = self.prepare_decoder_input_ids_from_labels(labels)
         outputs = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            decoder_input_ids=decoder_input_ids,
-            decoder_attention_mask=decoder_attention_mask,
-            encoder_outputs=encoder_outputs,
-            cache=cache,
-            past_key_values=past_key_values,
-            inputs_embeds=inputs_embeds,
-            decoder_inputs_embeds=decoder_inputs_embeds,
-            use_cache=use_cache,
-            output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states,
+            input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=decoder_input_ids,
+            decoder_attention_mask=decoder_attention_mask, encoder_outputs=encoder_outputs, cache=cache,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds, decoder_inputs_embeds=decoder_inputs_embeds,
+            use_cache=use_cache, output_attentions=output_attentions, output_hidden_states=output_hidden_states,
             return_dict=True,
         )
-        hidden_states = outputs.last_hidden_state
-        if logits_to_keep:
-            hidden_states = hidden_states[:, -logits_to_keep:]
-        if self.config.scale_decoder_outputs:
-            hidden_states = hidden_states * (self.config.hidden_size**-0.5)
-        if self.lm_head_transform is not None:
-            hidden_states = self.lm_head_transform(hidden_states)
-        if labels is not None and labels.shape != hidden_states.shape[:2]:
-            raise ValueError(f"labels have shape {tuple(labels.shape)} but the logits cover {tuple(hidden_states.shape[:2])}")
-        if chunked:
-            bias = self.lm_head.bias
-            if self.final_logits_bias is not None:
-                bias = self.final_logits_bias if bias is None else bias + self.final_logits_bias
-            logits = None
-            loss = linear_cross_entropy(
-                hidden_states, self.lm_head.weight, labels, bias=bias, num_items_in_batch=num_items_in_batch
-            )
-        else:
-            logits, loss = self._logits_and_loss(hidden_states, labels, num_items_in_batch)
-
+        hidden_states = self._head_input(outputs.last_hidden_state, logits_to_keep)
+        logits, loss = self._logits_and_loss(hidden_states, labels, num_items_in_batch, chunked)
         output = with_cache(
-            Seq2SeqLMOutput,
-            cache_of(outputs),
-            loss=loss,
-            logits=logits,
-            decoder_hidden_states=outputs.decoder_hidden_states,
-            decoder_attentions=outputs.decoder_attentions,
-            cross_attentions=outputs.cross_attentions,
-            encoder_last_hidden_state=outputs.encoder_last_hidden_state,
-            encoder_hidden_states=outputs.encoder_hidden_states,
-            encoder_attentions=outputs.encoder_attentions,
+            Seq2SeqLMOutput, cache_of(outputs), loss=loss, logits=logits,
+            decoder_hidden_states=outputs.decoder_hidden_states, decoder_attentions=outputs.decoder_attentions,
+            cross_attentions=outputs.cross_attentions, encoder_last_hidden_state=outputs.encoder_last_hidden_state,
+            encoder_hidden_states=outputs.encoder_hidden_states, encoder_attentions=outputs.encoder_attentions,
         )
         return format_output(output, self.config.return_dict if return_dict is None else return_dict)
-
 
 __all__ = [
     "TinySeq2SeqForConditionalGeneration",

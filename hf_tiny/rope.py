@@ -89,6 +89,13 @@ def standardize_rope_parameters(
         )
     if rope_type in ("yarn", "llama3", "longrope"):
         params.setdefault("original_max_position_embeddings", max_position_embeddings)
+    _check_rope_values(params, owner)
+    return params
+
+
+def _check_rope_values(params: dict, owner: str) -> None:
+    """Each field rope_type needs is present, and every value is in range."""
+    rope_type = params["rope_type"]
     for field in REQUIRED_ROPE_FIELDS[rope_type]:
         if field not in params:
             raise ValueError(
@@ -127,7 +134,6 @@ def standardize_rope_parameters(
                 _is_number(value) and value > 0 for value in factors
             ):
                 raise ValueError(f"{owner}: rope_parameters[{field!r}] must be a list of positive numbers, got {factors!r}")
-    return params
 
 
 def rotary_dim(rope_parameters: dict, head_dim: int, owner: str = "rope_parameters") -> int:
