@@ -230,9 +230,11 @@ def _read_mask(mask: torch.Tensor, q: torch.Tensor, sk: int, is_causal: bool, *,
         padding_only = query_valid[:, :, None] & key_valid[:, None, :]
         distance = _real_token_distance(query_valid, key_valid)
         rebuilt = padding_only & (distance >= 0) if causal else padding_only
+        window = int(full.sum(-1).max())  # the widest row sees exactly the window
+        if not _dropped_rows_are_padding(full, key_valid, query_valid, window if allow_window else None):
+            continue
         if torch.equal(rebuilt[query_valid], full[query_valid]):
             return query_valid, key_valid, causal, None
-        window = int(full.sum(-1).max())  # the widest row sees exactly the window
         if allow_window and causal and window > 0:
             if torch.equal((rebuilt & (distance < window))[query_valid], full[query_valid]):
                 return query_valid, key_valid, True, window
@@ -249,6 +251,21 @@ def _valid_queries(full: torch.Tensor, key_valid: torch.Tensor, causal: bool) ->
     seen = full.any(dim=2)
     sq, sk = full.shape[1], full.shape[2]
     return seen & key_valid[:, sk - sq :] if causal and sk >= sq else seen
+
+
+def _dropped_rows_are_padding(full, key_valid, query_valid, window: Optional[int]) -> bool:
+    """A query row flash drops while it sees keys must be what causal masks give a padding query: every real key
+    at or before it (within the window, if any). Any other row is a mask flash cannot express."""
+    dropped = full.any(dim=2) & ~query_valid
+    if not bool(dropped.any()):
+        return True
+    sq, sk = full.shape[1], full.shape[2]
+    offset = torch.arange(sk, device=full.device)[None, :] - torch.arange(sk - sq, sk, device=full.device)[:, None]
+    before = offset <= 0
+    allowed = key_valid[:, None, :] & before
+    if torch.equal(allowed[dropped], full[dropped]):
+        return True
+    return window is not None and torch.equal((allowed & (offset > -window))[dropped], full[dropped])
 
 
 def _flash_sdpa(q, k, v, *, scale, dropout_p, is_causal) -> torch.Tensor:

@@ -112,11 +112,15 @@ def linear_cross_entropy(
     return _LinearCrossEntropy.apply(hidden, weight, bias, targets, divisor, ignore_index, softcap, chunk)
 
 
+def check_skip_logits(skip_logits: Optional[bool], labels) -> None:
+    if skip_logits and labels is None:
+        raise ValueError("skip_logits=True needs labels: without them there is no loss and the logits are the output")
+
+
 def use_chunked_loss(skip_logits: Optional[bool], labels, *, training: bool, head) -> bool:
     """An LM head's choice: skip_logits (Liger-Kernel's name) True = the loss without logits, False = logits as
     usual, None = skip while training with labels. Skipping needs labels and a plain linear head."""
-    if skip_logits and labels is None:
-        raise ValueError("skip_logits=True needs labels: without them there is no loss and the logits are the output")
+    check_skip_logits(skip_logits, labels)
     if skip_logits is None:
         skip_logits = training and labels is not None
     return bool(skip_logits) and plain_linear(head)  # a PEFT-wrapped, quantized or hooked head: unchunked

@@ -296,35 +296,38 @@ class Attention(nn.Module):
             states = norm(states)
         return states.transpose(1, 2)
 
-    def _cross_attention_kv(self, key_value_states: Optional[torch.Tensor], cache):
-        """Keys and values of the encoder states: projected at the first decoding step, then read from the cache
-        (the encoder states do not change while decoding)."""
+    def _cross_attention_qkv(self, hidden_states, key_value_states: Optional[torch.Tensor], cache):
+        """Queries of the decoder states; keys and values of the encoder states: projected at the first decoding
+        step, then read from the cache (the encoder states do not change while decoding)."""
+        query = self._heads(self.q_proj(hidden_states), self.q_norm)
         if key_value_states is None:
             raise ValueError(f"cross-attention layer {self.layer_idx} needs encoder hidden states (key_value_states)")
         cross_cache = cache.cross_attention_cache if isinstance(cache, EncoderDecoderCache) else cache
         if isinstance(cache, EncoderDecoderCache) and cache.is_updated.get(self.layer_idx):
             layer = cross_cache.layers[self.layer_idx]
-            return layer.keys, layer.values
+            return query, layer.keys, layer.values
         key = self._heads(self.k_proj(key_value_states), self.k_norm)
         value = self._heads(self.v_proj(key_value_states))
         if cross_cache is not None:
             key, value = cross_cache.update(key, value, self.layer_idx)
             if isinstance(cache, EncoderDecoderCache):
                 cache.is_updated[self.layer_idx] = True
-        return key, value
+        return query, key, value
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None, *, cache=None,
                 key_value_states: Optional[torch.Tensor] = None, output_attentions: bool = False, **attention_kwargs):
         """attention_mask: a step.AttentionMask; position_embeddings: (cos, sin); cache: a transformers Cache or
         continuous batching's paged cache; attention_kwargs travel to the attention function."""
         batch, length = hidden_states.shape[:2]
-        query = self._heads(self.q_proj(hidden_states), self.q_norm)
         if self.is_cross_attention:
-            key, value = self._cross_attention_kv(key_value_states, cache)
+            query, key, value = self._cross_attention_qkv(hidden_states, key_value_states, cache)
         else:
+            # one call each, three plain statements on one input: the pattern vLLM's Transformers backend
+            # rewrites into one fused q/k/v product
+            query_states = self.q_proj(hidden_states)
             key_states = self.k_proj(hidden_states)
             value_states = self.v_proj(hidden_states)
-            key, value = self._heads(key_states, self.k_norm), self._heads(value_states)
+            query, key, value = self._heads(query_states, self.q_norm), self._heads(key_states, self.k_norm), self._heads(value_states)
             if position_embeddings is not None:
                 query, key = apply_rotary(query, *position_embeddings), apply_rotary(key, *position_embeddings)
             if isinstance(cache, EncoderDecoderCache):

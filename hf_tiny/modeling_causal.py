@@ -32,7 +32,7 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutputWithPast,
 )
 
-from .chunked_loss import labels_ahead, linear_cross_entropy, use_chunked_loss
+from .chunked_loss import check_skip_logits, labels_ahead, linear_cross_entropy, use_chunked_loss
 from .configuration_causal import TinyCausalConfig
 from .layers import Attention, RotaryEmbedding, build_norm, feed_forward
 from .mla import LatentAttention
@@ -266,6 +266,7 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
             output_hidden_states=output_hidden_states, return_dict=True, output_router_logits=output_router_logits,
             past_key_values=past_key_values, **kwargs,
         )
+        check_skip_logits(head_kwargs.get("skip_logits"), labels)
         if labels is None:
             logits, losses = self._logits(outputs.last_hidden_state, logits_to_keep), {"loss": None}
         else:

@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import inspect
 import types
 from typing import Callable, Iterator, Optional
 
@@ -98,13 +97,15 @@ _SPECIALIZED: dict = {}
 def _specialized(runtime_forward: Callable, module_class: type) -> Callable:
     """A copy of runtime_forward presenting module_class.forward's signature and docstring: tools read a module's
     forward signature (transformers passes an encoder only the arguments its forward names). Named "forward", so a
-    pickled module unpickles with its class's forward instead of failing."""
+    pickled module unpickles with its class's forward instead of failing. The signature comes through __wrapped__
+    (what inspect.signature follows by default), not __signature__: torch.compile binds a compiled frame's
+    arguments with inspect.signature(fn, follow_wrapped=False) and needs the copy's own (*args, **kwargs)."""
     key = (runtime_forward, module_class)
     if key not in _SPECIALIZED:
         code = runtime_forward.__code__
         copy = types.FunctionType(code, runtime_forward.__globals__, "forward", runtime_forward.__defaults__,
                                   runtime_forward.__closure__)
-        copy.__signature__ = inspect.signature(module_class.forward)
+        copy.__wrapped__ = module_class.forward
         copy.__doc__ = module_class.forward.__doc__
         copy.hf_tiny_runtime = True
         _SPECIALIZED[key] = copy

@@ -72,7 +72,7 @@ def test_offline_engine_generates_officials_greedy_tokens_with_fused_projections
     assert produced["vllm_model_class"] == "TransformersForCausalLM", produced["vllm_model_class"]
     assert "Found: self_attn (Attention) -> attention interface" in log
     assert "Fused: q_proj + k_proj + v_proj (self_attn: Attention) -> qkv_proj" in log
-    assert "Fused: gate_proj + up_proj (mlp: FeedForward) -> gate_up_proj" in log
+    assert "Fused: gate_proj + up_proj (mlp: GatedFeedForward) -> gate_up_proj" in log
     assert all(len(set(tokens)) > 5 for tokens in expected)  # real text, not a repeated token
     assert produced["token_ids"] == expected
 
