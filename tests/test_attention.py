@@ -713,8 +713,18 @@ def _cuda_cases():
             )
         q = torch.randn(3, 8, sq, 64, generator=gen)
         k, v = (torch.randn(3, 2, sk, 64, generator=gen) for _ in range(2))
-        cases.append((kind, side, q, k, v, mask, is_causal))
+        cases.append((kind, side, q, k, v, mask, is_causal, padding))
     return cases
+
+
+def _flash_reference_mask(kind, mask, padding):
+    """The mask naive attention needs to compute what flash computes: flash drops a causal self-attention query
+    whose own key is padding (zeros, as flash-attn's varlen path), eager and sdpa let it see the real keys before it
+    (flash_semantics above, for the CUDA cases)."""
+    if mask is None or padding is None or kind in ("padding", "cross"):
+        return mask
+    query_length = mask.shape[-2]
+    return mask & padding[:, padding.shape[1] - query_length :].bool()[:, None, :, None].to(mask.device)
 
 
 @pytest.mark.cuda
@@ -732,10 +742,11 @@ def test_cuda_backends_match_naive(dtype, backend, flash_path, monkeypatch):
     if flash_path == "sdpa_flash_fallback":
         monkeypatch.setattr(attention, "flash_attn_package_available", lambda device=None: False)
     fn = get_attention_backend(backend)
-    for kind, side, q, k, v, mask, is_causal in _cuda_cases():
+    for kind, side, q, k, v, mask, is_causal, padding in _cuda_cases():
         q, k, v = (t.to("cuda", dtype) for t in (q, k, v))
         mask = None if mask is None else mask.cuda()
-        expected, _ = naive_attention(q, k, v, mask, scale=0.125, is_causal=is_causal)
+        reference_mask = _flash_reference_mask(kind, mask, padding) if backend == "flash_attention_2" else mask
+        expected, _ = naive_attention(q, k, v, reference_mask, scale=0.125, is_causal=is_causal)
         try:
             out, _ = fn(q, k, v, mask, scale=0.125, is_causal=is_causal)
         except ValueError as error:
@@ -747,5 +758,5 @@ def test_cuda_backends_match_naive(dtype, backend, flash_path, monkeypatch):
         diff = (out.float() - expected.float()).abs().max().item()
         assert diff <= CUDA_TOLERANCE[dtype], (backend, kind, side, dtype, diff)
         if mask is not None:
-            empty_rows = ~mask.any(-1)  # [B, 1, Sq]
+            empty_rows = ~reference_mask.any(-1)  # [B, 1, Sq]
             assert torch.all(out.masked_select(empty_rows[..., None].expand_as(out)) == 0)
