@@ -291,6 +291,30 @@ def test_bad_gpt_oss_config_is_a_clear_error(changes, error, message):
     assert message in str(raised.value)
 
 
+
+@pytest.mark.cuda  # skipped with a reason without a GPU (conftest.py)
+def test_cuda_backends_match_official(official, batch):
+    """On CUDA: fp32 logits of every backend (sdpa's own kernels, our compiled Triton kernel) against official eager
+    (1e-4: CUDA kernels reorder fp32 sums, as tests/test_attention.py's CUDA bound); in bf16 flash_attention_2 (our
+    Triton kernel, sinks in it) against our bf16 eager; the sinks' gradients through the Triton kernel."""
+    device_official = tiny_official().cuda()
+    cuda_batch = {name: tensor.cuda() for name, tensor in batch.items()}
+    expected = real_logits(device_official, cuda_batch)
+    ours = ours_from(official).cuda()
+    for backend in ("eager", "sdpa", "hf_tiny_flash"):
+        ours.set_attn_implementation(backend)
+        assert relative_error(real_logits(ours, cuda_batch), expected) <= 1e-4, backend
+    labels = cuda_batch["input_ids"].masked_fill(cuda_batch["attention_mask"] == 0, -100)
+    grads, official_grads = _gradients(ours, cuda_batch, labels)[2], _gradients(device_official, cuda_batch, labels)[2]
+    sinks = "model.layers.0.self_attn.sinks"
+    assert relative_error(grads[sinks], official_to_ours(official_grads)[sinks]) <= 1e-3
+    ours = ours.bfloat16()
+    ours.set_attn_implementation("eager")
+    reference = real_logits(ours, cuda_batch).float()
+    ours.set_attn_implementation("flash_attention_2")
+    assert relative_error(real_logits(ours, cuda_batch).float(), reference) <= 3e-2
+
+
 # ---- MXFP4 ------------------------------------------------------------------------------------------------------
 
 
