@@ -729,6 +729,6 @@ def sinks_for(name: str, function: Callable, sinks: torch.Tensor) -> torch.Tenso
     if name not in HF_TINY_INTERFACES and not _takes_s_aux(function):
         raise ValueError(
             f"attn_implementation={name!r} does not take attention sinks (no `s_aux` parameter), which this model's "
-            f"attention needs; use one that does: {sorted(HF_TINY_INTERFACES)} or flex_attention"
+            f"attention needs; use one that does: {sorted(HF_TINY_INTERFACES)}, or flex_attention on CUDA"
         )
     return sinks
