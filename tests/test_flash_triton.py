@@ -118,14 +118,19 @@ def varlen_cases(draw):
                 causal=causal, window=window, seed=draw(st.integers(0, 2**16)))
 
 
+def case_inputs(case: dict, device):
+    """packed_inputs for a varlen_cases() draw (one non-empty sequence at least)."""
+    if sum(case["k_lens"]) == 0 or sum(case["q_lens"]) == 0:
+        case["q_lens"][0] = case["k_lens"][0] = 5
+    return packed_inputs(case["q_lens"], case["k_lens"], case["heads"], case["kv_heads"], case["dim"], case["dtype"],
+                         device, case["seed"])
+
+
 @KERNEL_SETTINGS
 @given(case=varlen_cases())
 def test_kernel_forward_and_gradients_match_fp64_reference(kernel, case):
     module, device = kernel
-    if sum(case["k_lens"]) == 0 or sum(case["q_lens"]) == 0:
-        case["q_lens"][0] = case["k_lens"][0] = 5
-    q, k, v, cu_q, cu_k, grad_out = packed_inputs(case["q_lens"], case["k_lens"], case["heads"], case["kv_heads"],
-                                                  case["dim"], case["dtype"], device, case["seed"])
+    q, k, v, cu_q, cu_k, grad_out = case_inputs(case, device)
     errors = relative_errors(module, q, k, v, cu_q, cu_k, grad_out, causal=case["causal"], window=case["window"])
     bound = TOLERANCE[case["dtype"]]
     assert max(errors) <= bound, f"out/dq/dk/dv errors {['%.2e' % e for e in errors]} > {bound}: {case}"
@@ -195,10 +200,7 @@ def _sinks(heads: int, device, dtype, seed: int) -> torch.Tensor:
 def test_kernel_with_sinks_forward_and_gradients_match_fp64_reference(kernel, case):
     """Output, dq, dk, dv and the sinks' gradient, over causal / windowed / GQA / empty-row cases."""
     module, device = kernel
-    if sum(case["k_lens"]) == 0 or sum(case["q_lens"]) == 0:
-        case["q_lens"][0] = case["k_lens"][0] = 5
-    q, k, v, cu_q, cu_k, grad_out = packed_inputs(case["q_lens"], case["k_lens"], case["heads"], case["kv_heads"],
-                                                  case["dim"], case["dtype"], device, case["seed"])
+    q, k, v, cu_q, cu_k, grad_out = case_inputs(case, device)
     sinks = _sinks(case["heads"], device, case["dtype"], case["seed"])
     errors = relative_errors(module, q, k, v, cu_q, cu_k, grad_out, causal=case["causal"], window=case["window"],
                              sinks=sinks)
