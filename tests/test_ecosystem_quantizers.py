@@ -1,5 +1,5 @@
 """Quantizers (issue 33 item 1): every quantizer transformers ships that runs on a CPU (bitsandbytes 4 and 8 bit,
-torchao int8 weight-only, optimum-quanto int8) replaces in hf_tiny models exactly the modules it replaces in the
+torchao int8 weight-only, optimum-quanto int8, SINQ 4-bit where installed) replaces in hf_tiny models exactly the modules it replaces in the
 official model on the same weights (hf_tiny's projections are plain nn.Linear), and the quantized outputs are as
 close to the official quantized model's as two loads of the official one are. The runtime's few-row decode product
 stays on the plain nn.Linear modules only. HQQ is not in this list: transformers 5.24 refuses HqqConfig itself
@@ -12,7 +12,7 @@ import re
 
 import pytest
 import torch
-from transformers import AutoModel, AutoModelForCausalLM, BitsAndBytesConfig, QuantoConfig, TorchAoConfig
+from transformers import AutoModel, AutoModelForCausalLM, BitsAndBytesConfig, QuantoConfig, SinqConfig, TorchAoConfig
 
 import hf_tiny  # noqa: F401  (registers the Auto classes)
 from causal_helpers import max_diff, tiny_official
@@ -34,6 +34,8 @@ QUANTIZERS = {
     "bnb_8bit": ("bitsandbytes", lambda: BitsAndBytesConfig(load_in_8bit=True)),
     "torchao_int8_weight_only": ("torchao", _torchao_int8),
     "quanto_int8": ("optimum.quanto", lambda: QuantoConfig(weights="int8")),
+    # SINQ quantizing the LM head fails on the official model too ("SinqQuantize on tensors destined for lm_head")
+    "sinq_4bit": ("sinq", lambda: SinqConfig(modules_to_not_convert=["lm_head"])),
 }
 # bitsandbytes' 4-bit CPU kernel packs blocks of 64 input features: hidden sizes are multiples of 64
 SIZES = {"causal": dict(hidden_size=64, intermediate_size=128), "encoder": dict(hidden=64, intermediate=128)}
@@ -56,18 +58,19 @@ def folders(tmp_path_factory) -> dict:
 def load(family: str, folder, quantizer: str):
     package, config = QUANTIZERS[quantizer]
     if importlib.util.find_spec(package.split(".")[0]) is None:
-        pytest.skip(f"{package} is not installed (the test extra pins it)")
+        pinned = "" if package == "sinq" else " (the test extra pins it)"
+        pytest.skip(f"{package} is not installed{pinned}")
     auto = AutoModelForCausalLM if family == "causal" else AutoModel
     return auto.from_pretrained(folder, quantization_config=config(), device_map="cpu").eval()
 
 
 def quantized_modules(model) -> set[str]:
-    """Modules a quantizer replaced (bitsandbytes', quanto's classes) or whose weight it replaced (torchao)."""
+    """Modules a quantizer replaced (bitsandbytes', quanto's, SINQ's classes) or whose weight it replaced (torchao)."""
     names = set()
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         weight_class = type(weight.data if isinstance(weight, torch.nn.Parameter) else weight)
-        if type(module).__module__.startswith(("bitsandbytes", "optimum")) or weight_class.__module__.startswith("torchao"):
+        if type(module).__module__.startswith(("bitsandbytes", "optimum", "sinq")) or weight_class.__module__.startswith("torchao"):
             names.add(name)
     return names
 

@@ -153,7 +153,8 @@ def packed_row():
 
 
 def test_seq_idx_alone_keeps_each_packed_sequence_to_itself(pair):
-    """TRL's seq_idx without any other boundary: the packed row's logits equal each sequence run alone."""
+    """TRL's seq_idx decides the boundaries (over restarting positions): the packed row's logits equal each sequence
+    run alone."""
     _, ours = pair
     ids, seq_idx = packed_row()
     positions = torch.cat([torch.arange(len(sequence)) for sequence in SEQUENCES])[None]
