@@ -183,6 +183,17 @@ def _uses(group: str, values: dict) -> bool:
     }[group]
 
 
+def _renamed_aliases(owner: str, attribute_map: dict, kwargs: dict) -> dict:
+    """kwargs with each alias (attribute_map: num_experts) under the field's own name (num_local_experts)."""
+    for alias, name in attribute_map.items():
+        if alias in kwargs:
+            if name in kwargs and kwargs[name] != kwargs[alias]:
+                raise ValueError(f"{owner}: {alias}={kwargs[alias]} and {name}={kwargs[name]} name the same field; "
+                                 f"give one")
+            kwargs = {**{k: v for k, v in kwargs.items() if k != alias}, name: kwargs[alias]}
+    return kwargs
+
+
 def field_value(config, name: str):
     """A field of a causal config, or for a mechanism the config does not use the field's "off" default (a dense
     config holds no num_local_experts: 0)."""
@@ -391,6 +402,9 @@ class TinyCausalConfig(PretrainedConfig):
 
     model_type = "hf_tiny_causal"
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
+    # official MoE configs' (Mixtral, Qwen3-MoE) alias, which tools read (TRL's load-balancing loss); a dense config
+    # holds no num_local_experts, so it has no num_experts either
+    attribute_map = {"num_experts": "num_local_experts"}
     base_model_tp_plan = {
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
@@ -423,6 +437,7 @@ class TinyCausalConfig(PretrainedConfig):
         """Every field this docstring's class describes; the optional mechanisms' fields (OPTIONAL_FIELDS: MoE,
         MLA, MTP, ALiBi) arrive through kwargs and are held only when their mechanism is on."""
         owner = type(self).__name__
+        kwargs = _renamed_aliases(owner, type(self).attribute_map, kwargs)
         optional = {name: kwargs.pop(name, default) for group in OPTIONAL_FIELDS.values() for name, default in group.items()}
         values = {**init_arguments({k: v for k, v in locals().items() if k not in ("optional", "owner")}), **optional}
         check_finite_fields(owner, values)
