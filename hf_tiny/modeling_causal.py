@@ -304,6 +304,8 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
             check_labels(labels, num_classes=self.config.vocab_size, expected_shape=tuple(hidden_states.shape[:2]),
                          ignore_index=loss_kwargs.get("ignore_index", -100))
         chunked = use_chunked_loss(head_kwargs.get("skip_logits"), labels, training=self.training, head=self.lm_head)
+        # under torch.compile / torch.export the plain loss: the chunked one's backward branches on the data
+        chunked = chunked and not torch.compiler.is_compiling()
         if chunked and isinstance(logits_to_keep, int) and logits_to_keep == 0:
             logits, loss = None, self._chunked_loss(hidden_states, labels, **loss_kwargs)
         else:
