@@ -17,6 +17,7 @@ from transformers import AutoModelForCausalLM
 
 import test_alibi
 import test_convert_gpt2
+import test_convert_llama
 import test_convert_phi3
 import test_deepseek
 from causal_helpers import tiny_official
@@ -37,7 +38,8 @@ FAMILIES = {
     "mistral_sliding": _llama_family("mistral", sliding_window=5),
     "qwen2": _llama_family("qwen2"),
     "qwen3": _llama_family("qwen3", head_dim=16),
-    "gemma3_text": _llama_family("gemma3_text", head_dim=16, sliding_window=5),
+    # per-layer-type rope_parameters spelled out: transformers 5.16's Gemma 3 default is a flat dict
+    "gemma3_text": _llama_family("gemma3_text", **test_convert_llama.VARIANTS["gemma3"][1]),
     "mixtral": _llama_family("mixtral", num_local_experts=4, num_experts_per_tok=2),
     "qwen2_moe": _llama_family("qwen2_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
                                shared_expert_intermediate_size=24),
