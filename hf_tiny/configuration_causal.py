@@ -168,6 +168,9 @@ OPTIONAL_FIELDS = {
                 mla_absorb=False),
     "mtp": dict(num_nextn_predict_layers=0, mtp_loss_weight=0.3),
     "alibi": dict(alibi_bias_max=8.0),
+    "sinks": dict(attention_sinks=False),
+    "moe_biases": dict(router_bias=False, expert_bias=False),
+    "clamped_swiglu": dict(swiglu_limit=None, swiglu_alpha=1.702),
 }
 
 
@@ -175,6 +178,8 @@ def _uses(group: str, values: dict) -> bool:
     return {
         "moe": bool(values["num_local_experts"]), "mla": values["kv_lora_rank"] is not None,
         "mtp": bool(values["num_nextn_predict_layers"]), "alibi": values["position_embedding_type"] == "alibi",
+        "sinks": bool(values["attention_sinks"]), "clamped_swiglu": values["swiglu_limit"] is not None,
+        "moe_biases": bool(values["router_bias"] or values["expert_bias"]),
     }[group]
 
 
@@ -251,6 +256,29 @@ def _check_mtp(owner: str, values: dict) -> None:
             f"{owner}: Multi-Token Prediction modules (num_nextn_predict_layers={depth}) attend with full attention; "
             "a model with sliding_attention layers is not supported"
         )
+
+
+def check_gpt_oss_fields(owner: str, values: dict) -> None:
+    """GPT-OSS's mechanisms: attention sinks, router and expert biases, the clamped SwiGLU, softmax over the top-k
+    logits (each usable alone)."""
+    check_bool(owner, attention_sinks=values["attention_sinks"], router_bias=values["router_bias"],
+               expert_bias=values["expert_bias"])
+    if values["attention_sinks"] and values["kv_lora_rank"] is not None:
+        raise ValueError(f"{owner}: attention_sinks=True is not supported with MLA (kv_lora_rank={values['kv_lora_rank']})")
+    biased = [name for name in ("router_bias", "expert_bias") if values[name]]
+    if biased and not values["num_local_experts"]:
+        raise ValueError(f"{owner}: {'/'.join(biased)}=True ask for Mixture-of-Experts biases but num_local_experts=0")
+    if values["swiglu_limit"] is not None:
+        check_positive_number(owner, swiglu_limit=values["swiglu_limit"], swiglu_alpha=values["swiglu_alpha"])
+        if not values["mlp_gated"]:
+            raise ValueError(f"{owner}: swiglu_limit={values['swiglu_limit']} clamps a gated feed-forward; set mlp_gated=True")
+    if values["num_local_experts"] and values["router_scoring"] == "topk_softmax":
+        if values["n_group"] != 1 or values["norm_topk_prob"] is not True:
+            raise ValueError(
+                f"{owner}: router_scoring='topk_softmax' (softmax over the k chosen logits, which sum to 1) takes no "
+                f"expert groups and no renormalization switch; got n_group={values['n_group']}, "
+                f"norm_topk_prob={values['norm_topk_prob']!r} (leave them at 1 and True)"
+            )
 
 
 def _rope_parameters(owner: str, values: dict, legacy_scaling, legacy_theta) -> dict:
@@ -350,6 +378,15 @@ class TinyCausalConfig(PretrainedConfig):
 
     Multi-Token Prediction (DeepSeek-V3; mtp.py): num_nextn_predict_layers modules predicting tokens 2 .. D + 1
     ahead, trained with weight mtp_loss_weight (lambda) and used by generate(use_mtp=True) to draft tokens.
+
+    GPT-OSS is a MoE model with alternating sliding / full layer_types, attention_bias and YaRN (truncate=False), and
+    four more switches (off elsewhere):
+    - attention_sinks: a learned logit per head (`self_attn.sinks`) in every query's softmax denominator, attached to
+      no value (attention.py's backends).
+    - router_scoring "topk_softmax": the k largest router logits, softmax over them (in their dtype).
+    - router_bias / expert_bias: a bias on the router (`mlp.gate.bias`) / on each expert's projections.
+    - swiglu_limit (None: off) and swiglu_alpha: every gated feed-forward is GPT-OSS's clamped SwiGLU,
+      down((clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)), g = clamp(gate, max=limit) (layers.py).
     """
 
     model_type = "hf_tiny_causal"
@@ -396,6 +433,7 @@ class TinyCausalConfig(PretrainedConfig):
         if values["moe_intermediate_size"] is None:
             values["moe_intermediate_size"] = intermediate_size
         values["mlp_layer_types"] = check_moe_fields(owner, values, num_hidden_layers, kwargs.pop("first_k_dense_replace", None))
+        check_gpt_oss_fields(owner, values)
         _check_mtp(owner, values)
         if pad_token_id == -1:  # old LLaMA configs: official warns and loads (nn.Embedding reads -1 as the last row)
             warn_on_token_ids_outside(vocab_size, pad_token_id=pad_token_id)
@@ -438,7 +476,7 @@ class TinyCausalConfig(PretrainedConfig):
             norm_topk_prob=self.norm_topk_prob, n_group=self.n_group, topk_group=self.topk_group,
             routed_scaling_factor=self.routed_scaling_factor,
             shared_intermediate_size=self.shared_expert_intermediate_size, shared_expert_gate=self.shared_expert_gate,
-            jitter_noise=self.router_jitter_noise,
+            jitter_noise=self.router_jitter_noise, router_bias=field_value(self, "router_bias"),
         )
 
     def is_sparse_layer(self, layer_idx: int) -> bool:
