@@ -450,7 +450,10 @@ class TinyCausalConfig(PretrainedConfig):
         values["mlp_layer_types"] = check_moe_fields(owner, values, num_hidden_layers, kwargs.pop("first_k_dense_replace", None))
         check_gpt_oss_fields(owner, values)
         _check_mtp(owner, values)
-        check_token_ids(owner, vocab_size, pad_token_id=pad_token_id)
+        if pad_token_id == -1:  # old LLaMA configs: official warns and loads (nn.Embedding reads -1 as the last row)
+            warn_on_token_ids_outside(vocab_size, pad_token_id=pad_token_id)
+        else:
+            check_token_ids(owner, vocab_size, pad_token_id=pad_token_id)
         warn_on_token_ids_outside(vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
         standardized = _rope_parameters(owner, values, kwargs.pop("rope_scaling", None), kwargs.pop("rope_theta", None))
         store_init_fields(self, TinyCausalConfig.__init__, values, skip=("rope_parameters",))

@@ -51,6 +51,10 @@ LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
 HEAD_KWARGS = ("skip_logits",)
 
 
+# Keywords of generate() itself that it passes along with the model inputs.
+GENERATE_ONLY_KWARGS = ("tokenizer", "assistant_tokenizer")
+
+
 def norm_of(config: TinyCausalConfig) -> nn.Module:
     return build_norm(config.norm_type, config.hidden_size, config.norm_type_eps(),
                       unit_offset=config.rms_norm_unit_offset, bias=config.norm_bias)
@@ -251,7 +255,11 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         """longrope (Phi-3) as official: keys cached while the sequence was short were rotated with the short
         factors, so the step that first passes original_max_position_embeddings drops the cache and recomputes
         every key with the long ones. The cache arrives under the name the installed generate() uses (cache= from
-        transformers 5.24 on, past_key_values= before) and is passed back under it."""
+        transformers 5.24 on, past_key_values= before) and is passed back under it. generate() hands its own
+        tokenizer= (stop_strings, token healing) on with the model inputs; official forwards swallow it in **kwargs,
+        ours refuses unknown keywords, so it stops here."""
+        for name in GENERATE_ONLY_KWARGS:
+            kwargs.pop(name, None)
         rope = self.config.rope_parameters_for("full_attention")
         name = "cache" if "cache" in kwargs else "past_key_values"
         cache = kwargs.get(name)
@@ -305,6 +313,8 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
             check_labels(labels, num_classes=self.config.vocab_size, expected_shape=tuple(hidden_states.shape[:2]),
                          ignore_index=loss_kwargs.get("ignore_index", -100))
         chunked = use_chunked_loss(head_kwargs.get("skip_logits"), labels, training=self.training, head=self.lm_head)
+        # under torch.compile / torch.export the plain loss: the chunked one's backward branches on the data
+        chunked = chunked and not torch.compiler.is_compiling()
         if chunked and isinstance(logits_to_keep, int) and logits_to_keep == 0:
             logits, loss = None, self._chunked_loss(hidden_states, labels, **loss_kwargs)
         else:
