@@ -278,13 +278,15 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         return shape
 
     def layer_passes(self):
-        """The blocks in the order they run: each once, or with ALBERT's sharing num_hidden_layers passes where
-        pass i runs the inner_group_num blocks of group i * num_hidden_groups // num_hidden_layers."""
+        """(block, attention type) in the order the blocks run: each once, or with ALBERT's sharing
+        num_hidden_layers passes where pass i runs the inner_group_num blocks of group
+        i * num_hidden_groups // num_hidden_layers; pass i attends as layer i's type."""
         config = self.config
         per_group = config.inner_group_num
-        for i in range(config.num_hidden_layers):
+        for i, layer_type in enumerate(config.attention_types()):
             group = i * config.num_hidden_groups // config.num_hidden_layers
-            yield from self.layers[group * per_group : (group + 1) * per_group]
+            for block in self.layers[group * per_group : (group + 1) * per_group]:
+                yield block, layer_type
 
     @property
     def max_sequence_length(self) -> int:
@@ -346,7 +348,7 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         rotary = self.position_embeddings(hidden_states, position_ids)
         attention = [layer.self_attn for layer in self.layers] if flags.attentions else ()
         with LayerOutputs(flags, attention_modules=attention) as collected:
-            for layer, layer_type in zip(self.layer_passes(), self.config.attention_types()):
+            for layer, layer_type in self.layer_passes():
                 collected.add_hidden(hidden_states)
                 hidden_states = layer(hidden_states, masks[layer_type], position_embeddings=rotary.get(layer_type),
                                       output_attentions=flags.attentions)
