@@ -33,8 +33,8 @@ from transformers.modeling_outputs import (
 )
 
 from .chunked_loss import check_skip_logits, labels_ahead, linear_cross_entropy, use_chunked_loss
-from .configuration_causal import TinyCausalConfig
-from .layers import Attention, RotaryEmbedding, build_norm, feed_forward
+from .configuration_causal import TinyCausalConfig, field_value
+from .layers import Attention, ClampedSwiGLUFeedForward, RotaryEmbedding, build_norm, feed_forward
 from .mla import LatentAttention
 from .modeling_base import HfTinyPreTrainedModel
 from .moe import SparseMoeFeedForward, load_balancing_loss
@@ -65,16 +65,25 @@ def attention_of(config: TinyCausalConfig, layer_idx: int) -> nn.Module:
         config, layer_idx, hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim, bias=config.attention_bias,
         output_bias=output_bias, scaling=config.attention_scale(), dropout=config.attention_dropout, is_causal=True,
-        qk_norm=qk_norm,
+        qk_norm=qk_norm, sinks=field_value(config, "attention_sinks"),
     )
+
+
+def mlp_of(config: TinyCausalConfig, intermediate_size: int, *, gated: bool, bias: bool) -> nn.Module:
+    """One feed-forward (a dense layer's or an expert): plain, gated, or GPT-OSS's clamped SwiGLU."""
+    limit = field_value(config, "swiglu_limit")
+    if limit is not None:
+        return ClampedSwiGLUFeedForward(config.hidden_size, intermediate_size, alpha=config.swiglu_alpha, limit=limit,
+                                        bias=bias)
+    return feed_forward(config.hidden_size, intermediate_size, config.hidden_act, gated=gated, bias=bias)
 
 
 def feed_forward_of(config: TinyCausalConfig, layer_idx: int) -> nn.Module:
     if config.is_sparse_layer(layer_idx):
-        spec, hidden, act = config.moe_spec(), config.hidden_size, config.hidden_act
-        return SparseMoeFeedForward(hidden, spec, lambda size: feed_forward(hidden, size, act, gated=True, bias=False))
-    return feed_forward(config.hidden_size, config.intermediate_size, config.hidden_act, gated=config.mlp_gated,
-                        bias=config.mlp_bias)
+        bias = field_value(config, "expert_bias")
+        return SparseMoeFeedForward(config.hidden_size, config.moe_spec(),
+                                    lambda size: mlp_of(config, size, gated=True, bias=bias))
+    return mlp_of(config, config.intermediate_size, gated=config.mlp_gated, bias=config.mlp_bias)
 
 
 class TinyCausalDecoderLayer(GradientCheckpointingLayer):

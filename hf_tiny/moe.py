@@ -6,6 +6,8 @@ checkpoints are options of one router:
 
 - Mixtral / Qwen-MoE: probabilities = softmax(logits); the k largest; renormalized to sum 1 when
   norm_topk_prob (Mixtral always, Qwen per config).
+- GPT-OSS ("topk_softmax"): the k largest logits (its router has a bias), softmax over those k, in the logits'
+  dtype; the same weights as Mixtral's up to rounding, in the order official computes them.
 - DeepSeek-V3: scores = sigmoid(logits) (in fp32). The *choice* adds a learned-free correction bias per expert
   (`e_score_correction_bias`, adjusted outside backprop to balance load), and is restricted to the topk_group
   best of n_group expert groups (a group's score: the sum of its two best scores); the *weights* are the
@@ -25,7 +27,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-ROUTER_SCORINGS = ("softmax", "sigmoid")
+ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax")
 
 
 @dataclass(frozen=True)
@@ -43,38 +45,43 @@ class MoeSpec:
     shared_intermediate_size: int = 0  # 0: no shared experts
     shared_expert_gate: bool = False  # Qwen2-MoE: shared output scaled by sigmoid(linear(x))
     jitter_noise: float = 0.0  # Mixtral: inputs multiplied by U(1 - j, 1 + j) while training
+    router_bias: bool = False  # GPT-OSS: the router's linear map has a bias
 
 
 class TopKRouter(nn.Module):
     """Router logits -> (top-k expert indices, their weights). `weight` is [num_experts, hidden] (official name
-    `gate.weight`); sigmoid routing also holds `e_score_correction_bias` (a buffer: it is not learned by
-    gradient descent)."""
+    `gate.weight`), `bias` [num_experts] or None (GPT-OSS's `router.bias`); sigmoid routing also holds
+    `e_score_correction_bias` (a buffer: it is not learned by gradient descent)."""
 
     def __init__(self, hidden_size: int, spec: MoeSpec):
         super().__init__()
         self.spec = spec
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(spec.num_experts)) if spec.router_bias else None
         if spec.scoring == "sigmoid":
             self.register_buffer("e_score_correction_bias", torch.zeros(spec.num_experts))
         else:
             self.e_score_correction_bias = None
 
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """tokens [T, hidden] -> (router_logits [T, E], top_k_index [T, k], top_k_weights [T, k] in fp32)."""
+        """tokens [T, hidden] -> (router_logits [T, E], top_k_index [T, k], top_k_weights [T, k]: fp32, in the
+        logits' dtype for "topk_softmax")."""
         spec = self.spec
-        if spec.scoring == "softmax":
-            logits = F.linear(tokens, self.weight)
-            scores = logits.float().softmax(dim=-1)
-            choice_scores = scores
-        else:  # DeepSeek-V3 routes in fp32 whatever the model's dtype
-            logits = F.linear(tokens.float(), self.weight.float())
+        if spec.scoring == "sigmoid":  # DeepSeek-V3 routes in fp32 whatever the model's dtype
+            logits = F.linear(tokens.float(), self.weight.float(), None if self.bias is None else self.bias.float())
             scores = logits.sigmoid()
             choice_scores = scores + self.e_score_correction_bias
+        else:
+            logits = F.linear(tokens, self.weight, self.bias)
+            scores = logits.float().softmax(dim=-1) if spec.scoring == "softmax" else logits
+            choice_scores = scores
         if spec.n_group > 1:
             choice_scores = self._keep_best_groups(choice_scores)
         top_k_index = torch.topk(choice_scores, spec.top_k, dim=-1).indices
         top_k_weights = scores.gather(-1, top_k_index)
-        if spec.norm_topk_prob:
+        if spec.scoring == "topk_softmax":  # GPT-OSS: the chosen logits' softmax, which sums to 1 already
+            top_k_weights = top_k_weights.softmax(dim=-1)
+        elif spec.norm_topk_prob:
             # sigmoid scores need not sum to anything; the tiny constant is DeepSeek's guard against 0 / 0
             top_k_weights = top_k_weights / (top_k_weights.sum(dim=-1, keepdim=True) + (1e-20 if spec.scoring == "sigmoid" else 0.0))
         if spec.routed_scaling_factor != 1.0:
