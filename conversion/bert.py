@@ -116,6 +116,9 @@ class EncoderVariant:
     layer_pairs: Optional[Callable] = None
     embedding_projection: str = ""  # the projection of factorized embeddings to hidden_size (ELECTRA)
     class_overrides: dict[str, tuple[str, str, str]] = field(default_factory=dict)  # suffix -> CLASSES entry
+    # own_key_map(variant, suffix, config) -> KeyMap: the key map of a variant whose tensors do not map 1:1 by the
+    # tables above (ModernBERT's fused projections, biases the config turns off); None: key_map() below
+    own_key_map: Optional[Callable] = None
 
     def hf_tiny_class(self, suffix: str) -> tuple[str, str, str]:
         """(hf_tiny class, Auto class, pipeline tag) of an official class suffix."""
@@ -185,6 +188,8 @@ def part_keys(variant: EncoderVariant, part: str, state, *, prefixed: bool) -> l
 def key_map(variant: EncoderVariant, suffix: str, config) -> KeyMap:
     """The official <-> hf_tiny key map of one official class, for an hf_tiny encoder config (tied decoder,
     embedding projection, shared layers)."""
+    if variant.own_key_map is not None:
+        return variant.own_key_map(variant, suffix, config)
     tied, projected = config.tie_word_embeddings, config.project_embeddings
     source, target = ("", "") if suffix == "Model" else (variant.base_prefix, "model")
     parts = variant.class_parts[suffix]

@@ -15,6 +15,7 @@ FAMILIES = {
     "distilbert": "conversion.distilbert",
     "electra": "conversion.electra",
     "albert": "conversion.albert",
+    "modernbert": "conversion.modernbert",
     "llama": "conversion.llama",
     "gpt2": "conversion.gpt2",
     "mpt": "conversion.mpt",

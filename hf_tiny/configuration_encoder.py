@@ -5,9 +5,24 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
+from .configuration_causal import LAYER_TYPES, check_layer_types
+from .rope import rotary_dim, standardize_rope_parameters
 from .validation import check_bool, check_choice, check_divisible, check_finite_fields, check_positive, check_positive_number
 from .validation import check_non_negative, check_probability, check_token_ids, check_unsupported_field, init_arguments
 from .validation import store_init_fields
+
+# The fields of mechanisms BERT-style encoders do not have (ModernBERT's), with the value that means "not used". A
+# config holds such a field only when its value differs (so BERT-era config.json files stay as they are); reading
+# one it does not hold gives this value (a class attribute). rope_parameters, held with position_embedding_type
+# "rope" only, is not among them: transformers standardizes a config's rope_parameters whenever it has one.
+OPTIONAL_FIELDS = dict(
+    position_embedding_type="absolute", layer_types=None, sliding_window=None, norm_placement="post", norm_bias=True,
+    mlp_gated=False, mlp_bias=True, activation_dropout=0.0, embedding_dropout=None, head_transform=False,
+    classifier_pooling="cls", classifier_bias=True, classifier_activation=None, decoder_bias=True,
+)
+POSITION_EMBEDDING_TYPES = ("absolute", "rope")
+NORM_PLACEMENTS = ("post", "pre")
+CLASSIFIER_POOLINGS = ("cls", "mean")
 
 
 class TinyEncoderConfig(PretrainedConfig):
@@ -39,6 +54,27 @@ class TinyEncoderConfig(PretrainedConfig):
             group per layer, no sharing). num_hidden_groups must divide num_hidden_layers.
         next_sentence_dropout: dropout before the next-sentence / sentence-order head (ALBERT's SOP head uses
             classifier_dropout_prob; BERT has none).
+
+    Optional fields (OPTIONAL_FIELDS; ModernBERT's mechanisms), held only when set to something else than their
+    default:
+        position_embedding_type: "absolute" (the learned table) or "rope": rotary positions in every attention, no
+            position table; rope_parameters is then one rope dict, or one per layer type ({"full_attention": ...,
+            "sliding_attention": ...}: ModernBERT's global and local theta).
+        layer_types: each layer's attention, "full_attention" or "sliding_attention" (None: all full);
+            sliding_window: a sliding layer's query sees the keys at most sliding_window positions before or after
+            it (transformers' bidirectional window; ModernBERT's local_attention // 2).
+        norm_placement: "post" (BERT: x = norm(x + f(x))) or "pre" (ModernBERT: x = x + f(norm(x)); the embeddings'
+            norm is the first layer's input norm, and a final norm follows the last layer). norm_bias: the
+            LayerNorms' additive bias (ModernBERT has none).
+        mlp_gated: the gated feed-forward down(act(gate(x)) * up(x)) (ModernBERT's GeGLU); mlp_bias: biases of
+            its projections; activation_dropout: dropout of the feed-forward's hidden activations.
+        embedding_dropout: the embeddings' dropout where it differs from hidden_dropout (None: hidden_dropout).
+        head_transform: every task head starts with the MLM head's dense -> activation -> LayerNorm (ModernBERT's
+            prediction head): the pooler ends with the norm, token classification and QA put it before their
+            classifier. classifier_pooling: what the pooler reads, the first token ("cls") or the mean over the
+            real tokens ("mean"). classifier_bias: the bias of those dense layers (pooler, MLM transform);
+            classifier_activation: the activation of the MLM and token / QA transforms (None: hidden_act; the
+            pooler's is pooler_act). decoder_bias: the MLM decoder's bias.
     """
 
     model_type = "hf_tiny_encoder"
@@ -67,27 +103,48 @@ class TinyEncoderConfig(PretrainedConfig):
         num_hidden_groups: int | None = None, inner_group_num: int = 1, next_sentence_dropout: float = 0.0, **kwargs,
     ):
         owner = type(self).__name__
-        values = init_arguments(locals())
+        optional = {name: kwargs.pop(name, default) for name, default in OPTIONAL_FIELDS.items()}
+        rope_parameters = kwargs.pop("rope_parameters", None)
+        values = {**init_arguments({k: v for k, v in locals().items() if k not in ("optional", "owner")}), **optional}
         check_finite_fields(owner, values)
         check_positive(owner, vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_hidden_layers,
                        num_attention_heads=num_attention_heads, intermediate_size=intermediate_size,
                        max_position_embeddings=max_position_embeddings)
         check_divisible(owner, "hidden_size", hidden_size, "num_attention_heads", num_attention_heads)
         check_choice(owner, "hidden_act", hidden_act, sorted(ACT2FN))
-        for field, allowed in (("position_embedding_type", ("absolute",)), ("rope_parameters", (None,)), ("rope_scaling", (None,))):
-            check_unsupported_field(owner, kwargs, field, allowed,
-                                    "this encoder has learned absolute positions only (position_embedding_type='absolute')")
+        check_unsupported_field(owner, kwargs, "rope_scaling", (None,), "give rope_parameters with position_embedding_type='rope'")
         _check_dropouts_and_norms(owner, values)
+        _check_optional_fields(owner, values)
         values.update(_embedding_fields(owner, values))
         values["num_hidden_groups"] = _layer_sharing(owner, values)
         check_token_ids(owner, vocab_size, pad_token_id=pad_token_id)
         _check_positions_from_padding(owner, values)
+        standardized = _rope_parameters(owner, values)
         store_init_fields(self, TinyEncoderConfig.__init__, values)
+        for name, default in OPTIONAL_FIELDS.items():
+            if values[name] != default:
+                setattr(self, name, values[name])
         super().__init__(**kwargs)
+        if standardized is not None:  # after transformers' __init__, which would standardize it its own way
+            self.rope_parameters = standardized
 
     def num_blocks(self) -> int:
         """Blocks of weights: num_hidden_layers, or fewer when layers share them (ALBERT)."""
         return self.num_hidden_groups * self.inner_group_num
+
+    def attention_types(self) -> list[str]:
+        """Each layer pass's attention: layer_types, or full attention everywhere (BERT-style encoders hold none)."""
+        return list(self.layer_types) if self.layer_types is not None else ["full_attention"] * self.num_hidden_layers
+
+    def rope_parameters_for(self, layer_type: str) -> dict:
+        """The rope parameters a layer of this type rotates with (position_embedding_type "rope" only)."""
+        if set(self.rope_parameters) == set(LAYER_TYPES):
+            return self.rope_parameters[layer_type]
+        return self.rope_parameters
+
+
+for _name, _default in OPTIONAL_FIELDS.items():  # what a config that does not hold the field reads
+    setattr(TinyEncoderConfig, _name, _default)
 
 
 def _check_dropouts_and_norms(owner: str, values: dict) -> None:
@@ -129,6 +186,53 @@ def _layer_sharing(owner: str, values: dict) -> int:
             "runs for the same number of passes)"
         )
     return groups
+
+
+def _check_optional_fields(owner: str, values: dict) -> None:
+    """ModernBERT's fields (OPTIONAL_FIELDS) checked; layer_types filled in when sliding_window is set."""
+    for name, choices in (("position_embedding_type", POSITION_EMBEDDING_TYPES), ("norm_placement", NORM_PLACEMENTS),
+                          ("classifier_pooling", CLASSIFIER_POOLINGS)):
+        check_choice(owner, name, values[name], choices)
+    check_bool(owner, **{name: values[name] for name in ("norm_bias", "mlp_gated", "mlp_bias", "head_transform",
+                                                         "classifier_bias", "decoder_bias")})
+    check_probability(owner, activation_dropout=values["activation_dropout"])
+    if values["embedding_dropout"] is not None:
+        check_probability(owner, embedding_dropout=values["embedding_dropout"])
+    if values["classifier_activation"] is not None:
+        check_choice(owner, "classifier_activation", values["classifier_activation"], sorted(ACT2FN))
+    if values["sliding_window"] is not None:
+        check_positive(owner, sliding_window=values["sliding_window"])
+    if values["layer_types"] is not None or values["sliding_window"] is not None:
+        values["layer_types"] = check_layer_types(owner, values["layer_types"], values["num_hidden_layers"],
+                                                  values["sliding_window"])
+    if values["position_embedding_type"] == "rope" and (values["positions_from_padding"] or values["sinusoidal_positions"]):
+        raise ValueError(
+            f"{owner}: position_embedding_type='rope' has no position table, so positions_from_padding="
+            f"{values['positions_from_padding']} / sinusoidal_positions={values['sinusoidal_positions']} must be False"
+        )
+
+
+def _rope_parameters(owner: str, values: dict) -> dict | None:
+    """rope_parameters standardized (one dict, or one per layer type) for position_embedding_type "rope"; None
+    otherwise, where giving them is an error."""
+    params, max_positions = values["rope_parameters"], values["max_position_embeddings"]
+    if values["position_embedding_type"] != "rope":
+        if params is not None:
+            raise ValueError(f"{owner}: rope_parameters={params!r} need position_embedding_type='rope' (this encoder "
+                             f"has position_embedding_type={values['position_embedding_type']!r})")
+        return None
+    head_dim = values["hidden_size"] // values["num_attention_heads"]
+    if isinstance(params, dict) and set(params) & set(LAYER_TYPES):
+        unknown = sorted(set(params) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(f"{owner}: rope_parameters keyed by layer type may hold only {list(LAYER_TYPES)}; got keys {unknown}")
+        standardized = {kind: standardize_rope_parameters(params.get(kind), max_position_embeddings=max_positions,
+                                                          owner=f"{owner} rope_parameters[{kind!r}]") for kind in LAYER_TYPES}
+    else:
+        standardized = standardize_rope_parameters(params, max_position_embeddings=max_positions, owner=owner)
+    for kind_params in standardized.values() if set(standardized) == set(LAYER_TYPES) else (standardized,):
+        rotary_dim(kind_params, head_dim, owner=owner)
+    return standardized
 
 
 def _check_positions_from_padding(owner: str, values: dict) -> None:

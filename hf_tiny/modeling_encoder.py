@@ -1,8 +1,13 @@
-"""The BERT-style encoder family: a post-LN transformer encoder and its task heads.
+"""The BERT-style encoder family: a transformer encoder and its task heads.
 
     ids -> embed_tokens + embed_token_types + embed_positions -> embed_norm -> dropout
         -> layers[0..N-1]  (x = norm(x + attn(x)); x = norm(x + mlp(x)))
         -> [pooler: tanh(dense(h[:, 0]))] -> head
+
+ModernBERT is the same stack with other parts, chosen by the config: rotary positions instead of the position
+table (one theta for global layers, one for local ones), pre-norm layers (x = x + attn(norm(x)); the embeddings'
+norm is the first layer's, a final `norm` follows the last layer), local layers attending within a sliding
+window, a gated feed-forward, no biases, and the MLM head's dense -> act -> norm in front of every task head.
 
 Parameter names follow Llama habits (DESIGN.md) so PEFT target_modules and device maps work as usual:
 model.layers.N.self_attn.{q,k,v,o}_proj, model.layers.N.mlp.{up,down}_proj, model.layers.N.input_layernorm (the
@@ -30,11 +35,11 @@ from transformers.utils import ModelOutput
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .configuration_encoder import TinyEncoderConfig
-from .layers import Attention, FeedForward
+from .layers import Attention, RotaryEmbedding, feed_forward
 from .modeling_base import HfTinyPreTrainedModel
 from .step import (
-    LayerOutputs, check_attention_mask, check_sequence_length, check_token_inputs, format_output, output_flags,
-    self_attention_mask,
+    LayerOutputs, check_attention_mask, check_positions, check_sequence_length, check_token_inputs, encoder_masks,
+    format_output, output_flags,
 )
 from .validation import check_answer_positions, check_labels, check_sequence_labels, is_compiling, sequence_problem_type
 
@@ -60,6 +65,25 @@ def _check_index_tensor(tensor: torch.Tensor, *, field: str, limit: int, limit_n
         raise ValueError(f"{field} contains {bad}, outside [0, {limit_name}={limit})")
 
 
+def norm_of(config: TinyEncoderConfig, width: Optional[int] = None) -> nn.LayerNorm:
+    return nn.LayerNorm(config.hidden_size if width is None else width, eps=config.layer_norm_eps, bias=config.norm_bias)
+
+
+def attention_of(config: TinyEncoderConfig, layer_idx: int) -> Attention:
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = hidden // heads
+    return Attention(
+        config, layer_idx, hidden_size=hidden, num_heads=heads, num_key_value_heads=heads, head_dim=head_dim,
+        bias=config.attention_bias, output_bias=config.attention_bias, scaling=head_dim**-0.5,
+        dropout=config.attention_dropout,
+    )
+
+
+def feed_forward_of(config: TinyEncoderConfig) -> nn.Module:
+    return feed_forward(config.hidden_size, config.intermediate_size, config.hidden_act, gated=config.mlp_gated,
+                        bias=config.mlp_bias, activation_dropout=config.activation_dropout)
+
+
 class TinyEncoderLayer(GradientCheckpointingLayer):
     """A post-norm residual layer (BERT): h = norm(x + attn(x)); out = norm(h + mlp(h)). Norm names follow Llama:
     `input_layernorm` belongs to attention (BERT's attention.output.LayerNorm), `post_attention_layernorm` to the
@@ -69,28 +93,48 @@ class TinyEncoderLayer(GradientCheckpointingLayer):
 
     def __init__(self, config: TinyEncoderConfig, layer_idx: int):
         super().__init__()
-        hidden, heads = config.hidden_size, config.num_attention_heads
-        head_dim = hidden // heads
-        self.self_attn = Attention(
-            config, layer_idx, hidden_size=hidden, num_heads=heads, num_key_value_heads=heads, head_dim=head_dim,
-            bias=config.attention_bias, output_bias=config.attention_bias, scaling=head_dim**-0.5,
-            dropout=config.attention_dropout,
-        )
-        self.input_layernorm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
-        self.mlp = FeedForward(hidden, config.intermediate_size, config.hidden_act, bias=True)
-        self.post_attention_layernorm = nn.LayerNorm(hidden, eps=config.layer_norm_eps)
+        self.self_attn = attention_of(config, layer_idx)
+        self.input_layernorm = norm_of(config)
+        self.mlp = feed_forward_of(config)
+        self.post_attention_layernorm = norm_of(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
-    def forward(self, hidden_states, attention_mask=None, *, output_attentions: bool = False) -> torch.Tensor:
-        attended, _ = self.self_attn(hidden_states, attention_mask, output_attentions=output_attentions)
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, *,
+                output_attentions: bool = False) -> torch.Tensor:
+        attended, _ = self.self_attn(hidden_states, attention_mask, position_embeddings, output_attentions=output_attentions)
         hidden_states = self.input_layernorm(hidden_states + self.dropout(attended))
         return self.post_attention_layernorm(hidden_states + self.dropout(self.mlp(hidden_states)))
+
+
+class TinyEncoderPreNormLayer(GradientCheckpointingLayer):
+    """A pre-norm residual layer (ModernBERT): h = x + attn(norm(x)); out = h + mlp(norm(h)). The first layer's
+    input comes out of the embeddings' norm, so it has no input norm of its own."""
+
+    residual_form = "pre-norm"  # runtime.py runs this form in place
+
+    def __init__(self, config: TinyEncoderConfig, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = nn.Identity() if layer_idx == 0 else norm_of(config)
+        self.self_attn = attention_of(config, layer_idx)
+        self.post_attention_layernorm = norm_of(config)
+        self.mlp = feed_forward_of(config)
+        self.dropout = nn.Dropout(config.hidden_dropout)
+        # No norms on the sublayers' outputs (those are Gemma 3's sandwich norms); the runtime's pre-norm form reads
+        # these two places.
+        self.attn_output_layernorm, self.mlp_output_layernorm = nn.Identity(), nn.Identity()
+
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, *,
+                output_attentions: bool = False) -> torch.Tensor:
+        attended, _ = self.self_attn(self.input_layernorm(hidden_states), attention_mask, position_embeddings,
+                                     output_attentions=output_attentions)
+        hidden_states = hidden_states + self.dropout(attended)
+        return hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
 
 
 class TinyEncoderPreTrainedModel(HfTinyPreTrainedModel):
     config_class = TinyEncoderConfig
     base_model_prefix = "model"
-    _no_split_modules = ["TinyEncoderLayer"]
+    _no_split_modules = ["TinyEncoderLayer", "TinyEncoderPreNormLayer"]
     # The heads compute a mean loss themselves: Trainer must not pass num_items_in_batch (see HF_V5_NOTES.md).
     accepts_loss_kwargs = False
 
@@ -139,15 +183,53 @@ class SinusoidalPositionTable(nn.Embedding):
 
 
 class TinyEncoderPooler(nn.Module):
-    """BERT's pooler: activation(dense(hidden state of the first token)); tanh in BERT (config.pooler_act)."""
+    """BERT's pooler: activation(dense(hidden state of the first token)); tanh in BERT (config.pooler_act). With
+    head_transform (ModernBERT) a LayerNorm follows; classifier_pooling "mean" pools the mean of the real tokens'
+    hidden states instead of the first token's."""
 
     def __init__(self, config: TinyEncoderConfig):
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.pooling = config.classifier_pooling
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size, bias=config.classifier_bias)
         self.activation = ACT2FN[config.pooler_act]
+        self.layer_norm = norm_of(config) if config.head_transform else None
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.activation(self.dense(hidden_states[:, 0]))
+    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        pooled = hidden_states[:, 0] if self.pooling == "cls" else mean_of_real_tokens(hidden_states, attention_mask)
+        pooled = self.activation(self.dense(pooled))
+        return pooled if self.layer_norm is None else self.layer_norm(pooled)
+
+
+def mean_of_real_tokens(hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
+    """[B, H]: the mean of each row's hidden states over its real tokens (every token without a mask)."""
+    if attention_mask is None:
+        attention_mask = torch.ones(hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device)
+    if attention_mask.dim() != 2:
+        raise ValueError(f"classifier_pooling='mean' needs a 2-D attention_mask [batch, seq] to know the real tokens; "
+                         f"got shape {tuple(attention_mask.shape)}")
+    mask = attention_mask.to(hidden_states.device)
+    return (hidden_states * mask.unsqueeze(-1)).sum(dim=1) / mask.sum(dim=1, keepdim=True)
+
+
+def rotary_embeddings_of(config: TinyEncoderConfig) -> tuple[Optional[RotaryEmbedding], Optional[RotaryEmbedding]]:
+    """(rotary_emb, sliding_rotary_emb): the rotary positions of full-attention layers (of every layer when the
+    rope parameters are not keyed by layer type), and of sliding layers where theirs differ (ModernBERT's local
+    theta); (None, None) with a position table."""
+    if config.position_embedding_type != "rope":
+        return None, None
+    full, sliding = config.rope_parameters_for("full_attention"), config.rope_parameters_for("sliding_attention")
+    return RotaryEmbedding(config, full), (RotaryEmbedding(config, sliding) if sliding != full else None)
+
+
+def position_table_of(config: TinyEncoderConfig) -> Optional[nn.Embedding]:
+    """The learned (or sinusoidal-initialized) position table; None with rotary positions."""
+    width = config.embedding_size
+    if config.position_embedding_type == "rope":
+        return None
+    if config.sinusoidal_positions:
+        return SinusoidalPositionTable(config.max_position_embeddings, width)
+    position_padding = config.pad_token_id if config.positions_from_padding else None
+    return nn.Embedding(config.max_position_embeddings, width, padding_idx=position_padding)
 
 
 class TinyEncoderModel(TinyEncoderPreTrainedModel):
@@ -155,16 +237,16 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         super().__init__(config)
         width = config.embedding_size
         self.embed_tokens = nn.Embedding(config.vocab_size, width, padding_idx=config.pad_token_id)
-        if config.sinusoidal_positions:
-            self.embed_positions = SinusoidalPositionTable(config.max_position_embeddings, width)
-        else:
-            position_padding = config.pad_token_id if config.positions_from_padding else None
-            self.embed_positions = nn.Embedding(config.max_position_embeddings, width, padding_idx=position_padding)
+        self.embed_positions = position_table_of(config)
         self.embed_token_types = nn.Embedding(config.type_vocab_size, width) if config.type_vocab_size else None
-        self.embed_norm = nn.LayerNorm(width, eps=config.layer_norm_eps)
-        self.dropout = nn.Dropout(config.hidden_dropout)
+        self.embed_norm = norm_of(config, width)
+        self.dropout = nn.Dropout(config.hidden_dropout if config.embedding_dropout is None else config.embedding_dropout)
         self.embed_projection = nn.Linear(width, config.hidden_size) if config.project_embeddings else None
-        self.layers = nn.ModuleList(TinyEncoderLayer(config, i) for i in range(config.num_blocks()))
+        pre_norm = config.norm_placement == "pre"
+        layer_class = TinyEncoderPreNormLayer if pre_norm else TinyEncoderLayer
+        self.layers = nn.ModuleList(layer_class(config, i) for i in range(config.num_blocks()))
+        self.norm = norm_of(config) if pre_norm else None
+        self.rotary_emb, self.sliding_rotary_emb = rotary_embeddings_of(config)
         if add_pooling_layer is None:
             add_pooling_layer = config.add_pooling_layer
         self.pooler = TinyEncoderPooler(config) if add_pooling_layer else None
@@ -179,7 +261,10 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
     def _check_inputs(self, input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids) -> tuple[int, int]:
         config = self.config
         shape = check_token_inputs(config, input_ids, inputs_embeds)
-        if position_ids is None:
+        if self.embed_positions is None:  # rotary positions exist for any position, as in official ModernBERT
+            if position_ids is not None:
+                check_positions(position_ids, *shape)
+        elif position_ids is None:
             check_sequence_length(shape[1], limit=self.max_sequence_length, field="input sequence length")
         else:
             _check_index_tensor(
@@ -197,13 +282,15 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         return shape
 
     def layer_passes(self):
-        """The blocks in the order they run: each once, or with ALBERT's sharing num_hidden_layers passes where
-        pass i runs the inner_group_num blocks of group i * num_hidden_groups // num_hidden_layers."""
+        """(block, attention type) in the order the blocks run: each once, or with ALBERT's sharing
+        num_hidden_layers passes where pass i runs the inner_group_num blocks of group
+        i * num_hidden_groups // num_hidden_layers; pass i attends as layer i's type."""
         config = self.config
         per_group = config.inner_group_num
-        for i in range(config.num_hidden_layers):
+        for i, layer_type in enumerate(config.attention_types()):
             group = i * config.num_hidden_groups // config.num_hidden_layers
-            yield from self.layers[group * per_group : (group + 1) * per_group]
+            for block in self.layers[group * per_group : (group + 1) * per_group]:
+                yield block, layer_type
 
     @property
     def max_sequence_length(self) -> int:
@@ -235,7 +322,8 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         hidden = inputs_embeds
         if self.embed_token_types is not None:
             hidden = hidden + self.embed_token_types(token_type_ids)
-        hidden = hidden + self.embed_positions(position_ids)
+        if self.embed_positions is not None:
+            hidden = hidden + self.embed_positions(position_ids)
         hidden = self.dropout(self.embed_norm(hidden))
         return self.embed_projection(hidden) if self.embed_projection is not None else hidden
 
@@ -255,41 +343,68 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         vLLM's Transformers backend passes use_cache=False to every model."""
         flags = output_flags(self.config, output_attentions, output_hidden_states, return_dict)
         batch, seq_len = self._check_inputs(input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids)
+        device = (input_ids if input_ids is not None else inputs_embeds).device
+        if position_ids is None:
+            position_ids = self.default_position_ids(input_ids, seq_len, device)
 
         hidden_states = self.embed(input_ids, token_type_ids, position_ids, inputs_embeds)
-        mask = self_attention_mask(
-            attention_mask, batch_size=batch, query_length=seq_len, key_length=seq_len, causal=False,
-            device=hidden_states.device,
-        )
+        masks = encoder_masks(self.config, attention_mask, batch_size=batch, length=seq_len, device=device)
+        rotary = self.position_embeddings(hidden_states, position_ids)
         attention = [layer.self_attn for layer in self.layers] if flags.attentions else ()
         with LayerOutputs(flags, attention_modules=attention) as collected:
-            collected.add_hidden(hidden_states)
-            for layer in self.layer_passes():
-                hidden_states = layer(hidden_states, mask, output_attentions=flags.attentions)
+            for layer, layer_type in self.layer_passes():
                 collected.add_hidden(hidden_states)
+                hidden_states = layer(hidden_states, masks[layer_type], position_embeddings=rotary.get(layer_type),
+                                      output_attentions=flags.attentions)
+            if self.norm is not None:  # pre-norm: the last hidden states are normed, as official ModernBERT's
+                hidden_states = self.norm(hidden_states)
+            collected.add_hidden(hidden_states)
 
         output = BaseModelOutputWithPooling(
             last_hidden_state=hidden_states,
-            pooler_output=self.pooler(hidden_states) if self.pooler is not None else None,
+            pooler_output=self.pooler(hidden_states, attention_mask) if self.pooler is not None else None,
             hidden_states=collected.hidden_states,
             attentions=collected.attentions,
         )
         return format_output(output, flags)
 
+    def position_embeddings(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> dict:
+        """{layer type: (cos, sin)} of the rotary positions; empty with a position table."""
+        if self.rotary_emb is None:
+            return {}
+        tables = {}
+        for layer_type in dict.fromkeys(self.config.attention_types()):
+            own = self.sliding_rotary_emb if layer_type == "sliding_attention" else None
+            tables[layer_type] = (own or self.rotary_emb)(hidden_states, position_ids)
+        return tables
 
-class TinyEncoderMaskedLMHead(nn.Module):
-    """BERT's MLM head: dense -> activation -> LayerNorm -> decoder (tied to the word embeddings, own bias). With
-    a factorized embedding (embedding_size != hidden_size) the dense layer maps back to the embedding width."""
 
-    def __init__(self, config: TinyEncoderConfig):
+class TinyEncoderPredictionHead(nn.Module):
+    """dense -> activation -> LayerNorm: the transform of BERT's MLM head, which ModernBERT puts in front of every
+    task head (head_transform). Activation: classifier_activation, else hidden_act."""
+
+    def __init__(self, config: TinyEncoderConfig, width: Optional[int] = None):
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.embedding_size)
-        self.act_fn = ACT2FN[config.hidden_act]
-        self.layer_norm = nn.LayerNorm(config.embedding_size, eps=config.layer_norm_eps)
-        self.decoder = nn.Linear(config.embedding_size, config.vocab_size, bias=True)
+        width = config.hidden_size if width is None else width
+        self.dense = nn.Linear(config.hidden_size, width, bias=config.classifier_bias)
+        self.act_fn = ACT2FN[config.classifier_activation or config.hidden_act]
+        self.layer_norm = norm_of(config, width)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.decoder(self.layer_norm(self.act_fn(self.dense(hidden_states))))
+        return self.layer_norm(self.act_fn(self.dense(hidden_states)))
+
+
+class TinyEncoderMaskedLMHead(TinyEncoderPredictionHead):
+    """BERT's MLM head: the prediction head, then the decoder (tied to the word embeddings, own bias unless
+    decoder_bias=False). With a factorized embedding (embedding_size != hidden_size) the dense layer maps back to
+    the embedding width."""
+
+    def __init__(self, config: TinyEncoderConfig):
+        super().__init__(config, config.embedding_size)
+        self.decoder = nn.Linear(config.embedding_size, config.vocab_size, bias=config.decoder_bias)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.decoder(super().forward(hidden_states))
 
 
 def _masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -413,6 +528,11 @@ class TinyEncoderForReplacedTokenDetection(TinyEncoderWithLabelsHead):
         return TokenClassifierOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
 
 
+def _transformed(head: Optional[TinyEncoderPredictionHead], hidden_states: torch.Tensor) -> torch.Tensor:
+    """The hidden states through the prediction head a token-level head starts with (head_transform), if any."""
+    return hidden_states if head is None else head(hidden_states)
+
+
 def _classifier_dropout(config: TinyEncoderConfig) -> nn.Dropout:
     """The classification heads' dropout: classifier_dropout, or hidden_dropout when unset (as in BERT)."""
     return nn.Dropout(config.classifier_dropout if config.classifier_dropout is not None else config.hidden_dropout)
@@ -469,12 +589,13 @@ class TinyEncoderForTokenClassification(TinyEncoderWithLabelsHead):
         super().__init__(config)
         self.num_labels = config.num_labels
         self.model = TinyEncoderModel(config, add_pooling_layer=False)
+        self.head = TinyEncoderPredictionHead(config) if config.head_transform else None
         self.dropout = _classifier_dropout(config)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
         self.post_init()
 
     def _head(self, outputs, labels, attention_mask) -> TokenClassifierOutput:
-        logits = self.classifier(self.dropout(outputs.last_hidden_state))
+        logits = self.classifier(self.dropout(_transformed(self.head, outputs.last_hidden_state)))
         loss = None
         if labels is not None:
             # Tokens labelled -100 (padding, continuation word pieces) are ignored.
@@ -496,6 +617,7 @@ class TinyEncoderForQuestionAnswering(TinyEncoderPreTrainedModel):
             )
         super().__init__(config)
         self.model = TinyEncoderModel(config, add_pooling_layer=False)
+        self.head = TinyEncoderPredictionHead(config) if config.head_transform else None
         self.dropout = nn.Dropout(config.qa_dropout)
         self.qa_outputs = nn.Linear(config.hidden_size, 2)
         self.post_init()
@@ -507,7 +629,7 @@ class TinyEncoderForQuestionAnswering(TinyEncoderPreTrainedModel):
         outputs = self._encode(
             input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions, output_hidden_states
         )
-        logits = self.qa_outputs(self.dropout(outputs.last_hidden_state))
+        logits = self.qa_outputs(self.dropout(_transformed(self.head, outputs.last_hidden_state)))
         start_logits, end_logits = (part.squeeze(-1).contiguous() for part in logits.split(1, dim=-1))
         loss = None
         if start_positions is not None and end_positions is not None:

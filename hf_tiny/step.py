@@ -359,6 +359,31 @@ def _self_attention(attention_mask, batch_size: int, query_length: int, key_leng
     return AttentionMask(mask, causal)
 
 
+def encoder_masks(config, attention_mask, *, batch_size: int, length: int, device: torch.device) -> dict:
+    """{layer type: AttentionMask} of a bidirectional encoder's layers, built once per forward: full attention over
+    the real tokens, and for sliding layers (ModernBERT's local attention) only the keys at most
+    config.sliding_window positions before or after the query (transformers' bidirectional sliding window). A 4-D
+    attention_mask is the caller's whole mask, for every layer type, as official masks take it."""
+    full = self_attention_mask(attention_mask, batch_size=batch_size, query_length=length, key_length=length,
+                               causal=False, device=device)
+    masks = {"full_attention": full}
+    if "sliding_attention" in config.attention_types():
+        given = attention_mask is not None and attention_mask.dim() == 4
+        masks["sliding_attention"] = full if given else _within_reach(full, config.sliding_window, batch_size, length, device)
+    return masks
+
+
+def _within_reach(mask: AttentionMask, reach: int, batch_size: int, length: int, device) -> AttentionMask:
+    """The bidirectional mask `mask` limited to keys at most `reach` positions from the query."""
+    if length <= reach + 1:  # every key is within reach
+        return mask
+    positions = torch.arange(length, device=device)
+    near = (positions[:, None] - positions[None, :]).abs() <= reach
+    if mask.mask is None:
+        return AttentionMask(near[None, None].expand(batch_size, 1, length, length), False)
+    return AttentionMask(mask.mask & near, False)
+
+
 def _check_self_attention(attention_mask, batch_size, query_length, key_length, causal, sliding_window) -> None:
     if not 1 <= query_length <= key_length:
         raise ValueError(
