@@ -24,7 +24,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import deepseek
+from hf_tiny.configuration_causal import field_value
+
+from . import deepseek, gpt_oss
 from .causal import IGNORED_BUFFERS, OUR_CLASSES, CausalFamily, check_layer_types, detect_source
 from .errors import ConversionError
 from .keymap import KeyMap, Rule
@@ -35,7 +37,8 @@ from .pipeline import Plan, ReversePlan, Source, entry_points
 from .readers import official_config
 from .writer import drop_tied_copies
 
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text") + MOE_MODEL_TYPES + (deepseek.MODEL_TYPE,)
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text") + MOE_MODEL_TYPES + (deepseek.MODEL_TYPE,
+                                                                                   gpt_oss.MODEL_TYPE)
 # GGUF general.architecture values read (transformers' GGUF loader turns "gemma3" into model_type gemma3_text)
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 # official model type -> {hf_tiny class: official class}
@@ -50,6 +53,7 @@ OFFICIAL_CLASSES = {
         (deepseek.MODEL_TYPE, "DeepseekV3"),
     )
 }
+OFFICIAL_CLASSES[gpt_oss.MODEL_TYPE] = gpt_oss.OFFICIAL_CLASSES
 OFFICIAL_CLASSES["gemma3_text"] = {  # Gemma3Model is the multimodal one
     "TinyCausalForCausalLM": "Gemma3ForCausalLM",
     "TinyCausalForSequenceClassification": "Gemma3TextForSequenceClassification",
@@ -122,10 +126,14 @@ def _layer_rules(config, layer: str, mlp_kind: str, rope_interleave: bool) -> li
         rules.append((f"{layer}self_attn.o_proj.weight",) * 2)
         if out_bias:
             rules.append((f"{layer}self_attn.o_proj.bias",) * 2)
+        if field_value(config, "attention_sinks"):
+            rules += gpt_oss.attention_rules(layer)
     if mlp_kind == "sparse":
         family = official_family(config)
         if family == deepseek.MODEL_TYPE:
             rules += deepseek.sparse_rules(config, layer)
+        elif family == gpt_oss.MODEL_TYPE:
+            rules += gpt_oss.sparse_rules(config, layer)
         else:
             rules += moe_rules(config, family, layer)
     else:
@@ -214,6 +222,9 @@ class LlamaFamily(CausalFamily):
         if kind == "hf":
             source = super().read(path)
             source.description = f"the Hugging Face {source.raw_config['model_type']} folder `{path.resolve().name}`"
+            if source.raw_config.get("model_type") == gpt_oss.MODEL_TYPE:
+                source.state, note = gpt_oss.dequantized_view(source.state, src=path)
+                source.notes += [note] if note else []
             return source
         if kind == "gguf":
             return self.read_gguf(path)
@@ -232,7 +243,7 @@ class LlamaFamily(CausalFamily):
             if class_name == "TinyCausalForCausalLM" and config.tie_word_embeddings:
                 state = drop_tied_copies(state, "model.embed_tokens.weight", ["lm_head.weight"], src=source.path,
                                          hint=UNTIED_HINT)
-            notes = []
+            notes = list(source.notes)
             if config.mtp_depth():
                 config, mtp_note = deepseek.mtp_layers_held(config, state, class_name, src=source.path)
                 notes.append(mtp_note)

@@ -3,7 +3,9 @@ types, DeepSeek-V3), and which official type can hold an hf_tiny causal config."
 
 from __future__ import annotations
 
-from . import deepseek
+from hf_tiny.configuration_causal import field_value
+
+from . import deepseek, gpt_oss
 from .causal import build_causal_config, plain_dict
 from .errors import ConversionError
 from .moe import MOE_MODEL_TYPES, OFFICIAL_PREFIXES, moe_fields_from_official, official_moe_config_fields
@@ -18,6 +20,7 @@ SHARED_FIELDS = (
 )
 CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                   "gemma3_text": "Gemma3TextConfig", deepseek.MODEL_TYPE: "DeepseekV3Config",
+                  gpt_oss.MODEL_TYPE: "GptOssConfig",
                   **{family: f"{prefix}Config" for family, prefix in OFFICIAL_PREFIXES.items()}}
 
 
@@ -40,6 +43,8 @@ def causal_config_from_official(official, *, src):
         values.update(_gemma3_fields(official, src=src))
     elif model_type == deepseek.MODEL_TYPE:
         values.update(deepseek.fields_from_official(official, src=src))
+    elif model_type == gpt_oss.MODEL_TYPE:
+        values.update(gpt_oss.fields_from_official(official, src=src))
     elif model_type in MOE_MODEL_TYPES:
         values.update(moe_fields_from_official(official, src=src))
         if model_type == "qwen2_moe":  # biases on q/k/v (qkv_bias), none on o_proj
@@ -101,6 +106,8 @@ def _official_fields(config, family: str) -> dict:
     """What each official type holds beyond SHARED_FIELDS."""
     if family == deepseek.MODEL_TYPE:
         return deepseek.official_fields(config)
+    if family == gpt_oss.MODEL_TYPE:
+        return gpt_oss.official_fields(config)
     if family in MOE_MODEL_TYPES:
         values = official_moe_config_fields(config, family)
         if family == "mixtral":  # Mixtral's experts are intermediate_size wide; it has no dense layers
@@ -156,6 +163,9 @@ def official_family(config) -> str:
     if config.mla_spec() is not None:
         deepseek.check_holds(config)
         return deepseek.MODEL_TYPE
+    if field_value(config, "attention_sinks"):
+        gpt_oss.check_holds(config)
+        return gpt_oss.MODEL_TYPE
     if config.moe_spec() is not None:
         return official_moe_family(config)
     return _dense_family(config)

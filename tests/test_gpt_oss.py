@@ -8,7 +8,7 @@ sinks so that they move the softmax visibly. Its tensors load into ours through 
 the converter needs (fused, transposed and interleaved experts split into Llama-named projections). Logits at real
 tokens of a left-padded batch agree to 1e-5 relative per backend, greedy tokens with a cache are identical,
 training gradients agree, the runtime on and off is bit-identical, and each mechanism has its negative control.
-MXFP4 dequantization (hf_tiny/mxfp4.py) is checked bit for bit against transformers' own.
+MXFP4 dequantization (conversion/mxfp4.py) is checked bit for bit against transformers' own.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import transformers
 
 from causal_helpers import left_padded_batch, randomize, real_logits
 from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM, runtime
-from hf_tiny.mxfp4 import dequantize_mxfp4
+from conversion.mxfp4 import dequantize_mxfp4
 from tolerances import relative_error
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
