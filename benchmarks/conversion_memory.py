@@ -20,6 +20,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,16 +56,18 @@ class Run:
 
 
 def measured(command: list[str], cwd: Path = REPO) -> Run:
-    """Runs command in its own process; its wall time and peak resident memory."""
-    start = time.perf_counter()
-    process = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    output = process.stdout.read()
-    _, status, usage = os.wait4(process.pid, 0)
-    seconds = time.perf_counter() - start
-    process.returncode = os.waitstatus_to_exitcode(status)
-    if process.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed ({process.returncode}):\n{output[-3000:]}")
-    return Run(seconds, usage.ru_maxrss * 1024, output)
+    """Runs command in its own process; its wall time and peak resident memory. The peak comes from GNU time
+    (`/usr/bin/time -f %M`): a child's ru_maxrss starts at the RSS of the process that forked it, so measuring from
+    this (large) process would report at least its own size."""
+    with tempfile.NamedTemporaryFile("r", suffix=".maxrss") as peak:
+        start = time.perf_counter()
+        done = subprocess.run(["/usr/bin/time", "-f", "%M", "-o", peak.name, *command], cwd=cwd,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        seconds = time.perf_counter() - start
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-3000:]}")
+        kib = int(peak.read().strip().splitlines()[-1])
+    return Run(seconds, kib * 1024, done.stdout)
 
 
 def checkpoint(name: str) -> Path:
