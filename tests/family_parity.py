@@ -1,0 +1,81 @@
+"""The parity checks of the 2025 causal families (tests/test_smollm3.py, test_olmo2.py, test_llama4_text.py): an
+official model (small random config with odd shapes, every weight random at std 0.3) loaded into hf_tiny's causal
+LM through the family's test-local key table (what conversion/ turns into a converter), then compared on a
+left-padded batch: logits per backend, greedy tokens through the cache, loss and gradients."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from causal_helpers import left_padded_batch, max_diff, real_logits
+from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM
+
+BACKENDS = ("eager", "sdpa", "flash_attention_2")
+TOLERANCE = 1e-5  # relative to max(1, max |official logit|): the converter's fp32 rule (conversion/parity.py)
+# A row of 24 tokens, one of 17 and one of 5 (the chunked-attention families get several chunks per row)
+LENGTHS = (24, 17, 5)
+
+
+def load_ours(official, fields: dict, rename: Callable[[str, torch.Tensor], dict]) -> TinyCausalForCausalLM:
+    """hf_tiny's causal LM with `fields`, holding the official weights under the names `rename(name, tensor)`
+    gives (a dict: fused tensors split into several); every tensor of ours is filled, none is left over."""
+    ours = TinyCausalForCausalLM(TinyCausalConfig(**fields))
+    state = {}
+    for name, tensor in official.state_dict().items():
+        state.update(rename(name, tensor))
+    ours.load_state_dict(state, strict=True)
+    if ours.config.tie_word_embeddings:
+        assert ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()
+    return ours.eval()
+
+
+def logits_error(official, ours, backend: str, official_backend: str = "eager", batch=None) -> float:
+    """max |ours - official| over the real tokens of the left-padded batch, relative to max(1, max |official|)."""
+    batch = batch or left_padded_batch(official.config.vocab_size, LENGTHS)
+    official.set_attn_implementation(official_backend)
+    ours.set_attn_implementation(backend)
+    expected, produced = real_logits(official, batch), real_logits(ours, batch)
+    return max_diff(produced, expected) / max(1.0, float(expected.abs().max()))
+
+
+def greedy_tokens(model, new_tokens: int = 8, lengths=LENGTHS) -> torch.Tensor:
+    """generate() with the cache on the left-padded batch (no eos stop, so every step is compared)."""
+    batch = left_padded_batch(model.config.vocab_size, lengths)
+    settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                    use_cache=True)
+    with torch.no_grad():
+        return model.generate(batch["input_ids"], attention_mask=batch["attention_mask"], **settings)
+
+
+def loss_and_gradients(model, names=None) -> tuple[float, dict]:
+    """Training forward and backward on the left-padded batch with labels: (loss, {name: grad})."""
+    batch = left_padded_batch(model.config.vocab_size, LENGTHS)
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    model.train()
+    model.zero_grad()
+    loss = model(**batch, labels=labels).loss
+    loss.backward()
+    model.eval()
+    grads = {name: param.grad for name, param in model.named_parameters() if names is None or name in names}
+    return float(loss.detach()), grads
+
+
+def gradient_errors(official, ours, rename) -> tuple[float, float]:
+    """(relative loss error, worst gradient error over every official tensor) of one training step; a fused
+    official tensor's gradient is renamed as its weight is and compared part by part. Each error is relative to
+    the tensor's largest gradient, but to no less than 1e-3 of the model's: a gradient that is zero in exact
+    arithmetic (a NoPE layer's key bias adds the same q.b to every score of a row) holds rounding noise only."""
+    official_loss, official_grads = loss_and_gradients(official)
+    our_loss, our_grads = loss_and_gradients(ours)
+    official_grads = {name: grad for name, grad in official_grads.items() if grad is not None}
+    floor = 1e-3 * max(float(grad.abs().max()) for grad in official_grads.values())
+    worst = 0.0
+    for name, grad in official_grads.items():
+        for our_name, expected in rename(name, grad).items():
+            if our_name == "lm_head.weight" and ours.config.tie_word_embeddings:
+                continue  # the tied embedding's gradient holds both uses, checked under its own name
+            difference = float((our_grads[our_name].double() - expected.double()).abs().max())
+            worst = max(worst, difference / max(float(expected.abs().max()), floor))
+    return abs(our_loss - official_loss) / official_loss, worst
