@@ -65,12 +65,12 @@ def loss_and_gradients(model, names=None) -> tuple[float, dict]:
 def gradient_errors(official, ours, rename) -> tuple[float, float]:
     """(relative loss error, worst gradient error over every official tensor) of one training step; a fused
     official tensor's gradient is renamed as its weight is and compared part by part. Each error is relative to
-    the tensor's largest gradient, but to no less than 1e-3 of the model's: a gradient that is zero in exact
+    the tensor's largest gradient, but to no less than 1e-2 of the model's: a gradient that is zero in exact
     arithmetic (a NoPE layer's key bias adds the same q.b to every score of a row) holds rounding noise only."""
     official_loss, official_grads = loss_and_gradients(official)
     our_loss, our_grads = loss_and_gradients(ours)
     official_grads = {name: grad for name, grad in official_grads.items() if grad is not None}
-    floor = 1e-3 * max(float(grad.abs().max()) for grad in official_grads.values())
+    floor = 1e-2 * max(float(grad.abs().max()) for grad in official_grads.values())
     worst = 0.0
     for name, grad in official_grads.items():
         for our_name, expected in rename(name, grad).items():
