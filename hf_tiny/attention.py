@@ -322,6 +322,8 @@ def _chunk_lengths(spans: list, keys: int) -> Optional[tuple[list, list]]:
     """(queries, keys) of each chunk of one row, whose real queries (the last len(spans) of its `keys` real keys)
     see spans[i] keys each; a first segment holds the keys before the first query's chunk (no query). None when a
     query neither continues its predecessor's chunk nor starts one."""
+    if not spans:  # no real query (a padding row, or a padding step): its keys, if any, in one segment
+        return [0], [keys]
     if any(span not in (1, previous + 1) for previous, span in zip(spans, spans[1:])):
         return None
     starts = [i for i, span in enumerate(spans) if i == 0 or span == 1]
