@@ -774,11 +774,6 @@ def _paged_step(model, attention_mask, position_ids, paged_cache, flags: OutputF
             "continuous batching and describe its paged cache (pass that as cache=), or drop them"
         )
     refuse_alibi(config, "continuous batching (a paged cache)")
-    if "chunked_attention" in config.layer_types:
-        raise ValueError(
-            "continuous batching (a paged cache) builds full and sliding-window masks only; this model's "
-            "'chunked_attention' layers (attention_chunk_size) need generate() instead of generate_batch()"
-        )
     if position_ids is None:
         raise ValueError("continuous batching (a paged `cache`) needs position_ids for the flattened requests")
     is_causal = bool(extras.get("is_causal", False))

@@ -10,9 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+import transformers.masking_utils
+from transformers import GenerationConfig
 
-from causal_helpers import BASE, randomize
-from family_parity import BACKENDS, TOLERANCE, gradient_errors, greedy_tokens, load_ours, logits_error
+from causal_helpers import BASE, randomize, small_paged_cache
+from family_parity import (BACKENDS, TOLERANCE, assert_runtime_bit_identical, gradient_errors, greedy_tokens, load_ours,
+                           logits_error)
 from hf_tiny import TinyCausalConfig
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -144,3 +147,43 @@ def test_training_loss_and_gradients_match_official():
     assert gradient_error <= 1e-4
     # negative control: chunks of another size
     assert gradient_errors(official, ours_for(official, attention_chunk_size=6), llama4_rename)[1] > 1e-2
+
+
+def test_runtime_on_and_off_bit_identical(monkeypatch):
+    assert_runtime_bit_identical(ours_for(tiny_llama4("scout_like")), monkeypatch)
+
+
+@pytest.mark.skipif(
+    not hasattr(transformers.masking_utils, "remap_positions_for_packed_sequence"),
+    reason="this transformers counts a packed row's chunks from the row's start, across its sequences (later "
+    "versions count them per sequence: masking_utils.remap_positions_for_packed_sequence), as hf_tiny does",
+)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_rows_match_official(backend):
+    """Padding-free packing (position ids restarting at 0, no attention mask): chunks count within each sequence,
+    in every backend, as official's packed-sequence masks do; the query temperature counts the row's tokens, as
+    official's does (it reads the cache length, not the positions)."""
+    official = tiny_llama4("scout_like")
+    ours = ours_for(official)
+    ids = torch.randint(3, 97, (1, 23), generator=torch.Generator().manual_seed(3))
+    position_ids = torch.cat([torch.arange(12), torch.arange(11)])[None]
+    official.set_attn_implementation("sdpa")
+    ours.set_attn_implementation(backend)
+    with torch.no_grad():
+        # official reads packing from the position ids only without a cache (training)
+        expected = official(input_ids=ids, position_ids=position_ids, use_cache=False).logits
+        produced = ours(input_ids=ids, position_ids=position_ids, use_cache=False).logits
+        unpacked = ours(input_ids=ids, use_cache=False).logits  # negative control: one 23-token sequence
+    scale = max(1.0, float(expected.abs().max()))
+    assert float((produced - expected).abs().max()) <= TOLERANCE * scale
+    assert float((unpacked - expected).abs().max()) > 100 * TOLERANCE * scale
+
+
+def test_continuous_batching_refuses_chunked_layers():
+    """transformers' paged cache has no allocator for chunked layers and says so (5.16.1 and 5.24 alike), before
+    any forward; generate() is the way to decode them."""
+    ours = ours_for(tiny_llama4("scout_like"))
+    ids = [torch.randint(3, 97, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9)]
+    with pytest.raises(ValueError, match="chunked_attention"):
+        ours.generate_batch(inputs=ids, generation_config=GenerationConfig(max_new_tokens=2, do_sample=False),
+                            continuous_batching_config=small_paged_cache())

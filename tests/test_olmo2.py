@@ -10,7 +10,8 @@ import torch
 import transformers
 
 from causal_helpers import BASE, randomize
-from family_parity import BACKENDS, TOLERANCE, gradient_errors, greedy_tokens, load_ours, logits_error
+from family_parity import (BACKENDS, TOLERANCE, assert_runtime_bit_identical, gradient_errors, greedy_tokens, load_ours,
+                           logits_error)
 from hf_tiny import TinyCausalConfig
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -126,3 +127,7 @@ def test_layout_fields_exist_in_config_json_only_when_used():
     assert not {"pre_norms", "qk_norm_type"} & set(plain)
     olmo2 = TinyCausalConfig(**SHAPES, **OLMO2_LAYOUT).to_dict()
     assert (olmo2["pre_norms"], olmo2["qk_norm_type"]) == (False, "projection")
+
+
+def test_runtime_on_and_off_bit_identical(monkeypatch):
+    assert_runtime_bit_identical(ours_for(tiny_olmo2("mha_biases_tied_theta")), monkeypatch)

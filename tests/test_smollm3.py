@@ -9,7 +9,8 @@ import torch
 import transformers
 
 from causal_helpers import BASE, randomize
-from family_parity import BACKENDS, TOLERANCE, gradient_errors, greedy_tokens, load_ours, logits_error
+from family_parity import (BACKENDS, TOLERANCE, assert_runtime_bit_identical, gradient_errors, greedy_tokens, load_ours,
+                           logits_error)
 from hf_tiny import TinyCausalConfig
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -116,3 +117,7 @@ def test_bad_nope_layers_are_clear_errors(changes, error, message):
 def test_nope_layers_exist_in_config_json_only_when_used():
     assert "nope_layers" not in TinyCausalConfig(**SHAPES).to_dict()
     assert TinyCausalConfig(**SHAPES, nope_layers=[3, 1]).to_dict()["nope_layers"] == [1, 3]
+
+
+def test_runtime_on_and_off_bit_identical(monkeypatch):
+    assert_runtime_bit_identical(ours_for(tiny_smollm3("sliding_nope_biases_tied")), monkeypatch)
