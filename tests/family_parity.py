@@ -49,6 +49,15 @@ def greedy_tokens(model, new_tokens: int = 8, lengths=LENGTHS) -> torch.Tensor:
         return model.generate(batch["input_ids"], attention_mask=batch["attention_mask"], **settings)
 
 
+def assert_same_greedy_tokens(official, ours, backends=("sdpa", "flash_attention_2"), new_tokens: int = 8) -> None:
+    """Greedy tokens with the cache: ours, in each backend, equal official's (sdpa)."""
+    official.set_attn_implementation("sdpa")
+    expected = greedy_tokens(official, new_tokens)
+    for backend in backends:
+        ours.set_attn_implementation(backend)
+        assert torch.equal(greedy_tokens(ours, new_tokens), expected), backend
+
+
 def loss_and_gradients(model, names=None) -> tuple[float, dict]:
     """Training forward and backward on the left-padded batch with labels: (loss, {name: grad})."""
     batch = left_padded_batch(model.config.vocab_size, LENGTHS)

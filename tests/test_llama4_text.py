@@ -14,8 +14,8 @@ import transformers.masking_utils
 from transformers import GenerationConfig
 
 from causal_helpers import BASE, randomize, small_paged_cache
-from family_parity import (BACKENDS, TOLERANCE, assert_runtime_bit_identical, gradient_errors, greedy_tokens, load_ours,
-                           logits_error)
+from family_parity import (BACKENDS, TOLERANCE, assert_runtime_bit_identical, assert_same_greedy_tokens,
+                           gradient_errors, load_ours, logits_error)
 from hf_tiny import TinyCausalConfig
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -132,12 +132,7 @@ def test_greedy_tokens_with_cache_identical(variant):
     """12 new tokens: the 17- and 24-token rows decode across chunk boundaries (the chunked layers' cache keeps
     chunk_size - 1 keys)."""
     official = tiny_llama4(variant)
-    ours = ours_for(official)
-    official.set_attn_implementation("sdpa")
-    expected = greedy_tokens(official, new_tokens=12)
-    for backend in ("sdpa", "flash_attention_2"):
-        ours.set_attn_implementation(backend)
-        assert torch.equal(greedy_tokens(ours, new_tokens=12), expected), backend
+    assert_same_greedy_tokens(official, ours_for(official), new_tokens=12)
 
 
 def test_training_loss_and_gradients_match_official():

@@ -10,8 +10,8 @@ import torch
 import transformers
 
 from causal_helpers import BASE, randomize
-from family_parity import (BACKENDS, TOLERANCE, assert_runtime_bit_identical, gradient_errors, greedy_tokens, load_ours,
-                           logits_error)
+from family_parity import (BACKENDS, TOLERANCE, assert_runtime_bit_identical, assert_same_greedy_tokens,
+                           gradient_errors, load_ours, logits_error)
 from hf_tiny import TinyCausalConfig
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -86,12 +86,7 @@ def test_negative_control_norm_placement_matters():
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_greedy_tokens_with_cache_identical(variant):
     official = tiny_olmo2(variant)
-    ours = ours_for(official)
-    official.set_attn_implementation("sdpa")
-    expected = greedy_tokens(official)
-    for backend in ("sdpa", "flash_attention_2"):
-        ours.set_attn_implementation(backend)
-        assert torch.equal(greedy_tokens(ours), expected), backend
+    assert_same_greedy_tokens(official, ours_for(official))
 
 
 def test_training_loss_and_gradients_match_official():
