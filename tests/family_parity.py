@@ -1,16 +1,22 @@
 """The parity checks of the 2025 causal families (tests/test_smollm3.py, test_olmo2.py, test_llama4_text.py): an
 official model (small random config with odd shapes, every weight random at std 0.3) loaded into hf_tiny's causal
 LM through the family's test-local key table (what conversion/ turns into a converter), then compared on a
-left-padded batch: logits per backend, greedy tokens through the cache, loss and gradients."""
+left-padded batch: logits per backend, greedy tokens through the cache, loss and gradients. Run as a script, it
+prints the logits errors of every variant per backend (README's parity rows): python tests/family_parity.py"""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
 from typing import Callable
 
-import torch
+if __name__ == "__main__":  # run as a script: the checkout's hf_tiny
+    sys.path[:0] = [str(Path(__file__).resolve().parents[1])]
 
-from causal_helpers import left_padded_batch, max_diff, real_logits
-from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM
+import torch  # noqa: E402
+
+from causal_helpers import left_padded_batch, max_diff, real_logits  # noqa: E402
+from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM  # noqa: E402
 
 BACKENDS = ("eager", "sdpa", "flash_attention_2")
 TOLERANCE = 1e-5  # relative to max(1, max |official logit|): the converter's fp32 rule (conversion/parity.py)
@@ -40,22 +46,24 @@ def logits_error(official, ours, backend: str, official_backend: str = "eager", 
     return max_diff(produced, expected) / max(1.0, float(expected.abs().max()))
 
 
-def greedy_tokens(model, new_tokens: int = 8, lengths=LENGTHS) -> torch.Tensor:
+def greedy_tokens(model, new_tokens: int = 8, lengths=LENGTHS, **settings) -> torch.Tensor:
     """generate() with the cache on the left-padded batch (no eos stop, so every step is compared)."""
     batch = left_padded_batch(model.config.vocab_size, lengths)
     settings = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                    use_cache=True)
+                    use_cache=True, **settings)
     with torch.no_grad():
         return model.generate(batch["input_ids"], attention_mask=batch["attention_mask"], **settings)
 
 
-def assert_same_greedy_tokens(official, ours, backends=("sdpa", "flash_attention_2"), new_tokens: int = 8) -> None:
-    """Greedy tokens with the cache: ours, in each backend, equal official's (sdpa)."""
+def assert_same_greedy_tokens(official, ours, backends=("sdpa", "flash_attention_2"), new_tokens: int = 8,
+                              **settings) -> None:
+    """Greedy tokens with the cache (generate `settings`, e.g. cache_implementation): ours, in each backend, equal
+    official's (sdpa)."""
     official.set_attn_implementation("sdpa")
-    expected = greedy_tokens(official, new_tokens)
+    expected = greedy_tokens(official, new_tokens, **settings)
     for backend in backends:
         ours.set_attn_implementation(backend)
-        assert torch.equal(greedy_tokens(ours, new_tokens), expected), backend
+        assert torch.equal(greedy_tokens(ours, new_tokens, **settings), expected), backend
 
 
 def loss_and_gradients(model, names=None) -> tuple[float, dict]:
@@ -109,3 +117,28 @@ def assert_runtime_bit_identical(model, monkeypatch) -> None:
     different = [name for name in on_step if not torch.equal(on_step[name], off_step[name])]
     assert not different, different
     assert "add_" in on_ops and "add_" not in off_ops
+
+
+def main() -> None:
+    """Prints, per family variant and backend, the logits error the tests bound (README's parity rows):
+    python tests/family_parity.py"""
+    import test_llama4_text
+    import test_olmo2
+    import test_smollm3
+
+    families = (("smollm3", test_smollm3, test_smollm3.tiny_smollm3), ("olmo2", test_olmo2, test_olmo2.tiny_olmo2),
+                ("llama4_text", test_llama4_text, test_llama4_text.tiny_llama4))
+    for name, module, build in families:
+        for variant in sorted(module.VARIANTS):
+            official = build(variant)
+            cells = []
+            for backend in BACKENDS:
+                try:
+                    cells.append(f"{backend} {logits_error(official, module.ours_for(official), backend):.2g}")
+                except ValueError as error:  # a mechanism the backend cannot express, refused
+                    cells.append(f"{backend} refused ({str(error)[:40]}...)")
+            print(f"{name} {variant}: " + " | ".join(cells))
+
+
+if __name__ == "__main__":
+    main()

@@ -7,6 +7,8 @@ through the key table below (fused experts split, q/k rows from RoPE's interleav
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import transformers
@@ -15,7 +17,7 @@ from transformers import GenerationConfig
 
 from causal_helpers import BASE, randomize, small_paged_cache
 from family_parity import (BACKENDS, TOLERANCE, assert_runtime_bit_identical, assert_same_greedy_tokens,
-                           gradient_errors, load_ours, logits_error)
+                           gradient_errors, greedy_tokens, load_ours, logits_error)
 from hf_tiny import TinyCausalConfig
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -133,6 +135,22 @@ def test_greedy_tokens_with_cache_identical(variant):
     chunk_size - 1 keys)."""
     official = tiny_llama4(variant)
     assert_same_greedy_tokens(official, ours_for(official), new_tokens=12)
+
+
+@pytest.mark.skipif(
+    "block_sequence_ids" not in inspect.signature(transformers.masking_utils.create_chunked_causal_mask).parameters,
+    reason="this transformers' generate() builds static-cache masks with create_masks_for_generate, which passes "
+    "create_chunked_causal_mask a block_sequence_ids it does not take (TypeError for any chunked model)",
+)
+def test_greedy_tokens_with_a_static_cache_identical():
+    """A static cache (the chunked layers' StaticSlidingWindowLayer holds chunk_size keys in fixed slots) gives
+    official's tokens (those of its dynamic cache; its static cache gives the same)."""
+    official = tiny_llama4("scout_like")
+    official.set_attn_implementation("sdpa")
+    expected = greedy_tokens(official, 12)
+    ours = ours_for(official)
+    ours.set_attn_implementation("sdpa")
+    assert torch.equal(greedy_tokens(ours, 12, cache_implementation="static"), expected)
 
 
 def test_training_loss_and_gradients_match_official():
