@@ -106,10 +106,41 @@ def render_model_card(template_name: str = "hf_tiny", **fields) -> str:
 
 
 def write_model_card(dst_dir: str | os.PathLike, template_name: str = "hf_tiny", **fields) -> Path:
-    """Renders the card and writes it as dst_dir/README.md; returns the path."""
+    """Renders the card and writes it as dst_dir/README.md; returns the path. A config.json already in dst_dir
+    whose special token ids lie outside the vocabulary adds a note saying so (extra)."""
     path = Path(dst_dir) / "README.md"
+    note = special_token_note(Path(dst_dir) / "config.json")
+    if note:
+        fields = {**fields, "extra": fields.get("extra", CARD_DEFAULTS["extra"]) + f"\n{note}\n"}
     path.write_text(render_model_card(template_name, **fields))
     return path
+
+
+def special_token_note(config_path: Path) -> str:
+    """What the card says about special token ids (fields *_token_id) outside [0, vocab_size): official
+    transformers loads such configs with a warning (GPT-2's 50256 kept with a smaller vocabulary), and so does
+    hf_tiny; the model can never produce those ids, so generate() does not stop on them."""
+    if not config_path.is_file():
+        return ""
+    config = json.loads(config_path.read_text())
+    vocab_size = config.get("vocab_size")
+    if not isinstance(vocab_size, int):
+        return ""
+    outside = []
+    for name, value in sorted(config.items()):
+        values = value if isinstance(value, list) else [value]
+        if name.endswith("_token_id") and any(
+            isinstance(v, int) and not isinstance(v, bool) and not 0 <= v < vocab_size for v in values
+        ):
+            outside.append(f"`{name}` = {value}")
+    if not outside:
+        return ""
+    return (
+        f"Special tokens: {', '.join(outside)} lie outside the vocabulary (ids 0 .. {vocab_size - 1}), as in the "
+        "source config. transformers loads it with a warning (\"must be `None` or an integer within the "
+        "vocabulary\"), as it does the official model; the model never produces such an id, so `generate` does "
+        "not stop on it (pass `eos_token_id=` / `pad_token_id=` within the vocabulary)."
+    )
 
 
 def source_license(src_dir: Path) -> str:

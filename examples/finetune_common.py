@@ -92,6 +92,8 @@ def training_arguments(args: argparse.Namespace, cls=None, **extra):
     """TrainingArguments for every example: loss logged at every step (the loss curve), seeded data order."""
     from transformers import TrainingArguments
 
+    from hf_tiny.transformers_api import checkpointing_training_argument
+
     cls = cls or TrainingArguments
     fsdp_extra = {}
     if args.fsdp == "accelerate":
@@ -121,13 +123,13 @@ def training_arguments(args: argparse.Namespace, cls=None, **extra):
         seed=args.seed,
         data_seed=args.seed,
         disable_tqdm=True,
-        activation_checkpointing=args.gradient_checkpointing,
         dataloader_pin_memory=False,
         dataloader_num_workers=0,
         ddp_find_unused_parameters=False,  # every parameter of these models takes part in the loss
         # Without a GPU say so explicitly: only then does accelerate set up multi-process CPU training (gloo) under
         # torchrun; otherwise every process would train alone.
         use_cpu=not torch.cuda.is_available(),
+        **checkpointing_training_argument(cls, args.gradient_checkpointing),
         **fsdp_extra,
         **extra,
     )

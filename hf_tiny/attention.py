@@ -3,8 +3,8 @@
 Every backend has the same signature and never sees a config or a module, so they can be tested against each
 other in isolation:
 
-    fn(q, k, v, mask=None, *, scale, dropout_p=0.0, is_causal=False, output_attentions=False, segment_ids=None)
-        -> (out [B, H, Sq, D], weights [B, H, Sq, Sk] or None)
+    fn(q, k, v, mask=None, *, scale, dropout_p=0.0, is_causal=False, output_attentions=False, segment_ids=None,
+       sinks=None) -> (out [B, H, Sq, D], weights [B, H, Sq, Sk] or None)
 
 q is [B, H, Sq, D]; k and v are [B, Hkv, Sk, D] with H a multiple of Hkv (GQA / MQA).
 mask is None, a bool tensor (True = attend) or a float additive tensor, broadcastable to [B, H, Sq, Sk]. A given
@@ -15,6 +15,11 @@ KV cache); with a mask, naive and sdpa ignore it and flash reads causality from 
 A query row with no visible key returns zeros, never NaN, in every backend.
 segment_ids ([B, S], packed rows of self-attention only) names the sequence of each token; the mask already
 holds the same boundaries, so naive and sdpa ignore it, while flash runs each sequence as its own varlen slice.
+sinks ([H], GPT-OSS's attention sinks, transformers' `s_aux`) is one more logit per head in every query's softmax
+denominator, attached to no value: softmax([Q Kᵀ · scale + M, sinks[h]]) without its last column, so a row's weights
+sum to less than 1 (a row that sees no key gives zeros here too). Naive appends the column, our Triton kernel starts
+its online softmax from it, and the kernels without a sink argument (SDPA, PyTorch's flash) see it as one more key
+(sink_as_first_key).
 
 Names follow Hugging Face habits: "eager" is the naive formula, "sdpa" is torch's
 scaled_dot_product_attention, "flash_attention_2" runs FlashAttention kernels (the flash-attn package on CUDA when
@@ -30,6 +35,7 @@ paged|eager, hub kernels, vLLM's, a user's). What those other functions and engi
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import inspect
 import weakref
@@ -52,9 +58,10 @@ def repeat_kv(hidden: torch.Tensor, n_rep: int) -> torch.Tensor:
     return hidden.reshape(batch, kv_heads * n_rep, seq, dim)
 
 
-def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: Optional[str] = None) -> int:
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: Optional[str] = None,
+                  sinks: Optional[torch.Tensor] = None) -> int:
     """The heads' repeat factor of GQA. Values may be narrower or wider than keys (MLA's v_head_dim), except in
-    the flash kernels (`backend` names one), which need one head_dim for q, k and v."""
+    the flash kernels (`backend` names one), which need one head_dim for q, k and v. sinks: one logit per query head."""
     shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"attention expects 4-D q, k, v [batch, heads, seq, head_dim]; got {shapes}")
@@ -67,6 +74,9 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend:
         )
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (q.shape[1],)):
+        found = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise ValueError(f"attention sinks (s_aux) hold one logit per query head, shape ({q.shape[1]},); got {found}")
     return q.shape[1] // k.shape[1]
 
 
@@ -96,10 +106,19 @@ def _score_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def softmax_with_sinks(scores: torch.Tensor, sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """softmax over the keys (last dimension of [B, H, Sq, Sk] scores); with attention sinks over the keys and one
+    more logit per head, sinks[h], whose own weight is dropped (official GPT-OSS's eager attention)."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    sink = sinks.to(scores.dtype)[None, :, None, None].expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+
+
 def naive_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0, is_causal: bool = False,
-                    output_attentions: bool = False, segment_ids=None) -> BackendOutput:
+                    output_attentions: bool = False, segment_ids=None, sinks=None) -> BackendOutput:
     """softmax(Q Kᵀ · scale + M) V written out; the reference the other backends are tested against."""
-    n_rep = _check_shapes(q, k, v)
+    n_rep = _check_shapes(q, k, v, sinks=sinks)
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
     score_dtype = _score_dtype(q.dtype)
     scores = torch.matmul(q.to(score_dtype), k.to(score_dtype).transpose(-2, -1)) * scale
@@ -111,7 +130,7 @@ def naive_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0,
             scores = scores.masked_fill(~mask, lowest)
         else:
             scores = (scores + mask.to(scores.dtype)).clamp(min=lowest)
-    weights = torch.softmax(scores, dim=-1).to(q.dtype)
+    weights = softmax_with_sinks(scores, sinks).to(q.dtype)
     if mask is not None:
         weights = weights * visible_rows(mask).to(weights.dtype)
     if dropout_p > 0.0:
@@ -120,13 +139,38 @@ def naive_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0,
     return out, (weights if output_attentions else None)
 
 
+def sink_as_first_key(q, k, v, mask, sinks: torch.Tensor, scale: float):
+    """Attention sinks for kernels that take none (SDPA, PyTorch's flash kernel): the sink as one more key, first in
+    line so that bottom-right causal masks keep it visible, seen by every query, with a zero value. Its score comes
+    from extra head dimensions (zeros up to the next multiple of 8, which fast kernels want): in the first of them
+    the queries of head h carry sinks[h] / scale and the sink key 1, so its score (q · k_sink) · scale is sinks[h]
+    (exactly when scale is a power of two). Returns (q, k, v, mask) for the kernel; the caller drops the extra
+    dimensions of the output."""
+    batch, heads, sq, dim = q.shape
+    extra = 8 - dim % 8
+    # finite, so that the real keys' zeros in this dimension give 0 (a sink of -inf times 0 would give NaN)
+    sink_scores = (sinks.to(q.dtype) / scale).clamp(min=torch.finfo(q.dtype).min)
+    sink_scores = sink_scores[None, :, None, None].expand(batch, heads, sq, 1)
+    q = F.pad(torch.cat([q, sink_scores], dim=-1), (0, extra - 1))
+    sink_key = F.pad(k.new_ones(1), (dim, extra - 1)).expand(batch, k.shape[1], 1, dim + extra)
+    k = torch.cat([sink_key, F.pad(k, (0, extra))], dim=2)
+    v = F.pad(v, (0, extra, 1, 0))  # the sink's value (a first row of zeros), and the extra dimensions
+    if mask is not None:
+        seen = torch.ones((), dtype=torch.bool) if mask.dtype == torch.bool else torch.zeros((), dtype=mask.dtype)
+        mask = torch.cat([seen.to(mask.device).expand(*mask.shape[:-1], 1), mask], dim=-1)
+    return q, k, v, mask
+
+
 def torch_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0, is_causal: bool = False,
-                    output_attentions: bool = False, segment_ids=None) -> BackendOutput:
+                    output_attentions: bool = False, segment_ids=None, sinks=None) -> BackendOutput:
     """torch's scaled_dot_product_attention (it picks the flash, memory-efficient or math kernel). A row that sees
     no key is handed to the kernel as seeing every key and zeroed after: some kernels return NaN for a fully masked
-    row, forward and backward (CUDA memory-efficient, pytorch#110213)."""
+    row, forward and backward (CUDA memory-efficient, pytorch#110213). Sinks: sink_as_first_key."""
     _no_weights(output_attentions, "sdpa")
-    n_rep = _check_shapes(q, k, v)
+    n_rep = _check_shapes(q, k, v, sinks=sinks)
+    value_dim = v.shape[-1]
+    if sinks is not None:
+        q, k, v, mask = sink_as_first_key(q, k, v, mask, sinks, scale)
     sq, sk = q.shape[2], k.shape[2]
     if mask is None and is_causal and sq != sk:  # SDPA's is_causal is top-left aligned, ours bottom-right
         mask = None if sq == 1 else causal_bool_mask(sq, sk, q.device)
@@ -138,7 +182,8 @@ def torch_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0,
         mask = torch.where(visible, mask.to(q.dtype).clamp(min=torch.finfo(q.dtype).min), 0.0).to(q.dtype)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                          is_causal=is_causal and mask is None, scale=scale, enable_gqa=n_rep > 1)
-    return (out if visible is None else out.masked_fill(~visible, 0.0)), None
+    out = out if visible is None else out.masked_fill(~visible, 0.0)
+    return (out if sinks is None else out[..., :value_dim]), None
 
 
 def _no_weights(output_attentions: bool, backend: str) -> None:
@@ -346,9 +391,12 @@ def _dropped_rows_see_runs(full: torch.Tensor, key_valid: torch.Tensor, query_va
     return torch.equal(seen, allowed & (from_last <= seen.sum(-1, keepdim=True)))
 
 
-def _flash_sdpa(q, k, v, *, scale, dropout_p, is_causal) -> torch.Tensor:
+def _flash_sdpa(q, k, v, *, scale, dropout_p, is_causal, sinks=None) -> torch.Tensor:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    value_dim = v.shape[-1]
+    if sinks is not None:  # the sink key comes first: the bottom-right causal mask below keeps it visible
+        q, k, v, _ = sink_as_first_key(q, k, v, None, sinks, scale)
     n_rep = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
     if is_causal and q.shape[2] == 1:
@@ -364,9 +412,9 @@ def _flash_sdpa(q, k, v, *, scale, dropout_p, is_causal) -> torch.Tensor:
         )
     try:
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale
-            )
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                                                 scale=scale)
+        return out if sinks is None else out[..., :value_dim]
     except RuntimeError as error:
         if "No available kernel" not in str(error):
             raise
@@ -421,46 +469,49 @@ def _flash_package(q, k, v, query_valid, key_valid, *, scale, dropout_p, is_caus
 
 
 def flash_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0, is_causal: bool = False,
-                    output_attentions: bool = False, segment_ids=None) -> BackendOutput:
+                    output_attentions: bool = False, segment_ids=None, sinks=None) -> BackendOutput:
     """FlashAttention: the flash-attn package (CUDA, varlen for padded batches) when installed; otherwise on CUDA
     our Triton kernel (hf_tiny_flash_attention, one varlen call; with attention dropout, which it lacks, PyTorch's
     flash kernel one sequence at a time), and on CPU PyTorch's FLASH_ATTENTION SDPA kernel (one sequence at a time
-    for padded batches)."""
+    for padded batches). Attention sinks, which the flash-attn package lacks, run on our Triton kernel on CUDA."""
     if output_attentions:
         raise ValueError(
             "output_attentions=True needs the attention weights, which 'flash_attention_2' does not compute; "
             "use attn_implementation='eager'"
         )
-    _check_shapes(q, k, v, backend="flash_attention_2")
+    _check_shapes(q, k, v, backend="flash_attention_2", sinks=sinks)
     check_flash_can_run(q.device, q.dtype)
-    sk = k.shape[2]
-    if q.device.type == "cuda" and not flash_attn_package_available(q.device) and dropout_p == 0.0:
+    package = flash_attn_package_available(q.device)
+    if q.device.type == "cuda" and (not package or sinks is not None) and dropout_p == 0.0:
         # our Triton kernel: one varlen call for padded and packed batches (PyTorch's flash kernel takes neither)
-        return _triton_flash(q, k, v, mask, scale=scale, is_causal=is_causal, segment_ids=segment_ids), None
+        return _triton_flash(q, k, v, mask, scale=scale, is_causal=is_causal, segment_ids=segment_ids, sinks=sinks), None
+    if sinks is not None and (package or q.device.type == "cuda"):
+        raise ValueError(
+            f"attn_implementation='flash_attention_2' cannot combine attention sinks with attention dropout "
+            f"(dropout_p={dropout_p}) on {q.device.type}: the flash-attn package has no sinks and hf_tiny's Triton kernel "
+            "no dropout; call model.eval() or use attn_implementation='sdpa' or 'eager'"
+        )
     if segment_ids is not None:
-        return _flash_packed(q, k, v, segment_ids, scale=scale, dropout_p=dropout_p, is_causal=is_causal), None
+        return _flash_packed(q, k, v, segment_ids, scale=scale, dropout_p=dropout_p, is_causal=is_causal, sinks=sinks), None
     query_valid = key_valid = None
     if mask is not None:
         try:
-            query_valid, key_valid, is_causal = _padding_pattern(mask, q, sk, is_causal)
+            query_valid, key_valid, is_causal = _padding_pattern(mask, q, k.shape[2], is_causal)
         except ValueError as error:
-            chunks = _chunked_or_raise(error, mask, q, sk, is_causal)
-            return _flash_chunks(q, k, v, chunks, scale=scale, dropout_p=dropout_p), None
+            chunks = _chunked_or_raise(error, mask, q, k.shape[2], is_causal)
+            return _flash_chunks(q, k, v, chunks, scale=scale, dropout_p=dropout_p, sinks=sinks), None
         if bool(query_valid.all()) and bool(key_valid.all()):
             query_valid = key_valid = None
-    if flash_attn_package_available(q.device):
+    if package:
         return _flash_package(q, k, v, query_valid, key_valid, scale=scale, dropout_p=dropout_p, is_causal=is_causal), None
+    flash = functools.partial(_flash_sdpa, scale=scale, dropout_p=dropout_p, is_causal=is_causal, sinks=sinks)
     if query_valid is None:
-        return _flash_sdpa(q, k, v, scale=scale, dropout_p=dropout_p, is_causal=is_causal), None
+        return flash(q, k, v), None
     out = q.new_zeros(q.shape)
-    for b in range(q.shape[0]):
+    for b in range(q.shape[0]):  # PyTorch's flash kernel takes no padding: one sequence at a time
         qi, ki = query_valid[b].nonzero().squeeze(-1), key_valid[b].nonzero().squeeze(-1)
-        if qi.numel() == 0 or ki.numel() == 0:
-            continue
-        out[b : b + 1, :, qi] = _flash_sdpa(
-            q[b : b + 1, :, qi], k[b : b + 1, :, ki], v[b : b + 1, :, ki],
-            scale=scale, dropout_p=dropout_p, is_causal=is_causal,
-        )
+        if qi.numel() and ki.numel():
+            out[b : b + 1, :, qi] = flash(q[b : b + 1, :, qi], k[b : b + 1, :, ki], v[b : b + 1, :, ki])
     return out, None
 
 
@@ -482,30 +533,33 @@ def _segment_lengths(segment_ids: torch.Tensor) -> torch.Tensor:
     return torch.diff(F.pad(starts.flatten().nonzero().squeeze(-1), (0, 1), value=batch * seq))
 
 
-def _flash_packed(q, k, v, segment_ids, *, scale, dropout_p, is_causal) -> torch.Tensor:
+def _flash_packed(q, k, v, segment_ids, *, scale, dropout_p, is_causal, sinks=None) -> torch.Tensor:
     """Self-attention over packed rows: every sequence (a run of equal segment ids in a row) attends only to
     itself. The flash-attn package takes them all in one varlen call; PyTorch's kernel runs them one by one."""
     batch, heads, seq, dim = q.shape
     _check_segment_ids(segment_ids, q, k)
     lengths = _segment_lengths(segment_ids).to(torch.int32)
     q_, k_, v_ = (t.transpose(1, 2).flatten(0, 1) for t in (q, k, v))  # [B*S, H, D]
-    out = _flash_varlen_rows(q_, k_, v_, lengths, lengths, scale=scale, dropout_p=dropout_p, is_causal=is_causal)
+    out = _flash_varlen_rows(q_, k_, v_, lengths, lengths, scale=scale, dropout_p=dropout_p, is_causal=is_causal,
+                             sinks=sinks)
     return out.view(batch, seq, heads, dim).transpose(1, 2)
 
 
-def _flash_chunks(q, k, v, chunks: ChunkedSegments, *, scale, dropout_p) -> torch.Tensor:
+def _flash_chunks(q, k, v, chunks: ChunkedSegments, *, scale, dropout_p, sinks=None) -> torch.Tensor:
     """Chunked causal attention: every (row, chunk) segment as one causal sequence; padding query rows are zeros."""
     batch, heads, sq, dim = q.shape
     q_ = q.transpose(1, 2).flatten(0, 1).index_select(0, chunks.q_idx)
     k_, v_ = (t.transpose(1, 2).flatten(0, 1).index_select(0, chunks.k_idx) for t in (k, v))
-    out = _flash_varlen_rows(q_, k_, v_, chunks.q_lens, chunks.k_lens, scale=scale, dropout_p=dropout_p, is_causal=True)
+    out = _flash_varlen_rows(q_, k_, v_, chunks.q_lens, chunks.k_lens, scale=scale, dropout_p=dropout_p, is_causal=True,
+                             sinks=sinks)
     out = out.new_zeros(batch * sq, heads, dim).index_copy(0, chunks.q_idx, out)
     return out.view(batch, sq, heads, dim).transpose(1, 2)
 
 
-def _flash_varlen_rows(q_, k_, v_, q_lens, k_lens, *, scale, dropout_p, is_causal) -> torch.Tensor:
+def _flash_varlen_rows(q_, k_, v_, q_lens, k_lens, *, scale, dropout_p, is_causal, sinks=None) -> torch.Tensor:
     """Attention over packed rows [T, H, D], segment s being q_lens[s] queries over k_lens[s] keys (int32): the
-    flash-attn package in one varlen call, else PyTorch's flash kernel one segment at a time."""
+    flash-attn package in one varlen call (never given sinks: flash_attention refuses them there), else PyTorch's
+    flash kernel one segment at a time."""
     if flash_attn_package_available(q_.device):
         flash_attn_varlen_func = _flash_attn_functions()[1]
         return flash_attn_varlen_func(
@@ -516,7 +570,7 @@ def _flash_varlen_rows(q_, k_, v_, q_lens, k_lens, *, scale, dropout_p, is_causa
     for part_q, part_k, part_v in zip(*(t.split(n.tolist()) for t, n in ((q_, q_lens), (k_, k_lens), (v_, k_lens)))):
         if part_q.shape[0]:  # a segment of cached keys only has no query to compute
             part = _flash_sdpa(*(t.transpose(0, 1)[None] for t in (part_q, part_k, part_v)),
-                               scale=scale, dropout_p=dropout_p, is_causal=is_causal)
+                               scale=scale, dropout_p=dropout_p, is_causal=is_causal, sinks=sinks)
             outputs.append(part[0].transpose(0, 1))
     return torch.cat(outputs)
 
@@ -617,7 +671,7 @@ def _triton_kernel() -> SimpleNamespace:
                            flash_attn_varlen=flash_attn_varlen)
 
 
-def _triton_flash(q, k, v, mask, *, scale, is_causal, segment_ids) -> torch.Tensor:
+def _triton_flash(q, k, v, mask, *, scale, is_causal, segment_ids, sinks=None) -> torch.Tensor:
     """[B, H, S, D] attention through our kernel: real rows gathered into the packed layout, one kernel call,
     scattered back (padding rows are zeros)."""
     kernel = _triton_kernel()
@@ -632,7 +686,7 @@ def _triton_flash(q, k, v, mask, *, scale, is_causal, segment_ids) -> torch.Tens
         packed_k, packed_v = packed_k.index_select(0, layout.k_idx), packed_v.index_select(0, layout.k_idx)
     out = kernel.flash_attn_varlen(
         packed_q, packed_k, packed_v, layout.cu_q, layout.cu_k, layout.max_q, layout.max_k,
-        scale=scale, causal=layout.causal, window=layout.window,
+        scale=scale, causal=layout.causal, window=layout.window, sinks=sinks,
     )
     if layout.q_idx is not None:
         out = out.new_zeros(batch * sq, heads, dim).index_copy(0, layout.q_idx, out)
@@ -640,10 +694,10 @@ def _triton_flash(q, k, v, mask, *, scale, is_causal, segment_ids) -> torch.Tens
 
 
 def hf_tiny_flash_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0, is_causal: bool = False,
-                            output_attentions: bool = False, segment_ids=None) -> BackendOutput:
+                            output_attentions: bool = False, segment_ids=None, sinks=None) -> BackendOutput:
     """hf_tiny's own FlashAttention kernel in Triton (hf_tiny/flash_triton.py): padded and packed batches in one
-    varlen call, GQA without repeated K/V, causal and sliding-window masks, fp16/bf16/fp32. Runs on CUDA, and on
-    CPU under Triton's interpreter (TRITON_INTERPRET=1)."""
+    varlen call, GQA without repeated K/V, causal and sliding-window masks, attention sinks, fp16/bf16/fp32. Runs on
+    CUDA, and on CPU under Triton's interpreter (TRITON_INTERPRET=1)."""
     if output_attentions:
         raise ValueError(
             "output_attentions=True needs the attention weights, which 'hf_tiny_flash' does not compute; "
@@ -654,8 +708,8 @@ def hf_tiny_flash_attention(q, k, v, mask=None, *, scale: float, dropout_p: floa
             f"attn_implementation='hf_tiny_flash' has no attention dropout, got dropout_p={dropout_p}; set the config's "
             "attention dropout to 0, call model.eval(), or use attn_implementation='sdpa'"
         )
-    _check_shapes(q, k, v, backend="hf_tiny_flash")
-    return _triton_flash(q, k, v, mask, scale=scale, is_causal=is_causal, segment_ids=segment_ids), None
+    _check_shapes(q, k, v, backend="hf_tiny_flash", sinks=sinks)
+    return _triton_flash(q, k, v, mask, scale=scale, is_causal=is_causal, segment_ids=segment_ids, sinks=sinks), None
 
 
 ATTENTION_BACKENDS: dict[str, Callable[..., BackendOutput]] = {
@@ -697,11 +751,11 @@ AttentionInterfaceFn = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]
 def as_attention_interface(backend: Callable[..., BackendOutput]) -> AttentionInterfaceFn:
     """One of our pure backends in transformers' attention-interface convention (module first, output
     [B, S, H, D]). Keyword arguments it does not use (sliding_window, position_ids, ...) are accepted and ignored:
-    our masks already hold them."""
+    our masks already hold them. s_aux: attention sinks, under transformers' name (official GPT-OSS passes it)."""
 
     def attention_forward(
         module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, is_causal=None,
-        output_attentions=False, segment_ids=None, **kwargs,
+        output_attentions=False, segment_ids=None, s_aux=None, **kwargs,
     ):
         out, weights = backend(
             query, key, value, attention_mask,
@@ -710,6 +764,7 @@ def as_attention_interface(backend: Callable[..., BackendOutput]) -> AttentionIn
             is_causal=getattr(module, "is_causal", False) if is_causal is None else is_causal,
             output_attentions=output_attentions,
             segment_ids=segment_ids,
+            sinks=s_aux,
         )
         return out.transpose(1, 2), weights
 
@@ -762,3 +817,22 @@ def get_attention_interface(name: str) -> AttentionInterfaceFn:
             f"in transformers' AttentionInterface; registered: {registered_attention_names()} (add one with "
             "transformers.AttentionInterface.register(name, fn))"
         ) from None
+
+
+def _takes_s_aux(function: Callable) -> bool:
+    try:
+        return "s_aux" in inspect.signature(function).parameters
+    except (TypeError, ValueError):  # no signature to read: nothing says it takes sinks
+        return False
+
+
+def sinks_for(name: str, function: Callable, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention sinks reach an attention function as transformers' `s_aux`. A foreign function without that
+    parameter (transformers' sdpa and paged ones, vLLM's: they take **kwargs) would drop them silently and compute
+    attention without sinks, so it is refused."""
+    if name not in HF_TINY_INTERFACES and not _takes_s_aux(function):
+        raise ValueError(
+            f"attn_implementation={name!r} does not take attention sinks (no `s_aux` parameter), which this model's "
+            f"attention needs; use one that does: {sorted(HF_TINY_INTERFACES)}, or flex_attention on CUDA"
+        )
+    return sinks

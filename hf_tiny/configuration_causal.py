@@ -177,6 +177,9 @@ OPTIONAL_FIELDS = {
     "chunked_attention": dict(attention_chunk_size=None),
     "temperature": dict(attn_temperature_tuning=False, floor_scale=8192, attn_scale=0.1),
     "router_input_weights": dict(apply_router_weight_on_input=False),
+    "sinks": dict(attention_sinks=False),
+    "moe_biases": dict(router_bias=False, expert_bias=False),
+    "clamped_swiglu": dict(swiglu_limit=None, swiglu_alpha=1.702),
 }
 
 
@@ -188,7 +191,20 @@ def _uses(group: str, values: dict) -> bool:
         "pre_norms": values["pre_norms"] is not True, "chunked_attention": values["attention_chunk_size"] is not None,
         "temperature": values["attn_temperature_tuning"] is not False,
         "router_input_weights": values["apply_router_weight_on_input"] is not False,
+        "sinks": bool(values["attention_sinks"]), "clamped_swiglu": values["swiglu_limit"] is not None,
+        "moe_biases": bool(values["router_bias"] or values["expert_bias"]),
     }[group]
+
+
+def _renamed_aliases(owner: str, attribute_map: dict, kwargs: dict) -> dict:
+    """kwargs with each alias (attribute_map: num_experts) under the field's own name (num_local_experts)."""
+    for alias, name in attribute_map.items():
+        if alias in kwargs:
+            if name in kwargs and kwargs[name] != kwargs[alias]:
+                raise ValueError(f"{owner}: {alias}={kwargs[alias]} and {name}={kwargs[name]} name the same field; "
+                                 f"give one")
+            kwargs = {**{k: v for k, v in kwargs.items() if k != alias}, name: kwargs[alias]}
+    return kwargs
 
 
 def field_value(config, name: str):
@@ -264,6 +280,29 @@ def _check_mtp(owner: str, values: dict) -> None:
             f"{owner}: Multi-Token Prediction modules (num_nextn_predict_layers={depth}) attend with full attention; "
             "a model with sliding_attention layers is not supported"
         )
+
+
+def check_gpt_oss_fields(owner: str, values: dict) -> None:
+    """GPT-OSS's mechanisms: attention sinks, router and expert biases, the clamped SwiGLU, softmax over the top-k
+    logits (each usable alone)."""
+    check_bool(owner, attention_sinks=values["attention_sinks"], router_bias=values["router_bias"],
+               expert_bias=values["expert_bias"])
+    if values["attention_sinks"] and values["kv_lora_rank"] is not None:
+        raise ValueError(f"{owner}: attention_sinks=True is not supported with MLA (kv_lora_rank={values['kv_lora_rank']})")
+    biased = [name for name in ("router_bias", "expert_bias") if values[name]]
+    if biased and not values["num_local_experts"]:
+        raise ValueError(f"{owner}: {'/'.join(biased)}=True ask for Mixture-of-Experts biases but num_local_experts=0")
+    if values["swiglu_limit"] is not None:
+        check_positive_number(owner, swiglu_limit=values["swiglu_limit"], swiglu_alpha=values["swiglu_alpha"])
+        if not values["mlp_gated"]:
+            raise ValueError(f"{owner}: swiglu_limit={values['swiglu_limit']} clamps a gated feed-forward; set mlp_gated=True")
+    if values["num_local_experts"] and values["router_scoring"] == "topk_softmax":
+        if values["n_group"] != 1 or values["norm_topk_prob"] is not True:
+            raise ValueError(
+                f"{owner}: router_scoring='topk_softmax' (softmax over the k chosen logits, which sum to 1) takes no "
+                f"expert groups and no renormalization switch; got n_group={values['n_group']}, "
+                f"norm_topk_prob={values['norm_topk_prob']!r} (leave them at 1 and True)"
+            )
 
 
 def check_nope_layers(owner: str, values: dict) -> list[int]:
@@ -425,6 +464,14 @@ class TinyCausalConfig(PretrainedConfig):
     Multi-Token Prediction (DeepSeek-V3; mtp.py): num_nextn_predict_layers modules predicting tokens 2 .. D + 1
     ahead, trained with weight mtp_loss_weight (lambda) and used by generate(use_mtp=True) to draft tokens.
 
+    GPT-OSS is a MoE model with alternating sliding / full layer_types, attention_bias and YaRN (truncate=False), and
+    four more switches (off elsewhere):
+    - attention_sinks: a learned logit per head (`self_attn.sinks`) in every query's softmax denominator, attached to
+      no value (attention.py's backends).
+    - router_scoring "topk_softmax": the k largest router logits, softmax over them (in their dtype).
+    - router_bias / expert_bias: a bias on the router (`mlp.gate.bias`) / on each expert's projections.
+    - swiglu_limit (None: off) and swiglu_alpha: every gated feed-forward is GPT-OSS's clamped SwiGLU,
+      down((clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)), g = clamp(gate, max=limit) (layers.py).
     The 2025 decoders (SmolLM3, OLMo 2, Llama 4 text), each switch held only when used:
     - nope_layers: indices of layers without rotary positions (NoPE: SmolLM3 every 4th layer, Llama 4 too).
     - qk_norm_type: where qk_norm acts: "head" (each head before RoPE, weights of head_dim: Qwen3, Gemma 3),
@@ -436,12 +483,15 @@ class TinyCausalConfig(PretrainedConfig):
       of its own chunk of C tokens (counted from the row's first real token), causally.
     - attn_temperature_tuning (Llama 4): on NoPE layers the query of cache index t is scaled by
       1 + attn_scale * log(1 + floor((t + 1) / floor_scale)).
-    - router_scoring "top_k_sigmoid" (Llama 4: the k largest logits choose, weighed by their sigmoid) and
+    - router_scoring "topk_sigmoid" (Llama 4: the k largest logits choose, weighed by their sigmoid) and
       apply_router_weight_on_input: each expert gets its tokens already multiplied by their router weight.
     """
 
     model_type = "hf_tiny_causal"
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
+    # official MoE configs' (Mixtral, Qwen3-MoE) alias, which tools read (TRL's load-balancing loss); a dense config
+    # holds no num_local_experts, so it has no num_experts either
+    attribute_map = {"num_experts": "num_local_experts"}
     base_model_tp_plan = {
         "layers.*.self_attn.q_proj": "colwise",
         "layers.*.self_attn.k_proj": "colwise",
@@ -474,6 +524,7 @@ class TinyCausalConfig(PretrainedConfig):
         """Every field this docstring's class describes; the optional mechanisms' fields (OPTIONAL_FIELDS: MoE,
         MLA, MTP, ALiBi) arrive through kwargs and are held only when their mechanism is on."""
         owner = type(self).__name__
+        kwargs = _renamed_aliases(owner, type(self).attribute_map, kwargs)
         optional = {name: kwargs.pop(name, default) for group in OPTIONAL_FIELDS.values() for name, default in group.items()}
         values = {**init_arguments({k: v for k, v in locals().items() if k not in ("optional", "owner")}), **optional}
         check_finite_fields(owner, values)
@@ -486,8 +537,12 @@ class TinyCausalConfig(PretrainedConfig):
         if values["moe_intermediate_size"] is None:
             values["moe_intermediate_size"] = intermediate_size
         values["mlp_layer_types"] = check_moe_fields(owner, values, num_hidden_layers, kwargs.pop("first_k_dense_replace", None))
+        check_gpt_oss_fields(owner, values)
         _check_mtp(owner, values)
-        check_token_ids(owner, vocab_size, pad_token_id=pad_token_id)
+        if pad_token_id == -1:  # old LLaMA configs: official warns and loads (nn.Embedding reads -1 as the last row)
+            warn_on_token_ids_outside(vocab_size, pad_token_id=pad_token_id)
+        else:
+            check_token_ids(owner, vocab_size, pad_token_id=pad_token_id)
         warn_on_token_ids_outside(vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
         standardized = _rope_parameters(owner, values, kwargs.pop("rope_scaling", None), kwargs.pop("rope_theta", None))
         store_init_fields(self, TinyCausalConfig.__init__, values, skip=("rope_parameters",))
@@ -530,7 +585,8 @@ class TinyCausalConfig(PretrainedConfig):
             norm_topk_prob=self.norm_topk_prob, n_group=self.n_group, topk_group=self.topk_group,
             routed_scaling_factor=self.routed_scaling_factor,
             shared_intermediate_size=self.shared_expert_intermediate_size, shared_expert_gate=self.shared_expert_gate,
-            jitter_noise=self.router_jitter_noise, weights_on_input=field_value(self, "apply_router_weight_on_input"),
+            jitter_noise=self.router_jitter_noise, router_bias=field_value(self, "router_bias"),
+            weights_on_input=field_value(self, "apply_router_weight_on_input"),
         )
 
     def is_sparse_layer(self, layer_idx: int) -> bool:

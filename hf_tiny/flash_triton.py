@@ -13,11 +13,17 @@ The algorithm (Dao et al., FlashAttention 1 and 2), step by step as the kernels 
   B2. dV += P^T dO and dK += dS^T Q, where dS = P * (dP - delta) and dP = dO V^T; one program per key tile, which
       also loops over the query heads sharing that key head (GQA), so nothing needs atomic adds.
   B3. dQ += dS K, one program per query tile, walking the key tiles as the forward does.
+  S.  Attention sinks (GPT-OSS): one more logit per head in every row's softmax, attached to no value. The online
+      softmax of F3 starts from it (m = sink, l = 1, acc = 0) instead of from nothing (m = -inf, l = 0), so the
+      saved log-sum-exp includes it and B1-B3 are unchanged (its value is zero: dP has no sink column, and
+      delta = rowsum(dO * O) is still the sum of P * dP). The sink's own gradient is -sum over the head's rows of
+      P_sink * delta, with P_sink = exp(sink - lse), computed after the kernels.
 
 Exponentials are taken base 2 (exp2 is one instruction): scores are scaled by scale * log2(e) and the saved
 log-sum-exp is in base 2 too. A query row that sees no key (causal with more queries than keys, a window that
-ends before the sequence starts) gets zeros and a log-sum-exp of +inf, which makes its P, and so its gradients,
-exactly zero. Accumulation is float32 for every input dtype; float32 inputs multiply in IEEE float32 (not TF32).
+ends before the sequence starts) gets zeros and a log-sum-exp of +inf (with sinks: the sink's logit), which makes
+its P, and so its gradients, exactly zero. Accumulation is float32 for every input dtype; float32 inputs multiply
+in IEEE float32 (not TF32).
 
 Triton is optional: this module is imported only when the kernel is asked for. Kernels run on CUDA tensors, and
 on CPU tensors under Triton's interpreter (TRITON_INTERPRET=1 set before the first use), which is how CI checks
@@ -125,11 +131,11 @@ def _sequence(cu_seqlens_q, cu_seqlens_k, seq):
 
 @triton.jit
 def _flash_forward_kernel(
-    Q, K, V, O, LSE, cu_seqlens_q, cu_seqlens_k, qk_scale, window,
+    Q, K, V, O, LSE, SINKS, cu_seqlens_q, cu_seqlens_k, qk_scale, window,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_lse_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
-    WIDEN: tl.constexpr,
+    WIDEN: tl.constexpr, HAS_SINKS: tl.constexpr,
 ):
     # F1: this program's query tile: sequence `seq`, query head `head`, rows tile*BLOCK_M ...
     tile, seq, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -151,11 +157,12 @@ def _flash_forward_kernel(
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
+    if HAS_SINKS:  # S: the softmax starts from the sink (SINKS holds sink * log2(e)): m = sink, l = exp2(0) = 1
+        m_i, l_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(SINKS + head), tl.full([BLOCK_M], 1.0, tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     # Key range this tile can see, and its prefix that every query of the tile sees whole (no mask needed).
-    hi = k_len
-    lo = 0
+    hi, lo = k_len, 0
     if CAUSAL:
         hi = tl.minimum(k_len, (tile + 1) * BLOCK_M + diag)
     if USE_WINDOW:
@@ -275,8 +282,7 @@ def _flash_backward_dq_kernel(
     delta = tl.load(DELTA + head * stride_lse_h + rows, mask=row_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    hi = k_len
-    lo = 0
+    hi, lo = k_len, 0
     if CAUSAL:
         hi = tl.minimum(k_len, (tile + 1) * BLOCK_M + diag)
     if USE_WINDOW:
@@ -376,30 +382,47 @@ def _common_args(q, k, v, cu_q, cu_k, scale, window, causal, blocks=None):
     return meta, launch, scale * LOG2_E, window if window is not None else 0
 
 
-def flash_forward(q, k, v, cu_q, cu_k, max_q, *, scale, causal, window=None, blocks=None):
-    """q [Tq, Hq, D], k/v [Tk, Hkv, D] packed (sequence s is rows cu[s]..cu[s+1]). Returns (out [Tq, Hq, D],
-    lse [Hq, Tq] float32 in base 2). blocks: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of the defaults
-    (benchmarks try others)."""
+def _sinks_base2(sinks: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The sinks as the kernels read them: float32, times log2(e) (the kernels exponentiate base 2). A sink of -inf
+    (no sink) is clamped to a finite -1e30: a row that then sees no key keeps a finite log-sum-exp, so its
+    backward P is exp2(-inf - lse) = 0, never NaN."""
+    return None if sinks is None else (sinks.detach().float() * LOG2_E).clamp(min=-1e30).contiguous()
+
+
+def flash_forward(q, k, v, cu_q, cu_k, max_q, *, scale, causal, window=None, blocks=None, sinks=None):
+    """q [Tq, Hq, D], k/v [Tk, Hkv, D] packed (sequence s is rows cu[s]..cu[s+1]); sinks None or [Hq]. Returns
+    (out [Tq, Hq, D], lse [Hq, Tq] float32 in base 2). blocks: (BLOCK_M, BLOCK_N, num_warps, num_stages) instead of
+    the defaults (benchmarks try others)."""
     out = torch.zeros_like(q)
     lse = torch.full((q.shape[1], q.shape[0]), math.inf, device=q.device, dtype=torch.float32)
     if max_q == 0:  # every sequence is empty: nothing to launch
         return out, lse
     meta, launch, qk_scale, window_ = _common_args(q, k, v, cu_q, cu_k, scale, window, causal, blocks)
     grid = (triton.cdiv(max_q, meta["BLOCK_M"]), cu_q.numel() - 1, q.shape[1])
+    sinks2 = _sinks_base2(sinks)
     _flash_forward_kernel[grid](
-        q, k, v, out, lse, cu_q, cu_k, qk_scale, window_,
+        q, k, v, out, lse, lse if sinks2 is None else sinks2, cu_q, cu_k, qk_scale, window_,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        lse.stride(0), **meta, **launch,
+        lse.stride(0), **meta, **launch, HAS_SINKS=sinks2 is not None,
     )
     return out, lse
 
 
-def flash_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, scale, causal, window=None):
+def sink_gradient(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """S: d loss / d sinks[h] = -sum over head h's rows of P_sink * delta, P_sink = exp(sink - lse) (base 2 here;
+    rows that were never computed have lse = +inf, so P_sink = 0). lse, delta: [Hq, Tq] float32."""
+    p_sink = torch.exp2(_sinks_base2(sinks)[:, None] - lse)
+    return -(p_sink * delta).sum(dim=-1).to(sinks.dtype)
+
+
+def flash_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, scale, causal, window=None,
+                   return_delta=False):
+    """(dq, dk, dv), and delta = rowsum(dO * O) [Hq, Tq] when return_delta (the sinks' gradient needs it)."""
     do = do.contiguous()
     delta = (do.float() * out.float()).sum(-1).transpose(0, 1).contiguous()  # B1: rowsum(dO * O), [Hq, Tq]
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     if max_q == 0 or max_k == 0:  # no query sees a key: every gradient is zero
-        return dq, dk, dv
+        return (dq, dk, dv, delta) if return_delta else (dq, dk, dv)
     blocks = _backward_block_sizes(q.shape[-1], q.dtype, q.device)
     meta, launch, qk_scale, window_ = _common_args(q, k, v, cu_q, cu_k, scale, window, causal, blocks)
     batch = cu_q.numel() - 1
@@ -413,36 +436,41 @@ def flash_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, *, scale, ca
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), do.stride(0), do.stride(1),
         dq.stride(0), dq.stride(1), lse.stride(0), **meta, **launch,
     )
-    return dq, dk, dv
+    return (dq, dk, dv, delta) if return_delta else (dq, dk, dv)
 
 
 class _FlashVarlen(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window):
-        out, lse = flash_forward(q, k, v, cu_q, cu_k, max_q, scale=scale, causal=causal, window=window)
-        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k, scale, causal, window, sinks):
+        out, lse = flash_forward(q, k, v, cu_q, cu_k, max_q, scale=scale, causal=causal, window=window, sinks=sinks)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, sinks)
         ctx.args = (max_q, max_k, scale, causal, window)
         return out
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+        q, k, v, out, lse, cu_q, cu_k, sinks = ctx.saved_tensors
         max_q, max_k, scale, causal, window = ctx.args
-        dq, dk, dv = flash_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=scale, causal=causal,
-                                    window=window)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        dq, dk, dv, delta = flash_backward(do, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, scale=scale,
+                                           causal=causal, window=window, return_delta=True)
+        dsinks = sink_gradient(sinks, lse, delta) if sinks is not None and ctx.needs_input_grad[10] else None
+        return dq, dk, dv, None, None, None, None, None, None, None, dsinks
 
 
 def flash_attn_varlen(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int, max_seqlen_k: int, *, scale: Optional[float] = None, causal: bool = False,
-    window: Optional[int] = None,
+    window: Optional[int] = None, sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention over packed sequences, differentiable. q [Tq, Hq, D]; k, v [Tk, Hkv, D] with Hq a multiple of
     Hkv; cu_seqlens_* int32 [batch + 1] offsets of each sequence's rows. causal aligns bottom-right (the last
     query sees the last key, as after a KV cache); window (sliding, as transformers: query - key < window) needs
-    causal. Returns [Tq, Hq, D] in q's dtype."""
+    causal; sinks: None or [Hq] attention-sink logits (S above; differentiable too). Returns [Tq, Hq, D] in q's
+    dtype."""
     check_kernel_can_run(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1))
+    if sinks is not None and (tuple(sinks.shape) != (q.shape[1],) or sinks.device != q.device):
+        raise ValueError(f"sinks must be one logit per query head, shape ({q.shape[1]},) on {q.device}; got "
+                         f"{tuple(sinks.shape)} on {sinks.device}")
     if window is not None and (not causal or window < 1):
         raise ValueError(f"window={window} needs causal=True and window >= 1")
     if cu_seqlens_q.shape != cu_seqlens_k.shape or cu_seqlens_q.dim() != 1:
@@ -456,4 +484,4 @@ def flash_attn_varlen(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     return _FlashVarlen.apply(q, k, v, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), float(scale), bool(causal),
-                              window)
+                              window, sinks)

@@ -14,7 +14,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, EncoderDecoderCache
 
-from .attention import ALL_ATTENTION_FUNCTIONS, is_hf_tiny_backend
+from .attention import ALL_ATTENTION_FUNCTIONS, is_hf_tiny_backend, sinks_for
 from .rope import MAX_TABLE_POSITIONS, SEQUENCE_DEPENDENT_TYPES, compute_inv_freq, rotary_dim, standardize_rope_parameters
 
 NORM_TYPES = ("layernorm", "rmsnorm")
@@ -106,6 +106,28 @@ class GatedFeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.dropout(self.act_fn(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class ClampedSwiGLUFeedForward(nn.Module):
+    """down((up + 1) * gate * sigmoid(alpha * gate)), gate clamped from above and up on both sides at `limit`:
+    GPT-OSS's experts (alpha 1.702, limit 7.0, with biases). Official fuses gate and up into one interleaved
+    gate_up_proj tensor; here they are the usual two projections."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, alpha: float, limit: float, bias: bool):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.alpha, self.limit = alpha, limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.gate_proj(x).clamp(max=self.limit)
+        up = self.up_proj(x).clamp(min=-self.limit, max=self.limit)
+        glu = gate * torch.sigmoid(gate * self.alpha)
+        return self.down_proj((up + 1) * glu)
+
+    def extra_repr(self) -> str:
+        return f"alpha={self.alpha}, limit={self.limit}"
 
 
 def feed_forward(hidden_size: int, intermediate_size: int, hidden_act: str, *, gated: bool, bias: bool,
@@ -304,10 +326,12 @@ class Attention(nn.Module):
     def __init__(self, config, layer_idx: int, *, hidden_size: int, num_heads: int, num_key_value_heads: int,
                  head_dim: int, bias: bool, output_bias: bool, scaling: float, dropout: float = 0.0,
                  is_causal: bool = False, is_cross_attention: bool = False, qk_norm: Optional[dict] = None,
-                 qk_norm_at: str = "head"):
+                 qk_norm_at: str = "head", sinks: bool = False):
         """qk_norm: the keyword arguments of the RMSNorm of queries and keys, or None. qk_norm_at: where it acts,
         one of QK_NORM_PLACES: "head" (each head, before RoPE: Qwen3, Gemma 3), "projection" (the whole q / k
-        projection before the heads split: OLMo 2), "rotated" (each head after RoPE: Llama 4)."""
+        projection before the heads split: OLMo 2), "rotated" (each head after RoPE: Llama 4). sinks: a learned
+        logit per head in the softmax denominator (GPT-OSS's `sinks`), passed to the attention function as
+        transformers' `s_aux`."""
         super().__init__()
         if qk_norm_at not in QK_NORM_PLACES:
             raise ValueError(f"qk_norm_at={qk_norm_at!r}; choose one of {list(QK_NORM_PLACES)}")
@@ -327,6 +351,7 @@ class Attention(nn.Module):
         whole = qk_norm_at == "projection"
         self.q_norm = RMSNorm(num_heads * head_dim if whole else head_dim, **qk_norm) if qk_norm else None
         self.k_norm = RMSNorm(num_key_value_heads * head_dim if whole else head_dim, **qk_norm) if qk_norm else None
+        self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
 
     def _heads(self, states: torch.Tensor, norm: Optional[nn.Module] = None) -> torch.Tensor:
         """[B, S, H * D] -> [B, H, S, D], with the q/k norm where it acts before RoPE: over the whole projection
@@ -390,6 +415,8 @@ class Attention(nn.Module):
 
         mask, is_causal, visible = interface_inputs(self, attention_mask, query, key, attention_kwargs)
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+        if self.sinks is not None:
+            attention_kwargs["s_aux"] = sinks_for(self.config._attn_implementation, attention_interface, self.sinks)
         out, weights = attention_interface(
             self, query, key, value, mask, scaling=self.scaling, dropout=self.dropout if self.training else 0.0,
             is_causal=is_causal, output_attentions=output_attentions, **attention_kwargs,

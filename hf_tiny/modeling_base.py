@@ -9,7 +9,7 @@ from transformers import PreTrainedModel
 
 from .runtime import disable as disable_runtime, enable as enable_runtime, install as install_runtime
 from .attention import get_attention_interface
-from .layers import RMSNorm
+from .layers import Attention, RMSNorm
 from .moe import TopKRouter
 from .saving import AtomicSaveAndCardMixin
 
@@ -75,8 +75,12 @@ class HfTinyPreTrainedModel(AtomicSaveAndCardMixin, PreTrainedModel):
             module.reset_weight()
         elif isinstance(module, TopKRouter):
             module.weight.normal_(mean=0.0, std=std)
+            if module.bias is not None:
+                module.bias.normal_(mean=0.0, std=std)  # as official GPT-OSS's router
             if module.e_score_correction_bias is not None:
                 module.e_score_correction_bias.zero_()
+        elif isinstance(module, Attention) and module.sinks is not None:
+            module.sinks.normal_(mean=0.0, std=std)  # as official GPT-OSS
         # from_pretrained fills non-persistent buffers with garbage (empty_like on meta): modules that own such
         # buffers (RoPE inv_freq, position ids) rebuild them here.
         init_buffers = getattr(module, "_init_buffers", None)

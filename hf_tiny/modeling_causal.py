@@ -34,7 +34,7 @@ from transformers.modeling_outputs import (
 
 from .chunked_loss import check_skip_logits, labels_ahead, linear_cross_entropy, use_chunked_loss
 from .configuration_causal import TinyCausalConfig, field_value
-from .layers import Attention, RotaryEmbedding, build_norm, feed_forward, query_temperature
+from .layers import Attention, ClampedSwiGLUFeedForward, RotaryEmbedding, build_norm, feed_forward, query_temperature
 from .mla import LatentAttention
 from .modeling_base import HfTinyPreTrainedModel
 from .moe import SparseMoeFeedForward, load_balancing_loss
@@ -49,6 +49,10 @@ from .validation import check_labels, check_sequence_labels, is_compiling
 # Keyword arguments the heads take besides the base model's: Trainer's loss normalisation and the chunked loss.
 LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
 HEAD_KWARGS = ("skip_logits",)
+
+
+# Keywords of generate() itself that it passes along with the model inputs.
+GENERATE_ONLY_KWARGS = ("tokenizer", "assistant_tokenizer")
 
 
 def norm_of(config: TinyCausalConfig) -> nn.Module:
@@ -76,16 +80,25 @@ def attention_of(config: TinyCausalConfig, layer_idx: int) -> nn.Module:
         config, layer_idx, hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim, bias=config.attention_bias,
         output_bias=output_bias, scaling=config.attention_scale(), dropout=config.attention_dropout, is_causal=True,
-        qk_norm=qk_norm, qk_norm_at=qk_norm_at,
+        qk_norm=qk_norm, qk_norm_at=qk_norm_at, sinks=field_value(config, "attention_sinks"),
     )
+
+
+def mlp_of(config: TinyCausalConfig, intermediate_size: int, *, gated: bool, bias: bool) -> nn.Module:
+    """One feed-forward (a dense layer's or an expert): plain, gated, or GPT-OSS's clamped SwiGLU."""
+    limit = field_value(config, "swiglu_limit")
+    if limit is not None:
+        return ClampedSwiGLUFeedForward(config.hidden_size, intermediate_size, alpha=config.swiglu_alpha, limit=limit,
+                                        bias=bias)
+    return feed_forward(config.hidden_size, intermediate_size, config.hidden_act, gated=gated, bias=bias)
 
 
 def feed_forward_of(config: TinyCausalConfig, layer_idx: int) -> nn.Module:
     if config.is_sparse_layer(layer_idx):
-        spec, hidden, act = config.moe_spec(), config.hidden_size, config.hidden_act
-        return SparseMoeFeedForward(hidden, spec, lambda size: feed_forward(hidden, size, act, gated=True, bias=False))
-    return feed_forward(config.hidden_size, config.intermediate_size, config.hidden_act, gated=config.mlp_gated,
-                        bias=config.mlp_bias)
+        bias = field_value(config, "expert_bias")
+        return SparseMoeFeedForward(config.hidden_size, config.moe_spec(),
+                                    lambda size: mlp_of(config, size, gated=True, bias=bias))
+    return mlp_of(config, config.intermediate_size, gated=config.mlp_gated, bias=config.mlp_bias)
 
 
 class TinyCausalDecoderLayer(GradientCheckpointingLayer):
@@ -266,7 +279,11 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         """longrope (Phi-3) as official: keys cached while the sequence was short were rotated with the short
         factors, so the step that first passes original_max_position_embeddings drops the cache and recomputes
         every key with the long ones. The cache arrives under the name the installed generate() uses (cache= from
-        transformers 5.24 on, past_key_values= before) and is passed back under it."""
+        transformers 5.24 on, past_key_values= before) and is passed back under it. generate() hands its own
+        tokenizer= (stop_strings, token healing) on with the model inputs; official forwards swallow it in **kwargs,
+        ours refuses unknown keywords, so it stops here."""
+        for name in GENERATE_ONLY_KWARGS:
+            kwargs.pop(name, None)
         rope = self.config.rope_parameters_for("full_attention")
         name = "cache" if "cache" in kwargs else "past_key_values"
         cache = kwargs.get(name)
@@ -320,6 +337,8 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
             check_labels(labels, num_classes=self.config.vocab_size, expected_shape=tuple(hidden_states.shape[:2]),
                          ignore_index=loss_kwargs.get("ignore_index", -100))
         chunked = use_chunked_loss(head_kwargs.get("skip_logits"), labels, training=self.training, head=self.lm_head)
+        # under torch.compile / torch.export the plain loss: the chunked one's backward branches on the data
+        chunked = chunked and not torch.compiler.is_compiling()
         if chunked and isinstance(logits_to_keep, int) and logits_to_keep == 0:
             logits, loss = None, self._chunked_loss(hidden_states, labels, **loss_kwargs)
         else:

@@ -39,15 +39,19 @@ from .step import (
 from .validation import check_answer_positions, check_labels, check_sequence_labels, is_compiling, sequence_problem_type
 
 
-def _check_index_tensor(tensor: torch.Tensor, *, field: str, limit: int, limit_name: str, shape: tuple) -> None:
-    """token_type_ids / position_ids: integer tensors broadcastable to the input shape, values in [0, limit)."""
+def _check_index_tensor(tensor: torch.Tensor, *, field: str, limit: int, limit_name: str, shape: tuple,
+                        vector_ok: bool = False) -> None:
+    """token_type_ids / position_ids: integer tensors broadcastable to the input shape, values in [0, limit);
+    vector_ok: a [seq_len] vector too, shared by every row (official BERT broadcasts 1-D token_type_ids)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{field} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
         raise TypeError(f"{field} must hold integers, got dtype {tensor.dtype}")
     batch, seq_len = shape
-    if tensor.dim() != 2 or tensor.shape[1] != seq_len or tensor.shape[0] not in (1, batch):
-        raise ValueError(f"{field} has shape {tuple(tensor.shape)} but the input needs ({batch}, {seq_len}) or (1, {seq_len})")
+    vector = vector_ok and tensor.dim() == 1 and tensor.shape[0] == seq_len
+    if not vector and (tensor.dim() != 2 or tensor.shape[1] != seq_len or tensor.shape[0] not in (1, batch)):
+        also = f", ({seq_len},)" if vector_ok else ""
+        raise ValueError(f"{field} has shape {tuple(tensor.shape)} but the input needs ({batch}, {seq_len}){also} or (1, {seq_len})")
     if tensor.numel() == 0 or is_compiling():
         return
     low, high = int(tensor.min()), int(tensor.max())
@@ -187,7 +191,7 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         if token_type_ids is not None:
             _check_index_tensor(
                 token_type_ids, field="token_type_ids", limit=config.type_vocab_size,
-                limit_name="type_vocab_size", shape=shape,
+                limit_name="type_vocab_size", shape=shape, vector_ok=True,
             )
         check_attention_mask(attention_mask, expected_shape=shape)
         return shape

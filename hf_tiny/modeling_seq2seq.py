@@ -554,8 +554,9 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
                 labels: Optional[torch.LongTensor] = None, use_cache=None, output_attentions=None,
                 output_hidden_states=None, return_dict=None, logits_to_keep: int = 0,
                 num_items_in_batch: Optional[int] = None, skip_logits: Optional[bool] = None, *,
-                past_key_values: Optional[Cache] = None):
-        """labels: [batch, target_length] token ids, -100 = ignored. Without decoder inputs they are shifted right
+                past_key_values: Optional[Cache] = None, tokenizer=None, assistant_tokenizer=None):
+        """tokenizer / assistant_tokenizer: handed on by generate() (stop_strings) with the model inputs; unused.
+        labels: [batch, target_length] token ids, -100 = ignored. Without decoder inputs they are shifted right
         (decoder_start_token_id first) into decoder_input_ids. num_items_in_batch (given by Trainer under gradient
         accumulation): the loss is summed and divided by it instead of averaged over this batch.
         skip_logits: while training with labels the loss is computed a chunk of tokens at a time without the full

@@ -6,11 +6,13 @@ checkpoints are options of one router:
 
 - Mixtral / Qwen-MoE: probabilities = softmax(logits); the k largest; renormalized to sum 1 when
   norm_topk_prob (Mixtral always, Qwen per config).
+- GPT-OSS ("topk_softmax"): the k largest logits (its router has a bias), softmax over those k, in the logits'
+  dtype; the same weights as Mixtral's up to rounding, in the order official computes them.
 - DeepSeek-V3: scores = sigmoid(logits) (in fp32). The *choice* adds a learned-free correction bias per expert
   (`e_score_correction_bias`, adjusted outside backprop to balance load), and is restricted to the topk_group
   best of n_group expert groups (a group's score: the sum of its two best scores); the *weights* are the
   uncorrected scores of the chosen experts, renormalized when norm_topk_prob, times routed_scaling_factor.
-- Llama 4 ("top_k_sigmoid"): the k largest logits choose, each weighed by its sigmoid; and the weight multiplies
+- Llama 4 ("topk_sigmoid"): the k largest logits choose, each weighed by its sigmoid; and the weight multiplies
   the token going into the expert rather than what comes out (`weights_on_input`).
 
 The experts run in a plain loop over experts (each takes the tokens routed to it), which is what every official
@@ -27,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-ROUTER_SCORINGS = ("softmax", "sigmoid", "top_k_sigmoid")
+ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid")
 
 
 @dataclass(frozen=True)
@@ -46,31 +48,36 @@ class MoeSpec:
     shared_expert_gate: bool = False  # Qwen2-MoE: shared output scaled by sigmoid(linear(x))
     jitter_noise: float = 0.0  # Mixtral: inputs multiplied by U(1 - j, 1 + j) while training
     weights_on_input: bool = False  # Llama 4: expert(weight * x) instead of weight * expert(x)
+    router_bias: bool = False  # GPT-OSS: the router's linear map has a bias
 
 
 class TopKRouter(nn.Module):
     """Router logits -> (top-k expert indices, their weights). `weight` is [num_experts, hidden] (official name
-    `gate.weight`); sigmoid routing also holds `e_score_correction_bias` (a buffer: it is not learned by
-    gradient descent)."""
+    `gate.weight`), `bias` [num_experts] or None (GPT-OSS's `router.bias`); sigmoid routing also holds
+    `e_score_correction_bias` (a buffer: it is not learned by gradient descent)."""
 
     def __init__(self, hidden_size: int, spec: MoeSpec):
         super().__init__()
         self.spec = spec
         self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(spec.num_experts)) if spec.router_bias else None
         if spec.scoring == "sigmoid":
             self.register_buffer("e_score_correction_bias", torch.zeros(spec.num_experts))
         else:
             self.e_score_correction_bias = None
 
     def forward(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """tokens [T, hidden] -> (router_logits [T, E], top_k_index [T, k], top_k_weights [T, k] in fp32)."""
+        """tokens [T, hidden] -> (router_logits [T, E], top_k_index [T, k], top_k_weights [T, k]: fp32, in the
+        logits' dtype for "topk_softmax")."""
         spec = self.spec
         logits, scores, choice_scores = self._scores(tokens)
         if spec.n_group > 1:
             choice_scores = self._keep_best_groups(choice_scores)
         top_k_index = torch.topk(choice_scores, spec.top_k, dim=-1).indices
         top_k_weights = scores.gather(-1, top_k_index)
-        if spec.norm_topk_prob:
+        if spec.scoring == "topk_softmax":  # GPT-OSS: the chosen logits' softmax, which sums to 1 already
+            top_k_weights = top_k_weights.softmax(dim=-1)
+        elif spec.norm_topk_prob:
             # sigmoid scores need not sum to anything; the tiny constant is DeepSeek's guard against 0 / 0
             top_k_weights = top_k_weights / (top_k_weights.sum(dim=-1, keepdim=True) + (1e-20 if spec.scoring == "sigmoid" else 0.0))
         if spec.routed_scaling_factor != 1.0:
@@ -79,16 +86,16 @@ class TopKRouter(nn.Module):
 
     def _scores(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(router logits, the scores the weights are read from, the scores the choice ranks)."""
-        if self.spec.scoring == "softmax":
-            logits = F.linear(tokens, self.weight)
-            scores = logits.float().softmax(dim=-1)
-            return logits, scores, scores
-        if self.spec.scoring == "top_k_sigmoid":
-            logits = F.linear(tokens, self.weight)
+        spec = self.spec
+        if spec.scoring == "sigmoid":  # DeepSeek-V3 routes in fp32 whatever the model's dtype
+            logits = F.linear(tokens.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+            scores = logits.sigmoid()
+            return logits, scores, scores + self.e_score_correction_bias
+        logits = F.linear(tokens, self.weight, self.bias)
+        if spec.scoring == "topk_sigmoid":  # Llama 4: the logits choose, their sigmoid weighs
             return logits, logits.float().sigmoid(), logits
-        logits = F.linear(tokens.float(), self.weight.float())  # DeepSeek-V3 routes in fp32 whatever the dtype
-        scores = logits.sigmoid()
-        return logits, scores, scores + self.e_score_correction_bias
+        scores = logits.float().softmax(dim=-1) if spec.scoring == "softmax" else logits
+        return logits, scores, scores
 
     def _keep_best_groups(self, choice_scores: torch.Tensor) -> torch.Tensor:
         """Experts outside the topk_group best groups get -inf, so top-k never picks them."""

@@ -481,6 +481,17 @@ def segment_ids_from_cu_seq_lens(cu_seq_lens, *, batch_size: int, length: int, f
     return (torch.searchsorted(cu_seq_lens[1:-1].to(token.dtype), token, right=True))[None, :]
 
 
+def segment_ids_from_seq_idx(seq_idx, *, batch_size: int, length: int) -> torch.Tensor:
+    """[B, S] sequence index of each token as TRL's padding-free collator gives it (seq_idx, one row of int32)."""
+    if not isinstance(seq_idx, torch.Tensor) or seq_idx.is_floating_point() or seq_idx.dim() != 2 or (
+        seq_idx.shape[-1] != length or seq_idx.shape[0] not in (1, batch_size)
+    ):
+        shape = tuple(seq_idx.shape) if isinstance(seq_idx, torch.Tensor) else type(seq_idx).__name__
+        raise ValueError(f"seq_idx must be an integer tensor of shape ({batch_size}, {length}) (each token's sequence "
+                         f"index), got {shape}")
+    return seq_idx.expand(batch_size, -1)
+
+
 def packed_causal_mask(segment_ids: torch.Tensor, *, sliding_window: Optional[int] = None,
                        chunk_size: Optional[int] = None) -> AttentionMask:
     """Causal attention inside each packed sequence and none across them: bool [B, 1, S, S]. With chunk_size each
@@ -521,8 +532,9 @@ def static_cache_mask(attention_mask, past_length, key_offset, key_length: int, 
 
 # Keyword arguments a causal forward takes besides its named ones.
 # Sequence boundaries of a packed (padding-free) row, as DataCollatorWithFlattening(return_flash_attn_kwargs=True)
-# passes them; without them the boundaries are read from restarting position_ids.
-PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+# and TRL's padding-free collator (seq_idx: each token's sequence) pass them (transformers' TransformersKwargs);
+# without them the boundaries are read from restarting position_ids.
+PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 # transformers' continuous batching: every request's new tokens flattened into one row, the paged cache (cache=)
 # filled by the attention modules through these indices; before 5.2x the longest sequences are max_seqlen_q / _k.
 PAGED_KWARGS = ("read_index", "write_index", "block_table", "is_causal", "logits_indices", "logits_processor_args",
@@ -530,7 +542,8 @@ PAGED_KWARGS = ("read_index", "write_index", "block_table", "is_causal", "logits
 # Read by continuous batching itself, never by the model (it slices the logits at logits_indices after forward).
 PAGED_RUNNER_ONLY = ("logits_indices", "logits_processor_args", "is_causal")
 # transformers before 5.23 passes cache_position from generate(); positions come from position_ids / the cache.
-IGNORED_KWARGS = ("cache_position",)
+# num_items_in_batch (a TransformersKwargs key, Trainer's loss normalizer) means nothing to a model without a loss.
+IGNORED_KWARGS = ("cache_position", "num_items_in_batch")
 
 
 @dataclass
@@ -611,13 +624,15 @@ class CausalShape:
 def packed_segments(position_ids, attention_mask, cache, shape: CausalShape, extras: dict) -> Optional[torch.Tensor]:
     """Sequence index of each token when the row holds several packed sequences (no padding mask, no cached
     tokens): from cu_seq_lens_q/k when given, else from restarting (given) position_ids. None otherwise."""
-    cu_q, cu_k = extras.get("cu_seq_lens_q"), extras.get("cu_seq_lens_k")
-    if cu_q is not None or cu_k is not None:
+    cu_q, cu_k, seq_idx = extras.get("cu_seq_lens_q"), extras.get("cu_seq_lens_k"), extras.get("seq_idx")
+    if cu_q is not None or cu_k is not None or seq_idx is not None:
         if shape.past_length or attention_mask is not None:
             raise ValueError(
-                "cu_seq_lens_q/cu_seq_lens_k describe packed sequences of one forward without padding; they cannot "
-                f"be combined with cached tokens ({int(shape.past_length)}) or an attention_mask"
+                "cu_seq_lens_q/cu_seq_lens_k/seq_idx describe packed sequences of one forward without padding; they "
+                f"cannot be combined with cached tokens ({int(shape.past_length)}) or an attention_mask"
             )
+        if cu_q is None and cu_k is None:
+            return segment_ids_from_seq_idx(seq_idx, batch_size=shape.batch_size, length=shape.query_length)
         if cu_q is not None and cu_k is not None and not torch.equal(cu_q.cpu(), cu_k.cpu()):
             raise ValueError(
                 f"cu_seq_lens_q={cu_q.tolist()} and cu_seq_lens_k={cu_k.tolist()} must be equal in self-attention "

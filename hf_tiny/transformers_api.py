@@ -118,3 +118,32 @@ def _cached_generation_error(model) -> Optional[RuntimeError]:
         f"{difference:.3g}): this transformers passes generation's arguments differently. Install a tested version: "
         f"pip install 'transformers{tested_range_text()}'"
     )
+
+
+# ---- activation checkpointing's two names --------------------------------------------------------------------------
+# transformers 5.24 renamed gradient checkpointing to activation checkpointing (model methods and the
+# TrainingArguments field); the old names warn there and the new ones do not exist before.
+
+
+def enable_activation_checkpointing(model, checkpointing_kwargs: Optional[dict] = None) -> None:
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable(checkpointing_kwargs)
+
+
+def disable_activation_checkpointing(model) -> None:
+    disable = getattr(model, "activation_checkpointing_disable", None) or model.gradient_checkpointing_disable
+    disable()
+
+
+def is_activation_checkpointing(model) -> bool:
+    if hasattr(type(model), "is_activation_checkpointing"):
+        return model.is_activation_checkpointing
+    return model.is_gradient_checkpointing
+
+
+def checkpointing_training_argument(arguments_class, enabled: bool) -> dict:
+    """The keyword of TrainingArguments (or a subclass: TRL's configs) that turns activation checkpointing on, under
+    this transformers' name."""
+    fields = arguments_class.__dataclass_fields__
+    name = "activation_checkpointing" if "activation_checkpointing" in fields else "gradient_checkpointing"
+    return {name: enabled}

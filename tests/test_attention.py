@@ -756,8 +756,18 @@ def _cuda_cases():
             )
         q = torch.randn(3, 8, sq, 64, generator=gen)
         k, v = (torch.randn(3, 2, sk, 64, generator=gen) for _ in range(2))
-        cases.append((kind, side, q, k, v, mask, is_causal))
+        cases.append((kind, side, q, k, v, mask, is_causal, padding))
     return cases
+
+
+def _flash_reference_mask(kind, mask, padding):
+    """The mask naive attention needs to compute what flash computes: flash drops a causal self-attention query
+    whose own key is padding (zeros, as flash-attn's varlen path), eager and sdpa let it see the real keys before it
+    (flash_semantics above, for the CUDA cases)."""
+    if mask is None or padding is None or kind in ("padding", "cross"):
+        return mask
+    query_length = mask.shape[-2]
+    return mask & padding[:, padding.shape[1] - query_length :].bool()[:, None, :, None].to(mask.device)
 
 
 @pytest.mark.cuda
@@ -775,10 +785,11 @@ def test_cuda_backends_match_naive(dtype, backend, flash_path, monkeypatch):
     if flash_path == "sdpa_flash_fallback":
         monkeypatch.setattr(attention, "flash_attn_package_available", lambda device=None: False)
     fn = get_attention_backend(backend)
-    for kind, side, q, k, v, mask, is_causal in _cuda_cases():
+    for kind, side, q, k, v, mask, is_causal, padding in _cuda_cases():
         q, k, v = (t.to("cuda", dtype) for t in (q, k, v))
         mask = None if mask is None else mask.cuda()
-        expected, _ = naive_attention(q, k, v, mask, scale=0.125, is_causal=is_causal)
+        reference_mask = _flash_reference_mask(kind, mask, padding) if backend == "flash_attention_2" else mask
+        expected, _ = naive_attention(q, k, v, reference_mask, scale=0.125, is_causal=is_causal)
         try:
             out, _ = fn(q, k, v, mask, scale=0.125, is_causal=is_causal)
         except ValueError as error:
@@ -790,5 +801,123 @@ def test_cuda_backends_match_naive(dtype, backend, flash_path, monkeypatch):
         diff = (out.float() - expected.float()).abs().max().item()
         assert diff <= CUDA_TOLERANCE[dtype], (backend, kind, side, dtype, diff)
         if mask is not None:
-            empty_rows = ~mask.any(-1)  # [B, 1, Sq]
+            empty_rows = ~reference_mask.any(-1)  # [B, 1, Sq]
             assert torch.all(out.masked_select(empty_rows[..., None].expand_as(out)) == 0)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Attention sinks (GPT-OSS): one learned logit per head in every row's softmax denominator, attached to no value.
+# ----------------------------------------------------------------------------------------------------------------
+
+SINK_SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def reference_attention_with_sinks(q, k, v, mask, *, scale, is_causal, sinks):
+    """From the definition, in fp64: weight_j = exp(s_j) / (exp(sink_h) + sum over visible keys of exp(s_i)), with
+    s = q k · scale + bias; a row that sees no key puts all its weight on the sink and gives zeros."""
+    batch, heads, sq, _ = q.shape
+    sk = k.shape[2]
+    kv_of_head = torch.tensor([h * k.shape[1] // heads for h in range(heads)])
+    scores = torch.einsum("bhqd,bhkd->bhqk", q.double(), k.double()[:, kv_of_head]) * scale
+    if mask is None:
+        allowed = causal_allowed(sq, sk) if is_causal else torch.ones(sq, sk, dtype=torch.bool)
+    elif mask.dtype == torch.bool:
+        allowed = mask
+    else:
+        allowed = mask > torch.finfo(mask.dtype).min / 2
+        scores = scores + torch.where(allowed, mask.double(), 0.0)
+    allowed = allowed.expand(batch, heads, sq, sk)
+    sink = sinks.double()[None, :, None, None]
+    top = torch.maximum(torch.where(allowed, scores, float("-inf")).amax(-1, keepdim=True), sink)
+    numerators = torch.where(allowed, torch.exp(scores - top), 0.0)
+    weights = numerators / (torch.exp(sink - top) + numerators.sum(-1, keepdim=True))
+    return torch.einsum("bhqk,bhkd->bhqd", weights, v.double()[:, kv_of_head])
+
+
+def run_with_sinks(fn, case: Case, sinks: torch.Tensor):
+    """Output and the gradients of q, k, v and the sinks (zeros where none flows)."""
+    leaves = [t.clone().requires_grad_(True) for t in (case.q, case.k, case.v, sinks)]
+    out, _ = fn(*leaves[:3], case.mask, scale=case.scale, is_causal=case.is_causal, sinks=leaves[3])
+    assert out.shape == case.q.shape and torch.isfinite(out).all()
+    if out.requires_grad:
+        (out * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return out.detach(), [torch.zeros_like(t) if t.grad is None else t.grad for t in leaves]
+
+
+def _sinks(case: Case, scale: float = 2.0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(case.q.shape[1] * 31 + case.k.shape[2])
+    return scale * torch.randn(case.q.shape[1], generator=generator)
+
+
+@SINK_SETTINGS
+@given(case=attention_cases())
+def test_sinks_in_every_cpu_backend_match_the_reference_and_naive(case: Case):
+    sinks = _sinks(case)
+    expected = reference_attention_with_sinks(case.q, case.k, case.v, case.mask, scale=case.scale,
+                                              is_causal=case.is_causal, sinks=sinks)
+    naive_out, naive_grads = run_with_sinks(naive_attention, case, sinks)
+    torch.testing.assert_close(naive_out.double(), expected, atol=FP32_ATOL, rtol=0)
+    for name in CPU_BACKENDS:
+        out, grads = run_with_sinks(get_attention_backend(name), case, sinks)
+        torch.testing.assert_close(out.double(), expected, atol=FP32_ATOL, rtol=0, msg=lambda m: f"{name}: {m}")
+        for grad, naive_grad in zip(grads, naive_grads):
+            torch.testing.assert_close(grad, naive_grad, atol=GRAD_ATOL, rtol=0, msg=lambda m: f"{name} grad: {m}")
+
+
+@SINK_SETTINGS
+@given(case=attention_cases(kinds=tuple(sorted(FLASH_KINDS | {"sliding"}))))
+def test_sinks_on_the_cpu_flash_kernel_match_naive(case: Case):
+    """flash_attention_2 on CPU (PyTorch's flash kernel, the sink as a first key) over the masks it can express;
+    with the flash-attn package (faked), which has no sinks, it refuses."""
+    sinks = _sinks(case)
+    with pytest.MonkeyPatch.context() as patch:
+        _flash_on_cpu(patch, package=None)
+        try:
+            out, grads = run_with_sinks(flash_attention, case, sinks)
+        except ValueError as error:
+            assert case.kind == "sliding" and "sdpa" in str(error) and "eager" in str(error), (case, error)
+            return
+        _flash_on_cpu(patch, package=FakeFlashAttn())
+        with pytest.raises(ValueError, match="flash-attn package has no sinks.*'sdpa' or 'eager'"):
+            flash_attention(case.q, case.k, case.v, case.mask, scale=case.scale, is_causal=case.is_causal,
+                            dropout_p=0.1, sinks=sinks)
+    naive_out, naive_grads = run_with_sinks(naive_attention, flash_semantics(case), sinks)
+    torch.testing.assert_close(out, naive_out, atol=FP32_ATOL, rtol=0)
+    for grad, naive_grad in zip(grads, naive_grads):
+        torch.testing.assert_close(grad, naive_grad, atol=GRAD_ATOL, rtol=0)
+
+
+def test_sinks_negative_control_and_rows_that_see_no_key():
+    """Without the sinks the reference is far off; a row that sees no key gives zeros in every backend (the sink
+    takes all its weight), and sinks of -inf are no sinks at all."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(2, 4, 5, 8, generator=gen), torch.randn(2, 2, 5, 8, generator=gen), torch.randn(2, 2, 5, 8, generator=gen)
+    sinks = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    mask = causal_allowed(5, 5)[None, None].expand(2, 1, 5, 5).clone()
+    mask[1, :, 2] = False
+    expected = reference_attention_with_sinks(q, k, v, mask, scale=8**-0.5, is_causal=True, sinks=sinks)
+    without, _ = naive_attention(q, k, v, mask, scale=8**-0.5, is_causal=True)
+    assert (without.double() - expected).abs().max() > 100 * FP32_ATOL
+    for name in CPU_BACKENDS:
+        out, _ = get_attention_backend(name)(q, k, v, mask, scale=8**-0.5, is_causal=True, sinks=sinks)
+        assert torch.all(out[1, :, 2] == 0), name
+        no_sinks, _ = get_attention_backend(name)(q, k, v, mask, scale=8**-0.5, sinks=torch.full((4,), float("-inf")))
+        torch.testing.assert_close(no_sinks, without, atol=FP32_ATOL, rtol=0)
+
+
+def test_sinks_reach_the_backends_as_transformers_s_aux_and_bad_sinks_are_clear_errors():
+    from types import SimpleNamespace
+
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = torch.randn(1, 4, 3, 8, generator=gen), torch.randn(1, 2, 3, 8, generator=gen), torch.randn(1, 2, 3, 8, generator=gen)
+    sinks = torch.randn(4, generator=gen)
+    module = SimpleNamespace(scaling=0.3, is_causal=True)
+    for name, interface in attention.HF_TINY_INTERFACES.items():
+        if name == "hf_tiny_flash":
+            continue  # tests/test_flash_triton.py
+        out, _ = interface(module, q, k, v, None, s_aux=sinks)
+        expected, _ = naive_attention(q, k, v, scale=0.3, is_causal=True, sinks=sinks)
+        torch.testing.assert_close(out, expected.transpose(1, 2), atol=FP32_ATOL, rtol=0, msg=lambda m: f"{name}: {m}")
+    for bad in (torch.zeros(2), torch.zeros(1, 4)):
+        with pytest.raises(ValueError, match=r"one logit per query head, shape \(4,\)"):
+            torch_attention(q, k, v, scale=0.3, sinks=bad)

@@ -18,6 +18,7 @@ from transformers import (
 import hf_tiny  # noqa: F401
 from causal_helpers import BASE, left_padded_batch, max_diff, randomize, tiny_official
 from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM, TinyCausalForSequenceClassification, TinyCausalModel
+from hf_tiny.transformers_api import enable_activation_checkpointing
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -232,8 +233,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     for checkpointing in (False, True):
         model = tiny_ours().train()
         if checkpointing:
-            # transformers >= 5.x names it activation_checkpointing_enable; older versions only have the other
-            getattr(model, "activation_checkpointing_enable", model.gradient_checkpointing_enable)()
+            enable_activation_checkpointing(model)
             assert model.model.layers[0].gradient_checkpointing
         model(**batch, labels=labels).loss.backward()
         grads.append(model.model.layers[0].self_attn.q_proj.weight.grad)

@@ -35,6 +35,7 @@ from hf_tiny import (
     TinyEncoderForTokenClassification,
     TinyEncoderModel,
 )
+from hf_tiny.transformers_api import enable_activation_checkpointing
 
 VOCAB = 61
 HEADS = {
@@ -300,7 +301,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     for checkpointing in (False, True):
         model = build(TinyEncoderForSequenceClassification, num_labels=3).train()
         if checkpointing:
-            model.activation_checkpointing_enable()
+            enable_activation_checkpointing(model)
             assert all(layer.gradient_checkpointing for layer in model.model.layers)
         model(input_ids, attention_mask=attention_mask, labels=labels).loss.backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})

@@ -54,7 +54,8 @@ def visible(q_len: int, k_len: int, causal: bool, window):
     return torch.tensor(rule, dtype=torch.bool).reshape(q_len, k_len)
 
 
-def reference_varlen(q, k, v, cu_q, cu_k, *, scale, causal, window):
+def reference_varlen(q, k, v, cu_q, cu_k, *, scale, causal, window, sinks=None):
+    """sinks: None or [Hq] attention-sink logits, one more softmax column per head attached to no value."""
     outs = []
     group = q.shape[1] // k.shape[1]
     for s in range(len(cu_q) - 1):
@@ -64,7 +65,9 @@ def reference_varlen(q, k, v, cu_q, cu_k, *, scale, causal, window):
         scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
         allowed = visible(qs.shape[0], ks.shape[0], causal, window)
         scores = scores.masked_fill(~allowed, -math.inf)
-        weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row that sees no key: zeros
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.double()[:, None, None].expand(-1, scores.shape[1], 1)], dim=-1)
+        weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)[..., :ks.shape[0]]  # a row that sees no key: zeros
         outs.append(torch.einsum("hqk,khd->qhd", weights, vs))
     return torch.cat(outs)
 
@@ -78,16 +81,19 @@ def packed_inputs(q_lens, k_lens, heads, kv_heads, dim, dtype, device, seed):
     return q, k, v, cu(q_lens), cu(k_lens), grad_out
 
 
-def relative_errors(kernel_module, q, k, v, cu_q, cu_k, grad_out, *, causal, window, scale=None):
-    """max |kernel - reference| / max(1, max |reference|) for out, dq, dk, dv."""
+def relative_errors(kernel_module, q, k, v, cu_q, cu_k, grad_out, *, causal, window, scale=None, sinks=None):
+    """max |kernel - reference| / max(1, max |reference|) for out, dq, dk, dv (and dsinks with sinks)."""
     scale = scale if scale is not None else 1 / math.sqrt(q.shape[-1])
     out = kernel_module.flash_attn_varlen(q, k, v, cu_q.to(q.device), cu_k.to(q.device), int(torch.diff(cu_q).max()),
-                                          int(torch.diff(cu_k).max()), scale=scale, causal=causal, window=window)
+                                          int(torch.diff(cu_k).max()), scale=scale, causal=causal, window=window,
+                                          sinks=sinks)
     out.backward(grad_out)
-    leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v)]
-    expected = reference_varlen(*leaves, cu_q, cu_k, scale=scale, causal=causal, window=window)
+    inputs = (q, k, v) if sinks is None else (q, k, v, sinks)
+    leaves = [t.detach().cpu().double().requires_grad_() for t in inputs]
+    expected = reference_varlen(*leaves[:3], cu_q, cu_k, scale=scale, causal=causal, window=window,
+                                sinks=None if sinks is None else leaves[3])
     expected.backward(grad_out.cpu().double())
-    pairs = [(out, expected)] + [(t.grad, leaf.grad) for t, leaf in zip((q, k, v), leaves)]
+    pairs = [(out, expected)] + [(t.grad, leaf.grad) for t, leaf in zip(inputs, leaves)]
     return [float((a.detach().cpu().double() - b).abs().max()) / max(1.0, float(b.abs().max())) for a, b in pairs]
 
 
@@ -112,14 +118,19 @@ def varlen_cases(draw):
                 causal=causal, window=window, seed=draw(st.integers(0, 2**16)))
 
 
+def case_inputs(case: dict, device):
+    """packed_inputs for a varlen_cases() draw (one non-empty sequence at least)."""
+    if sum(case["k_lens"]) == 0 or sum(case["q_lens"]) == 0:
+        case["q_lens"][0] = case["k_lens"][0] = 5
+    return packed_inputs(case["q_lens"], case["k_lens"], case["heads"], case["kv_heads"], case["dim"], case["dtype"],
+                         device, case["seed"])
+
+
 @KERNEL_SETTINGS
 @given(case=varlen_cases())
 def test_kernel_forward_and_gradients_match_fp64_reference(kernel, case):
     module, device = kernel
-    if sum(case["k_lens"]) == 0 or sum(case["q_lens"]) == 0:
-        case["q_lens"][0] = case["k_lens"][0] = 5
-    q, k, v, cu_q, cu_k, grad_out = packed_inputs(case["q_lens"], case["k_lens"], case["heads"], case["kv_heads"],
-                                                  case["dim"], case["dtype"], device, case["seed"])
+    q, k, v, cu_q, cu_k, grad_out = case_inputs(case, device)
     errors = relative_errors(module, q, k, v, cu_q, cu_k, grad_out, causal=case["causal"], window=case["window"])
     bound = TOLERANCE[case["dtype"]]
     assert max(errors) <= bound, f"out/dq/dk/dv errors {['%.2e' % e for e in errors]} > {bound}: {case}"
@@ -171,6 +182,54 @@ def test_kernel_bad_inputs_are_clear_errors(kernel):
         module.flash_attn_varlen(q, k, v, cu_q, torch.tensor([0, 2, 4]), 4, 4)
     with pytest.raises(ValueError, match="runs on CUDA tensors.*got device 'meta'"):
         module.check_device_and_dtype(torch.device("meta"), torch.float32)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Attention sinks (GPT-OSS): the online softmax starts from one more logit per head; its gradient follows
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _sinks(heads: int, device, dtype, seed: int) -> torch.Tensor:
+    """Sinks large enough to take a visible share of every row (official GPT-OSS's are of the order of the scores)."""
+    generator = torch.Generator().manual_seed(seed)
+    return (2.0 * torch.randn(heads, generator=generator)).to(device, dtype).requires_grad_()
+
+
+@settings(KERNEL_SETTINGS, max_examples=8)
+@given(case=varlen_cases())
+def test_kernel_with_sinks_forward_and_gradients_match_fp64_reference(kernel, case):
+    """Output, dq, dk, dv and the sinks' gradient, over causal / windowed / GQA / empty-row cases."""
+    module, device = kernel
+    q, k, v, cu_q, cu_k, grad_out = case_inputs(case, device)
+    sinks = _sinks(case["heads"], device, case["dtype"], case["seed"])
+    errors = relative_errors(module, q, k, v, cu_q, cu_k, grad_out, causal=case["causal"], window=case["window"],
+                             sinks=sinks)
+    bound = TOLERANCE[case["dtype"]]
+    assert max(errors) <= bound, f"out/dq/dk/dv/dsinks errors {['%.2e' % e for e in errors]} > {bound}: {case}"
+
+
+# a sink of -inf is clamped to -1e30: the backward's exp2(score + 1e30) of a row that sees no key overflows to inf
+# before the visibility mask replaces it by 0 (numpy, under the interpreter, warns)
+@pytest.mark.filterwarnings("ignore:overflow encountered in exp2:RuntimeWarning")
+def test_kernel_with_sinks_rows_that_see_no_key_and_negative_control(kernel):
+    """A row that sees no key puts all its weight on the sink: zeros, zero gradients. Sinks of -inf are no sinks.
+    Negative control: the kernel with sinks, measured against the reference without them, is far off."""
+    module, device = kernel
+    q, k, v, cu_q, cu_k, grad_out = packed_inputs([6, 5], [2, 5], 4, 2, 16, torch.float32, device, seed=7)
+    sinks = _sinks(4, device, torch.float32, seed=7)
+    errors = relative_errors(module, q, k, v, cu_q, cu_k, grad_out, causal=True, window=None, sinks=sinks)
+    assert max(errors) <= TOLERANCE[torch.float32], errors
+    out = module.flash_attn_varlen(q, k, v, cu_q, cu_k, 6, 5, causal=True, sinks=sinks)
+    assert torch.equal(out[:4], torch.zeros_like(out[:4])) and torch.equal(q.grad[:4], torch.zeros_like(q.grad[:4]))
+    plain = module.flash_attn_varlen(q, k, v, cu_q, cu_k, 6, 5, causal=True)
+    no_sinks = torch.full((4,), -math.inf, device=device, requires_grad=True)
+    unsunk = module.flash_attn_varlen(q, k, v, cu_q, cu_k, 6, 5, causal=True, sinks=no_sinks)
+    unsunk.backward(grad_out)
+    assert torch.equal(unsunk, plain) and torch.isfinite(q.grad).all() and torch.equal(no_sinks.grad, torch.zeros_like(no_sinks))
+    expected = reference_varlen(q.detach(), k.detach(), v.detach(), cu_q, cu_k, scale=0.25, causal=True, window=None)
+    assert float((out.detach().double() - expected).abs().max()) > 0.1
+    with pytest.raises(ValueError, match=r"sinks must be one logit per query head, shape \(4,\)"):
+        module.flash_attn_varlen(q, k, v, cu_q, cu_k, 6, 5, causal=True, sinks=sinks[:2])
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -64,7 +64,7 @@ def llama4_fields(official_config) -> dict:
         attn_temperature_tuning=temperature, floor_scale=c.floor_scale, attn_scale=c.attn_scale,
         num_local_experts=c.num_local_experts, num_experts_per_tok=c.num_experts_per_tok,
         moe_intermediate_size=c.intermediate_size, shared_expert_intermediate_size=c.intermediate_size,
-        router_scoring="top_k_sigmoid", norm_topk_prob=False, apply_router_weight_on_input=True,
+        router_scoring="topk_sigmoid", norm_topk_prob=False, apply_router_weight_on_input=True,
         mlp_layer_types=["sparse" if i in c.moe_layers else "dense" for i in range(c.num_hidden_layers)],
         router_aux_loss_coef=c.router_aux_loss_coef, router_jitter_noise=c.router_jitter_noise,
     )

@@ -16,6 +16,7 @@ from causal_helpers import left_padded_batch, max_diff, real_logits, tiny_offici
 from conversion import llama
 from hf_tiny import TinyCausalConfig
 from hf_tiny.moe import MoeSpec, SparseMoeFeedForward, load_balancing_loss
+from hf_tiny.transformers_api import enable_activation_checkpointing
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -322,7 +323,7 @@ def test_gradient_checkpointing_keeps_loss_aux_loss_and_gradients():
     plain.loss.backward()
     expected = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model, {"use_reentrant": False})
     checkpointed = model(ids, labels=ids)
     checkpointed.loss.backward()
     assert torch.equal(checkpointed.aux_loss, plain.aux_loss) and torch.equal(checkpointed.loss, plain.loss)
@@ -337,7 +338,7 @@ def test_reentrant_checkpointing_with_router_logits_is_a_clear_error():
     the load-balancing loss would train nothing (official Mixtral's gradients silently differ there)."""
     config = TinyCausalConfig(**{**MOE, "output_router_logits": True, "router_aux_loss_coef": 0.5})
     model = hf_tiny.TinyCausalForCausalLM(config).train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    enable_activation_checkpointing(model, {"use_reentrant": True})
     ids = torch.randint(0, 32, (2, 9), generator=torch.Generator().manual_seed(1))
     with pytest.raises(ValueError, match="use_reentrant': False"):
         model(ids, labels=ids)

@@ -21,6 +21,7 @@ from transformers.activations import ACT2FN
 import hf_tiny
 from causal_helpers import weight_first_model
 from hf_tiny import runtime
+from hf_tiny.transformers_api import enable_activation_checkpointing
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -207,7 +208,7 @@ def test_gradient_checkpointing_keeps_working_and_matches():
     model = causal_model()
     inputs = batch(model, length=12)
     plain = training_step(model, inputs)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(model, {"use_reentrant": False})
     checkpointed = training_step(model, inputs)
     assert all(torch.equal(plain[name], checkpointed[name]) for name in plain)
 

@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForSeq2SeqLM, DynamicCache, Encode
 from transformers.modeling_outputs import BaseModelOutput
 
 from hf_tiny import TinySeq2SeqConfig, TinySeq2SeqForConditionalGeneration, TinySeq2SeqModel
+from hf_tiny.transformers_api import enable_activation_checkpointing
 
 SMALL = dict(vocab_size=48, hidden_size=16, num_attention_heads=4, intermediate_size=32, max_position_embeddings=32,
              initializer_range=0.2, hidden_dropout=0.0)
@@ -263,7 +264,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(variant, use_reentrant)
     for checkpointing in (False, True):
         model = make_model(variant).train()
         if checkpointing:
-            model.activation_checkpointing_enable({"use_reentrant": use_reentrant})
+            enable_activation_checkpointing(model, {"use_reentrant": use_reentrant})
         if input_ids is None:
             input_ids, attention_mask = encoder_batch(model.config)
             labels = decoder_ids(model.config, seed=5)

@@ -14,6 +14,11 @@ import torch
 
 import trainer_runs as runs
 from trainer_runs import grad_norm_curve, loss_curve
+from hf_tiny.transformers_api import (
+    disable_activation_checkpointing,
+    enable_activation_checkpointing,
+    is_activation_checkpointing,
+)
 
 FAMILIES = ("encoder", "causal", "seq2seq")
 
@@ -199,7 +204,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(family, use_reentrant, 
 
     plain = gradients(model, batch, seed=7)
     assert calls["n"] == num_blocks
-    model.activation_checkpointing_enable({"use_reentrant": use_reentrant})
+    enable_activation_checkpointing(model, {"use_reentrant": use_reentrant})
     calls["n"] = 0
     checkpointed = gradients(model, batch, seed=7)
     assert calls["n"] == 2 * num_blocks, "the blocks were not recomputed in backward: checkpointing is not active"
@@ -208,7 +213,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(family, use_reentrant, 
     for name in plain:
         torch.testing.assert_close(checkpointed[name], plain[name], rtol=0, atol=1e-7, msg=name)
     # dropout is on, so the comparison sees the RNG replay: another seed gives other gradients
-    model.activation_checkpointing_disable()
+    disable_activation_checkpointing(model)
     other = gradients(model, batch, seed=8)
     assert any(not torch.allclose(other[name], plain[name]) for name in plain)
 
@@ -218,7 +223,7 @@ def test_trainer_gradient_checkpointing_flag_keeps_the_loss_curve(tmp_path):
     plain = runs.train("causal", tmp_path / "plain", *flags)
     checkpointed = runs.train("causal", tmp_path / "gc", *flags, "--gradient-checkpointing")
     model = checkpointed.accelerator.unwrap_model(checkpointed.model)
-    assert model.is_activation_checkpointing
+    assert is_activation_checkpointing(model)
     assert_curves_close(loss_curve(checkpointed), loss_curve(plain), 1e-6, "losses")
     assert_curves_close(grad_norm_curve(checkpointed), grad_norm_curve(plain), 1e-6, "gradient norms")
 

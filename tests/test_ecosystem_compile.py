@@ -1,0 +1,142 @@
+"""Training under torch.compile and exporting with gradients on (issue 33, items 6 and 7): compiled training
+(fullgraph) gives eager's loss and gradients within 1e-5, with and without the runtime's recompute (gradient
+checkpointing); torch.export(strict=True) of a training forward with grad enabled, and transformers' executorch
+wrapper with grad enabled, export; a forward without attention mask on sdpa exports with a dynamic sequence length
+(torch.export and torch.onnx.export(dynamo=True)) and the exported program equals eager at two lengths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_tiny  # noqa: F401  (registers the Auto classes)
+from causal_helpers import tiny_official
+from conversion import llama
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    tiny_official("llama").save_pretrained(path / "src")
+    llama.convert(path / "src", path / "ours")
+    return path / "ours"
+
+
+def batch(length: int = 10, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, 97, (2, length), generator=torch.Generator().manual_seed(seed))
+
+
+def loss_and_grads(model, ids, forward=None) -> tuple[torch.Tensor, dict]:
+    """The training loss of ids and the model's parameter gradients, through forward (the model unless given)."""
+    model.zero_grad()
+    loss = (model if forward is None else forward)(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def relative_gap(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_compiled_training_equals_eager(folder, checkpointing):
+    model = AutoModelForCausalLM.from_pretrained(folder).train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = batch()
+    eager_loss, eager_grads = loss_and_grads(model, ids)
+    compiled_loss, compiled_grads = loss_and_grads(model, ids, torch.compile(model, fullgraph=True, backend="aot_eager"))
+    assert relative_gap(compiled_loss, eager_loss) <= TOLERANCE
+    assert eager_grads.keys() == compiled_grads.keys()
+    for name, grad in eager_grads.items():
+        assert relative_gap(compiled_grads[name], grad) <= TOLERANCE, name
+    # negative control: another batch moves the loss and the gradients well past the tolerance
+    other_loss, _ = loss_and_grads(model, batch(seed=1))
+    assert relative_gap(other_loss, eager_loss) > 1e-3
+
+
+def test_strict_export_of_a_training_forward_with_grad_enabled(folder):
+    model = AutoModelForCausalLM.from_pretrained(folder).train()
+    ids = batch()
+    with torch.enable_grad():
+        program = torch.export.export(model, (), {"input_ids": ids, "labels": ids}, strict=True)
+        expected = model(input_ids=ids, labels=ids, skip_logits=False)
+    got = program.module()(input_ids=ids, labels=ids)
+    assert relative_gap(got.loss.detach(), expected.loss.detach()) <= TOLERANCE
+    assert relative_gap(got.logits.detach(), expected.logits.detach()) <= TOLERANCE
+    other = program.module()(input_ids=batch(seed=1), labels=batch(seed=1))  # negative control
+    assert relative_gap(other.loss.detach(), expected.loss.detach()) > 1e-3
+
+
+def test_executorch_decoder_only_export_with_grad_enabled(folder):
+    from transformers.integrations.executorch import TorchExportableModuleForDecoderOnlyLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    model.generation_config.cache_implementation = "static"
+    exportable = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=32)
+    ids = batch(4)[:1]
+    with torch.enable_grad():
+        program = exportable.export(input_ids=ids, cache_position=torch.arange(4))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    got = program.module()(input_ids=ids, cache_position=torch.arange(4))
+    got = got.logits if hasattr(got, "logits") else got
+    assert relative_gap(got.detach(), expected) <= TOLERANCE
+    assert relative_gap(model(input_ids=batch(4, seed=1)[:1]).logits.detach(), expected) > 1e-3  # negative control
+
+
+class LogitsOnly(torch.nn.Module):
+    """input_ids -> logits with no attention mask and no cache: the export the issue names (sdpa, is_causal read
+    from a symbolic sequence length)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids):
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+@pytest.fixture(scope="module")
+def logits_only(folder):
+    return LogitsOnly(AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa")).eval()
+
+
+def eager_logits(module, ids) -> torch.Tensor:
+    with torch.no_grad():
+        return module(ids)
+
+
+def test_export_with_a_dynamic_sequence_length_and_no_mask_equals_eager_at_two_lengths(logits_only):
+    """strict=True (TorchDynamo); the ONNX test below exports through strict=False."""
+    length = torch.export.Dim("length", min=2, max=48)
+    program = torch.export.export(logits_only, (batch(10),), dynamic_shapes=({1: length},), strict=True)
+    for size in (10, 17):
+        ids = batch(size, seed=size)
+        expected = eager_logits(logits_only, ids)
+        got = program.module()(ids)
+        assert got.shape == expected.shape
+        assert relative_gap(got, expected) <= TOLERANCE, size
+    # negative control: other ids of the same length are far outside the tolerance
+    assert relative_gap(program.module()(batch(17, seed=1)), expected) > 1e-3
+
+
+def test_onnx_export_with_a_dynamic_sequence_length_equals_eager_at_two_lengths(logits_only, tmp_path):
+    pytest.importorskip("onnxscript", reason="torch.onnx.export(dynamo=True) needs onnxscript (the test extra)")
+    onnxruntime = pytest.importorskip("onnxruntime", reason="running the ONNX file needs onnxruntime (the test extra)")
+    length = torch.export.Dim("length", min=2, max=48)
+    exported = torch.onnx.export(logits_only, (batch(10),), dynamo=True, dynamic_shapes=({1: length},))
+    exported.save(str(tmp_path / "model.onnx"))
+    session = onnxruntime.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"])
+    for size in (10, 17):
+        ids = batch(size, seed=size)
+        expected = eager_logits(logits_only, ids)
+        got = torch.from_numpy(session.run(None, {session.get_inputs()[0].name: ids.numpy()})[0])
+        assert got.shape == expected.shape
+        assert relative_gap(got, expected) <= TOLERANCE, size
