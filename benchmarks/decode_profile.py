@@ -23,8 +23,8 @@ import torch
 
 from . import roofline
 from .measure import GROUPS, profile_groups
-from .models import HF_TINY, MODELS, OFFICIAL
-from .run import RESULTS_DIR, cpu_model, load_pair
+from .machine import RESULTS_DIR, cpu_model
+from .models import HF_TINY, MODELS, OFFICIAL, load_pair
 from .workloads import Shape, build_generate
 
 

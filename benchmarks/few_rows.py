@@ -12,7 +12,6 @@ hf_tiny keeps F.linear, to show where they meet: this is the measurement behind 
 
 from __future__ import annotations
 
-import argparse
 import datetime
 
 import torch
@@ -20,7 +19,7 @@ import torch.nn.functional as F
 
 from hf_tiny.runtime import few_rows_linear, weight_first
 
-from .fusion import best_time
+from .fusion import best_time, micro_arguments
 
 SHAPES = {
     # name: (out_features, in_features, how many in the model)
@@ -51,15 +50,9 @@ def measure(out_features: int, in_features: int, count: int, rows: int, repeats:
     )
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=sorted(SHAPES), default="smollm2")
-    parser.add_argument("--rows", default="1,2,4,8,16,32,64,128,256", help="comma-separated row counts")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=5)
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def main(argv=None) -> None:
+    args = micro_arguments(__doc__, SHAPES, ("--rows", "1,2,4,8,16,32,64,128,256", "comma-separated row counts"),
+                           repeats=5, argv=argv)
     print(f"# F.linear vs the weight-first product for few rows: {args.model}, fp32, {torch.get_num_threads()} "
           f"threads, torch {torch.__version__}, {datetime.date.today()}")
     print("\nWeights read per second (GB/s); the last column says which product hf_tiny's Linear takes "

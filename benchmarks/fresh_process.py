@@ -24,14 +24,14 @@ import json
 import os
 import resource
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 
+from .measure import run_json_process
 from .models import MODELS, OFFICIAL, official_folder, convert_hf_tiny, load_model
+from .plans import make_plan
 from .workloads import Shape, build_prefill, prefill_kwargs
 
 SIDES = (OFFICIAL, "hf_tiny")
@@ -58,17 +58,10 @@ def child(spec: dict) -> dict:
 
 
 def run_child(spec: dict) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH", "")]))
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.fresh_process", "--child", json.dumps(spec)],
-        capture_output=True, text=True, env=env, check=False,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
-        raise RuntimeError(f"{spec['impl']} process for {spec['model']} exited with {proc.returncode}: {tail}")
-    return json.loads(lines[-1])
+    answer, failure = run_json_process("benchmarks.fresh_process", ["--child", json.dumps(spec)])
+    if answer is None:
+        raise RuntimeError(f"{spec['impl']} process for {spec['model']} {failure}")
+    return answer
 
 
 def measure_folders(model: str, folders: dict, shape: Shape, *, repeats: int, calls: int, threads=None,
@@ -90,8 +83,6 @@ def measure_folders(model: str, folders: dict, shape: Shape, *, repeats: int, ca
 
 def measure(model: str, repeats: int, calls: int, threads) -> dict:
     """At the report's prefill shape, from the report's checkpoints (the hf_tiny one converted again)."""
-    from .run import make_plan  # run imports this module
-
     spec = MODELS[model]
     official = official_folder(spec)
     folders = {OFFICIAL: official, "hf_tiny": convert_hf_tiny(spec, official)}

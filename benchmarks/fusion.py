@@ -25,6 +25,21 @@ SHAPES = {
 }
 
 
+def micro_arguments(doc: str, shapes: dict, sizes: tuple, repeats: int, argv=None) -> argparse.Namespace:
+    """The command line the micro benchmarks share (this one and few_rows): --model of `shapes`, the sizes to
+    measure (`sizes`: flag, default, help), --threads (set here) and --repeats."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(shapes), default="smollm2")
+    flag, default, help_text = sizes
+    parser.add_argument(flag, default=default, help=help_text)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args
+
+
 def best_time(fn, repeats: int) -> float:
     fn()
     times = []
@@ -58,15 +73,9 @@ def measure(model: str, tokens: int, repeats: int) -> dict:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", choices=sorted(SHAPES), default="smollm2")
-    parser.add_argument("--tokens", default="1,8,1024", help="comma-separated token counts (batch x new tokens)")
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=7)
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+def main(argv=None) -> None:
+    args = micro_arguments(__doc__, SHAPES, ("--tokens", "1,8,1024", "comma-separated token counts (batch x new tokens)"),
+                           repeats=7, argv=argv)
     print(f"# Fused vs separate projections: {args.model}, fp32, {torch.get_num_threads()} threads, "
           f"torch {torch.__version__}, {datetime.date.today()}")
     print("\n| tokens | qkv separate | qkv fused | fused / separate | gate/up separate | gate/up fused | fused / separate |")

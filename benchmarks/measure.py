@@ -29,6 +29,9 @@ from typing import Callable, Optional
 import torch
 
 MIB = 1024 * 1024
+# What a timed call's seconds are: elapsed time, or this process's CPU time (steadier on a shared machine, and the
+# same thing as elapsed time only with one torch thread on a CPU).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def synchronize(device: torch.device) -> None:
@@ -210,18 +213,25 @@ PROBE_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 def run_memory_probe(spec: dict, timeout_s: float = 900.0) -> dict:
     """Runs benchmarks.memory_probe in a fresh interpreter with `spec` (JSON) and returns its JSON answer."""
-    env = dict(os.environ, **PROBE_ENV)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH", "")]))
+    answer, failure = run_json_process("benchmarks.memory_probe", [json.dumps(spec)], env=PROBE_ENV,
+                                       timeout_s=timeout_s)
+    # a failed probe is reported in the table, not raised
+    return answer if answer is not None else {"error": f"memory probe {failure}"}
+
+
+def run_json_process(module: str, argv: list[str], *, env: Optional[dict] = None, cwd=None,
+                     timeout_s: Optional[float] = None) -> tuple[Optional[dict], str]:
+    """`python -m module *argv` in a fresh interpreter (environment variables `env` added, the current folder
+    first on PYTHONPATH). Returns (the last JSON object line it printed, ""), or (None, "exited with N: the
+    last lines of its output") when it failed or printed none."""
+    full_env = dict(os.environ, **(env or {}))
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), full_env.get("PYTHONPATH", "")]))
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.memory_probe", json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        env=env,
-        check=False,  # a failed probe is reported in the table, not raised
+        [sys.executable, "-m", module, *argv],
+        capture_output=True, text=True, timeout=timeout_s, env=full_env, cwd=cwd, check=False,
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-        return {"error": f"memory probe exited with {proc.returncode}: {' | '.join(tail)}"}
-    return json.loads(lines[-1])
+        return None, f"exited with {proc.returncode}: {' | '.join(tail)}"
+    return json.loads(lines[-1]), ""

@@ -26,41 +26,25 @@ IMPLS = (OFFICIAL, HF_TINY)
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# A TinyLlama-1.1B-shaped config with random weights, for GPU runs (std 0.02 init, seed 0).
-LLAMA_1B_CONFIG = dict(
-    vocab_size=32000,
-    hidden_size=2048,
-    intermediate_size=5632,
-    num_hidden_layers=22,
-    num_attention_heads=32,
-    num_key_value_heads=4,
-    max_position_embeddings=16384,
-    rms_norm_eps=1e-5,
-    rope_theta=10000.0,
-    tie_word_embeddings=False,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=2,
-)
+def llama_config(vocab: int, hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int,
+                 max_positions: int, rope_theta: float, tied: bool) -> dict:
+    """A LlamaConfig's fields for a random-weight model (token ids and norm epsilon as TinyLlama's)."""
+    return dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
+        rms_norm_eps=1e-5, rope_theta=rope_theta, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
+        pad_token_id=2,
+    )
 
+
+# A TinyLlama-1.1B-shaped config with random weights, for GPU runs (std 0.02 init, seed 0).
+LLAMA_1B_CONFIG = llama_config(vocab=32000, hidden=2048, intermediate=5632, layers=22, heads=32, kv_heads=4,
+                               max_positions=16384, rope_theta=10000.0, tied=False)
 
 # SmolLM2's depth and head layout at a width where the arithmetic is negligible: its timings are the framework's
 # per-call overhead (Python, dispatcher, kernel launches), which is what bounds small-model decoding on a GPU.
-OVERHEAD_CONFIG = dict(
-    vocab_size=1024,
-    hidden_size=96,
-    intermediate_size=256,
-    num_hidden_layers=30,
-    num_attention_heads=6,
-    num_key_value_heads=2,
-    max_position_embeddings=8192,
-    rms_norm_eps=1e-5,
-    rope_theta=100000.0,
-    tie_word_embeddings=True,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=2,
-)
+OVERHEAD_CONFIG = llama_config(vocab=1024, hidden=96, intermediate=256, layers=30, heads=6, kv_heads=2,
+                               max_positions=8192, rope_theta=100000.0, tied=True)
 
 
 @dataclass(frozen=True)
@@ -155,11 +139,12 @@ def official_folder(spec: ModelSpec, *, refresh: bool = False, device: Optional[
 
 # ---- hf_tiny checkpoints (production converters) ---------------------------------------------------------------
 
-def convert_hf_tiny(spec: ModelSpec, official: Path, reference_model=None) -> Path:
+def convert_hf_tiny(spec: ModelSpec, official: Path, reference_model=None, dst: Optional[Path] = None) -> Path:
     """Runs the production converter from the same source the official side loads (re-run every time so a
     changed converter is always what is measured). reference_model: the official model already loaded, which
-    the Llama converter then uses for its parity check instead of dequantizing the GGUF again."""
-    dst = cache_dir() / f"{spec.name}-hf_tiny"
+    the Llama converter then uses for its parity check instead of dequantizing the GGUF again. dst: where the
+    folder goes (default: the cache's `<model>-hf_tiny`)."""
+    dst = dst or cache_dir() / f"{spec.name}-hf_tiny"
     if spec.family == "encoder":
         from conversion.bert import convert
 
@@ -203,6 +188,26 @@ def load_model(spec: ModelSpec, impl: str, folder: Path, *, dtype: torch.dtype, 
     model.to(device)
     model.eval()
     return model
+
+
+def load_pair(spec: ModelSpec, device: torch.device, dtype: torch.dtype, attn: str, refresh: bool):
+    """Both sides of a pair: ({impl: folder}, {impl: model}, {impl: error}). The official side always loads; an
+    hf_tiny side that fails to convert or load is left out and its error returned."""
+    folders, models, errors = {}, {}, {}
+    folders[OFFICIAL] = official_folder(spec, refresh=refresh, device=device)
+    models[OFFICIAL] = load_model(spec, OFFICIAL, folders[OFFICIAL], dtype=dtype, device=device, attn=attn)
+    try:
+        # The converter's parity check may switch the reference model's backend: a fp32 CPU copy serves it.
+        reference = None
+        if spec.family == "causal" and dtype == torch.float32 and device.type == "cpu":
+            reference = models[OFFICIAL]
+        folders[HF_TINY] = convert_hf_tiny(spec, folders[OFFICIAL], reference_model=reference)
+        models[OFFICIAL].set_attn_implementation(attn)
+        models[OFFICIAL].eval()
+        models[HF_TINY] = load_model(spec, HF_TINY, folders[HF_TINY], dtype=dtype, device=device, attn=attn)
+    except Exception as error:  # the official side still runs, and the report says why hf_tiny is missing
+        errors[HF_TINY] = f"{type(error).__name__}: {error}"
+    return folders, models, errors
 
 
 def count_parameters(model) -> int:

@@ -228,6 +228,40 @@ def _sweep_table(sweep: dict) -> list[str]:
 
 
 def render_markdown(results: dict) -> str:
+    out = _header(results)
+    out += ["", "## Speed (hf_tiny / official: time for prefill and training, tokens/s for generate)", ""]
+    out += _speed_table(results)
+    out += _agreement_line(results)
+    if results.get("fresh_process"):
+        out += ["", "## Prefill with each side alone in a fresh process", "", FRESH_PROCESS_TEXT, ""]
+        out += fresh_process.markdown_rows(results["fresh_process"])
+    if any(row.get("calls") for row in results["cases"]):
+        out += ["", "## Work per call, independent of machine load (aten calls: torch.profiler; Python calls: cProfile)", ""]
+        out += _calls_table(results)
+    out += _step_profile_section(results)
+    out += _memory_section(results)
+    out += ["", "## Roofline", ""]
+    out += _roofline_table(results)
+    if results.get("vllm"):
+        out += ["", "## Served by vLLM", ""] + vllm_rows.markdown_lines(results["vllm"])
+    if results.get("sweep"):
+        out += ["", "## hf_tiny attention backends across sequence lengths", ""]
+        out += _sweep_table(results["sweep"])
+    return "\n".join(out) + "\n"
+
+
+FRESH_PROCESS_TEXT = (
+    "Each side timed in its own interpreter (one process per side and repeat, alternating; the median of "
+    "each process's timed calls after one warm-up, then the median over processes), with the minor page "
+    "faults per call. The interleaved rows above share one process, whose allocator state both sides and "
+    "the harness set for each other (glibc's mmap threshold: the GEMM-peak measurement's matrices raise it "
+    "before any row runs); a process that runs only the model, as a user's does, is this one "
+    "(`python -m benchmarks.fresh_process`)."
+)
+
+
+def _header(results: dict) -> list[str]:
+    """The title and the run's settings, then one line per model (same-weights check, notes, errors)."""
     meta = results["meta"]
     out = [
         f"# hf_tiny vs transformers — {meta['device_name']} — {meta['date']}",
@@ -249,55 +283,46 @@ def render_markdown(results: dict) -> str:
             f"- {name}: {info['description']}; {info.get('params', 0) / 1e6:,.1f}M params; "
             f"same weights: max |official − hf_tiny| output = {diff_text}" + (f"; {extra}" if extra else "")
         )
-    out += ["", "## Speed (hf_tiny / official: time for prefill and training, tokens/s for generate)", ""]
-    out += _speed_table(results)
+    return out
+
+
+def _agreement_line(results: dict) -> list[str]:
     agreement = [r for r in results["cases"] if r.get("token_agreement") is not None]
-    if agreement:
-        text = ", ".join(
-            f"{r['model']} {r['shape']}{' compiled' if r['case'] == DECODE_COMPILED else ''}: "
-            f"{r['token_agreement'] * 100:.0f}%"
-            for r in agreement
-        )
-        out += ["", f"Greedy tokens identical between the two sides: {text}."]
-    if results.get("fresh_process"):
-        out += ["", "## Prefill with each side alone in a fresh process", "",
-                "Each side timed in its own interpreter (one process per side and repeat, alternating; the median of "
-                "each process's timed calls after one warm-up, then the median over processes), with the minor page "
-                "faults per call. The interleaved rows above share one process, whose allocator state both sides and "
-                "the harness set for each other (glibc's mmap threshold: the GEMM-peak measurement's matrices raise it "
-                "before any row runs); a process that runs only the model, as a user's does, is this one "
-                "(`python -m benchmarks.fresh_process`).", ""]
-        out += fresh_process.markdown_rows(results["fresh_process"])
-    if any(row.get("calls") for row in results["cases"]):
-        out += ["", "## Work per call, independent of machine load (aten calls: torch.profiler; Python calls: cProfile)", ""]
-        out += _calls_table(results)
+    if not agreement:
+        return []
+    text = ", ".join(
+        f"{r['model']} {r['shape']}{' compiled' if r['case'] == DECODE_COMPILED else ''}: "
+        f"{r['token_agreement'] * 100:.0f}%"
+        for r in agreement
+    )
+    return ["", f"Greedy tokens identical between the two sides: {text}."]
+
+
+def _step_profile_section(results: dict) -> list[str]:
     profiled = [row for row in results["cases"] if row.get("step_profile")]
-    if profiled:
-        steps = profiled[0]["step_profile_steps"]
-        out += ["", "## Where a decode step's time goes (torch.profiler self times, ms per step)", "",
-                f"A generate of {steps + 1} tokens minus one of 1 token (the prefill drops out), over {steps} steps. "
-                "Weight products: "
-                "aten mm / addmm, and bmm / baddbmm outside attention (hf_tiny's one-row product); the weights read "
-                "per step over their time is the bandwidth those products reach (compare the read bandwidth under "
-                "Roofline). The profiler slows Python, so \"outside aten ops\" is overstated and a profiled step is "
-                "slower than a timed one.", ""]
-        out += _step_profile_table(results)
-    if results["memory"]:
-        out += ["", f"## Peak memory above the loaded model ({results['memory_method']})", ""]
-        out += _memory_table(results)
-        cal = results.get("calibration")
-        if cal and "peak_bytes" in cal:
-            out += ["", f"Method check: allocating {cal['expected_bytes'] / MIB:,.0f} MiB reads as "
-                        f"{cal['peak_bytes'] / MIB:,.1f} MiB; RSS is page-granular, so differences below about "
-                        "1 MiB are within the method's resolution."]
-    out += ["", "## Roofline", ""]
-    out += _roofline_table(results)
-    if results.get("vllm"):
-        out += ["", "## Served by vLLM", ""] + vllm_rows.markdown_lines(results["vllm"])
-    if results.get("sweep"):
-        out += ["", "## hf_tiny attention backends across sequence lengths", ""]
-        out += _sweep_table(results["sweep"])
-    return "\n".join(out) + "\n"
+    if not profiled:
+        return []
+    steps = profiled[0]["step_profile_steps"]
+    return ["", "## Where a decode step's time goes (torch.profiler self times, ms per step)", "",
+            f"A generate of {steps + 1} tokens minus one of 1 token (the prefill drops out), over {steps} steps. "
+            "Weight products: "
+            "aten mm / addmm, and bmm / baddbmm outside attention (hf_tiny's one-row product); the weights read "
+            "per step over their time is the bandwidth those products reach (compare the read bandwidth under "
+            "Roofline). The profiler slows Python, so \"outside aten ops\" is overstated and a profiled step is "
+            "slower than a timed one.", ""] + _step_profile_table(results)
+
+
+def _memory_section(results: dict) -> list[str]:
+    if not results["memory"]:
+        return []
+    out = ["", f"## Peak memory above the loaded model ({results['memory_method']})", ""]
+    out += _memory_table(results)
+    cal = results.get("calibration")
+    if cal and "peak_bytes" in cal:
+        out += ["", f"Method check: allocating {cal['expected_bytes'] / MIB:,.0f} MiB reads as "
+                    f"{cal['peak_bytes'] / MIB:,.1f} MiB; RSS is page-granular, so differences below about "
+                    "1 MiB are within the method's resolution."]
+    return out
 
 
 def render_plot(results: dict, path: Path) -> None:
@@ -312,8 +337,17 @@ def render_plot(results: dict, path: Path) -> None:
                              gridspec_kw={"width_ratios": [1.3, 1, 0.8] if sweep else [1.3, 1]})
     meta = results["meta"]
     fig.suptitle(f"hf_tiny vs transformers — {meta['device_name']} — {meta['dtype']} — {meta['date']} ({meta['mode']})")
+    _plot_advantage(axes[0], results)
+    _plot_roofline(axes[1], results)
+    if sweep:
+        _plot_sweep(axes[2], sweep)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
-    # (a) advantage of hf_tiny, > 1 is better, with each target as a marker
+
+def _advantages(results: dict) -> tuple[list, list, list]:
+    """(labels, hf_tiny's advantage, the target's advantage) per bar: > 1 is better for hf_tiny."""
     labels, values, goals = [], [], []
     for row in results["cases"]:
         ratio = case_ratio(row)
@@ -331,7 +365,12 @@ def render_plot(results: dict, path: Path) -> None:
         labels.append(f"{row['model']} peak memory {row['case']} {row['shape']}")
         values.append(1 / ratio)
         goals.append(1.0)
-    ax = axes[0]
+    return labels, values, goals
+
+
+def _plot_advantage(ax, results: dict) -> None:
+    """hf_tiny's advantage per row, > 1 is better, with each target as a marker."""
+    labels, values, goals = _advantages(results)
     if values:
         ys = range(len(values))
         ax.barh(list(ys), values, color=["tab:green" if v >= g else "tab:red" for v, g in zip(values, goals)])
@@ -343,39 +382,38 @@ def render_plot(results: dict, path: Path) -> None:
     ax.set_xlabel("official / hf_tiny (time, peak memory) or hf_tiny / official (tok/s)")
     ax.set_title("hf_tiny advantage: > 1 is better; | = target", fontsize=9)
 
-    # (b) roofline: fraction of the measured ceiling
-    ax = axes[1]
-    rows = roofline_rows(results)
-    if rows:
-        names = list(dict.fromkeys((r["model"], r["case"], r["shape"]) for r in rows))  # first-seen order
-        width = 0.4
-        for offset, impl, color in ((-width / 2, OFFICIAL, "tab:blue"), (width / 2, HF_TINY, "tab:orange")):
-            fractions = []
-            for key in names:
-                match = [r for r in rows if (r["model"], r["case"], r["shape"]) == key and r["impl"] == impl]
-                fractions.append(match[0]["fraction"] * 100 if match else 0)
-            ax.bar([i + offset for i in range(len(names))], fractions, width, label=impl, color=color)
-        ax.set_xticks(range(len(names)), [f"{m} {c} {s}" for m, c, s in names], fontsize=7, rotation=35, ha="right")
-        ax.set_ylabel("% of measured ceiling")
-        ax.set_title("roofline: GEMM peak (prefill, train), read bandwidth (generate)", fontsize=9)
-        ax.legend(fontsize=8)
 
-    # (c) backends across sequence lengths
-    if sweep:
-        ax = axes[2]
-        for name, values in sweep["backends"].items():
-            points = [(n, v * 1e3) for n, v in zip(sweep["lengths"], values) if v is not None]
-            if points:
-                ax.plot(*zip(*points), marker="o", label=name)
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("tokens (batch 1)")
-        ax.set_ylabel("prefill ms (median)")
-        ax.set_title(f"hf_tiny {sweep['model']} backends", fontsize=9)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def _plot_roofline(ax, results: dict) -> None:
+    """Each side's fraction of the measured ceiling per row."""
+    rows = roofline_rows(results)
+    if not rows:
+        return
+    names = list(dict.fromkeys((r["model"], r["case"], r["shape"]) for r in rows))  # first-seen order
+    width = 0.4
+    for offset, impl, color in ((-width / 2, OFFICIAL, "tab:blue"), (width / 2, HF_TINY, "tab:orange")):
+        fractions = []
+        for key in names:
+            match = [r for r in rows if (r["model"], r["case"], r["shape"]) == key and r["impl"] == impl]
+            fractions.append(match[0]["fraction"] * 100 if match else 0)
+        ax.bar([i + offset for i in range(len(names))], fractions, width, label=impl, color=color)
+    ax.set_xticks(range(len(names)), [f"{m} {c} {s}" for m, c, s in names], fontsize=7, rotation=35, ha="right")
+    ax.set_ylabel("% of measured ceiling")
+    ax.set_title("roofline: GEMM peak (prefill, train), read bandwidth (generate)", fontsize=9)
+    ax.legend(fontsize=8)
+
+
+def _plot_sweep(ax, sweep: dict) -> None:
+    """hf_tiny's backends across sequence lengths."""
+    for name, values in sweep["backends"].items():
+        points = [(n, v * 1e3) for n, v in zip(sweep["lengths"], values) if v is not None]
+        if points:
+            ax.plot(*zip(*points), marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("tokens (batch 1)")
+    ax.set_ylabel("prefill ms (median)")
+    ax.set_title(f"hf_tiny {sweep['model']} backends", fontsize=9)
+    ax.legend(fontsize=8)
 
 
 def write_result(lines: list[str], output: Path) -> Path:

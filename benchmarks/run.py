@@ -13,89 +13,22 @@ import importlib.util
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from . import fresh_process, measure, report, roofline, vllm_rows
-from .models import HF_TINY, MODELS, OFFICIAL, align_work, convert_hf_tiny, count_parameters, describe_config
-from .models import dump_json, load_model, official_folder, same_weights_check
+from .machine import RESULTS_DIR, cpu_model, file_stem, git_revision
+from .measure import CLOCKS
+from .models import HF_TINY, MODELS, OFFICIAL, ModelSpec, align_work, count_parameters, describe_config, dump_json
+from .models import load_model, load_pair, same_weights_check
+from .plans import Plan, make_plan
 from .workloads import CASES, DECODE, DECODE_COMPILED, PREFILL, TRAIN, Shape, build, build_generate, build_prefill
 from .workloads import compile_for_decoding, prefill_kwargs
-
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
-
-
-@dataclass
-class Plan:
-    prefill: dict  # family -> Shape
-    train: dict  # family -> Shape
-    decode: list  # Shapes (causal)
-    sweep_lengths: list
-    repeats: int
-    warmup: int
-    gemm_n: int
-    bandwidth_mb: int
-    models: list = field(default_factory=list)
-
-
-def make_plan(device: torch.device, quick: bool) -> Plan:
-    cuda = device.type == "cuda"
-    if quick:
-        return Plan(
-            prefill={"encoder": Shape(8, 64), "causal": Shape(1, 128)},
-            train={"encoder": Shape(8, 64), "causal": Shape(1, 64)},
-            decode=[Shape(1, 16, 16), Shape(8, 16, 16)],
-            sweep_lengths=[128, 256, 512] if not cuda else [512, 2048, 8192],
-            repeats=5,
-            warmup=1,
-            gemm_n=2048 if not cuda else 4096,
-            bandwidth_mb=512 if not cuda else 1024,
-            models=["minilm", "smollm2", "overhead"],
-        )
-    return Plan(
-        prefill={"encoder": Shape(32, 128), "causal": Shape(4, 256)},  # issue 17's prefill shapes
-        # SmolLM2 at 4x512 as issue 17 states its memory target (a step takes ~20 s on 2 CPU cores).
-        train={"encoder": Shape(32, 128), "causal": Shape(4, 512)},
-        decode=[Shape(1, 32, 128), Shape(8, 32, 128)],
-        sweep_lengths=[256, 512, 1024, 2048] if not cuda else [512, 1024, 2048, 4096, 8192, 16384],
-        repeats=5,
-        warmup=1,
-        gemm_n=2048 if not cuda else 8192,
-        bandwidth_mb=512 if not cuda else 4096,
-        models=["minilm", "smollm2", "overhead", "llama1b"] if cuda else ["minilm", "smollm2", "overhead"],
-    )
-
-
-# ---- machine description ---------------------------------------------------------------------------------------
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            for line in info:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def git_revision() -> str:
-    root = Path(__file__).resolve().parent.parent
-    try:
-        def git(*command: str) -> str:
-            return subprocess.run(["git", *command], cwd=root, capture_output=True, text=True, check=False).stdout.strip()
-
-        rev = git("rev-parse", "--short", "HEAD")
-        dirty = git("status", "--porcelain", "--untracked-files=no")
-        return (rev or "unknown") + ("+local changes" if dirty else "")
-    except OSError:
-        return "unknown"
 
 
 def machine_meta(device: torch.device, dtype: torch.dtype, args, plan: Plan) -> dict:
@@ -133,24 +66,6 @@ def log(message: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
-def load_pair(spec, device, dtype, attn, refresh):
-    folders, models, errors = {}, {}, {}
-    folders[OFFICIAL] = official_folder(spec, refresh=refresh, device=device)
-    models[OFFICIAL] = load_model(spec, OFFICIAL, folders[OFFICIAL], dtype=dtype, device=device, attn=attn)
-    try:
-        # The converter's parity check may switch the reference model's backend: a fp32 CPU copy serves it.
-        reference = None
-        if spec.family == "causal" and dtype == torch.float32 and device.type == "cpu":
-            reference = models[OFFICIAL]
-        folders[HF_TINY] = convert_hf_tiny(spec, folders[OFFICIAL], reference_model=reference)
-        models[OFFICIAL].set_attn_implementation(attn)
-        models[OFFICIAL].eval()
-        models[HF_TINY] = load_model(spec, HF_TINY, folders[HF_TINY], dtype=dtype, device=device, attn=attn)
-    except Exception as error:  # the official side still runs, and the report says why hf_tiny is missing
-        errors[HF_TINY] = f"{type(error).__name__}: {error}"
-    return folders, models, errors
-
-
 def free_memory() -> None:
     """Collects what the caller has just deleted (closures holding optimizers, KV caches)."""
     gc.collect()
@@ -158,32 +73,26 @@ def free_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def measure_memory(spec, case, shape, models, folders, device, dtype, attn, extra, drop_pooler) -> dict:
-    row = {"model": spec.name, "case": case, "shape": shape.label()}
-    for impl in models:
-        if device.type == "cuda":
-            fn = build(case, models[impl], spec.family, shape, device, extra)
-            try:
-                row[impl] = measure.cuda_peak_bytes(fn, device, calls=2 if case == TRAIN else 1)
-            except torch.OutOfMemoryError:
-                row[impl] = "out of memory"
-            del fn
-            free_memory()
-        else:
-            probe = {
-                "model": spec.name, "impl": impl, "folder": str(folders[impl]), "dtype": str(dtype).replace("torch.", ""),
-                "attn": attn, "case": case, "batch": shape.batch, "seq": shape.seq, "new_tokens": shape.new_tokens,
-                "prefill_extra": extra, "threads": torch.get_num_threads(),
-                "drop_pooler": drop_pooler and impl == OFFICIAL,
-                # A training step reaches its steady peak only once AdamW's state exists (second call).
-                "calls": 2 if case == TRAIN else 1,
-            }
-            answer = measure.run_memory_probe(probe)
-            row[impl] = answer.get("peak_bytes", answer.get("error"))
-    return row
+@dataclass
+class PairRun:
+    """One model pair under measurement: both sides loaded, and what every case of it needs."""
+
+    spec: ModelSpec
+    models: dict  # impl -> model
+    folders: dict  # impl -> checkpoint folder
+    info: dict  # the report's entry for this model (notes and errors grow during the run)
+    arch: roofline.Arch
+    extra: Optional[dict]  # a causal prefill's extra forward arguments (workloads.prefill_kwargs)
+    drop_pooler: bool  # the official encoder's pooler is off (hf_tiny's encoder has none)
+    device: torch.device
+    dtype: torch.dtype
+    args: argparse.Namespace
+    plan: Plan
 
 
-def bench_model(name, plan, args, device, dtype, results) -> None:
+def prepare_pair(name: str, plan: Plan, args, device: torch.device, dtype: torch.dtype) -> PairRun:
+    """Loads both sides, checks they hold the same weights and that the FLOP model counts what the official
+    model holds; what goes wrong is noted in the report's entry for the model, not raised."""
     spec = MODELS[name]
     log(f"{name}: preparing checkpoints")
     folders, models, errors = load_pair(spec, device, dtype, args.attn, args.refresh)
@@ -197,7 +106,6 @@ def bench_model(name, plan, args, device, dtype, results) -> None:
         "errors": errors,
         "same_weights_max_abs_diff": None,
     }
-    results["models"][name] = info
     try:
         info["same_weights_max_abs_diff"] = same_weights_check(spec, models, config.vocab_size, device)
     except Exception as error:
@@ -209,104 +117,182 @@ def bench_model(name, plan, args, device, dtype, results) -> None:
     if counted != arch.block_matmul_params:
         notes.append(f"FLOP model mismatch: analytic block matmul params {arch.block_matmul_params:,} != "
                      f"{counted:,} counted in the official model")
-    extra = prefill_kwargs(models) if spec.family == "causal" else None
-    drop_pooler = any("pooler disabled" in n for n in notes)
-    bytes_per_value = torch.finfo(dtype).bits // 8
+    return PairRun(spec=spec, models=models, folders=folders, info=info, arch=arch,
+                   extra=prefill_kwargs(models) if spec.family == "causal" else None,
+                   drop_pooler=any("pooler disabled" in n for n in notes), device=device, dtype=dtype, args=args,
+                   plan=plan)
 
-    cases = [c for c in args.cases if spec.family == "causal" or c not in (DECODE, DECODE_COMPILED)]
-    # Training changes the weights, so it runs last.
-    for case in sorted(cases, key=lambda c: c == TRAIN):
-        shapes = plan.decode if case in (DECODE, DECODE_COMPILED) else [plan.prefill[spec.family] if case == PREFILL else plan.train[spec.family]]
-        for shape in shapes:
-            log(f"{name}: {case} {shape.label()}")
-            if case == DECODE_COMPILED:
-                timings = time_compiled_decode(spec, shape, models, folders, device, dtype, args, plan, info)
-                fns = warm = None
-            else:
-                fns = {impl: build(case, m, spec.family, shape, device, extra) for impl, m in models.items()}
-                warm = None
-                if case == DECODE:  # a short generate warms every code path without costing a full run
-                    warm = {impl: build_generate(m, shape, device, new_tokens=4) for impl, m in models.items()}
-                timings = measure.time_interleaved(fns, device=device, warmup=plan.warmup, repeats=plan.repeats,
-                                                   warmup_contenders=warm, clock=CLOCKS[args.clock])
-            if not timings:
-                continue
-            row = {
-                "model": name, "case": case, "shape": shape.label(), "roofline": spec.roofline,
-                "timings": {impl: t.as_dict() for impl, t in timings.items()},
-            }
-            if args.ops and case in (PREFILL, DECODE):  # a training step's profile shows autograd, not us
-                row["calls"] = count_ops(case, models, fns, spec.family, shape, device)
-            if args.ops and case == DECODE and device.type == "cpu":  # CPU self times: on a GPU, launch times
-                row["step_profile"] = profile_decode_step(models, shape, device)
-                row["step_profile_steps"] = PROFILED_STEPS
-                row["step_weight_bytes"] = roofline.generate_bytes(arch, batch=shape.batch, prompt=0, new_tokens=1,
-                                                                   bytes_per_value=bytes_per_value)
-            if case == PREFILL:
-                positions = 1 if extra and extra.get("logits_to_keep") == 1 else shape.seq
-                row["flops"] = roofline.forward_flops(arch, shape.batch, shape.seq, logits_positions=positions if arch.causal else 0)
-            elif case == TRAIN:
-                row["flops"] = roofline.train_flops(arch, shape.batch, shape.seq)
-            else:
-                row["tokens"] = shape.batch * shape.new_tokens  # generate and generate_compiled
-                row["bytes"] = roofline.generate_bytes(arch, batch=shape.batch, prompt=shape.seq, new_tokens=shape.new_tokens, bytes_per_value=bytes_per_value)
-                row["flops"] = roofline.generate_flops(arch, batch=shape.batch, prompt=shape.seq, new_tokens=shape.new_tokens)
-                if len(timings) == 2:
-                    outs = {impl: timing.last_output[:, shape.seq:] for impl, timing in timings.items()}
-                    row["token_agreement"] = float((outs[OFFICIAL] == outs[HF_TINY]).float().mean())
-            results["cases"].append(row)
-            del fns, warm, timings
-            if case == PREFILL and args.fresh_process and spec.roofline and device.type == "cpu" and dtype == torch.float32:
-                log(f"{name}: prefill {shape.label()}, each side in a fresh process")
-                results["fresh_process"].append(fresh_process.measure_folders(
-                    name, folders, shape, repeats=plan.repeats, calls=plan.repeats, threads=args.threads, attn=args.attn
-                ))
-            free_memory()
-            if args.memory and case != DECODE_COMPILED and (case != DECODE or shape.batch == max(s.batch for s in plan.decode)):
-                log(f"{name}: peak memory of {case} {shape.label()}")
-                results["memory"].append(measure_memory(spec, case, shape, models, folders, device, dtype, args.attn, extra, drop_pooler))
-    sweep_model = None
-    if args.sweep and spec.family == "causal" and spec.roofline and HF_TINY in models and results.get("sweep") is None:
-        sweep_model = models[HF_TINY]
-        longest = max(plan.sweep_lengths)
-        if longest > sweep_model.config.max_position_embeddings:
-            # Timing only: the default RoPE does not depend on this field, it only lifts the length check.
-            sweep_model = load_model(spec, HF_TINY, folders[HF_TINY], dtype=dtype, device=device, attn=args.attn,
-                                     max_position_embeddings=longest)
-            info["notes"].append(f"backend sweep loads hf_tiny with max_position_embeddings={longest}")
-    del models
+
+def case_shapes(case: str, plan: Plan, family: str) -> list:
+    if case in (DECODE, DECODE_COMPILED):
+        return plan.decode
+    return [plan.prefill[family] if case == PREFILL else plan.train[family]]
+
+
+def bench_model(name, plan, args, device, dtype, results) -> None:
+    pair = prepare_pair(name, plan, args, device, dtype)
+    results["models"][name] = pair.info
+    family = pair.spec.family
+    cases = [c for c in args.cases if family == "causal" or c not in (DECODE, DECODE_COMPILED)]
+    for case in sorted(cases, key=lambda c: c == TRAIN):  # training changes the weights, so it runs last
+        for shape in case_shapes(case, plan, family):
+            bench_case(pair, case, shape, results)
+    sweep_model = sweep_model_of(pair, results)
+    pair.models.clear()
     free_memory()
     if sweep_model is not None:
-        results["sweep"] = backend_sweep(name, sweep_model, plan, device, dtype, extra, args.clock)
+        results["sweep"] = backend_sweep(name, sweep_model, plan, device, dtype, pair.extra, args.clock)
         del sweep_model
         free_memory()
 
 
-def time_compiled_decode(spec, shape, models, folders, device, dtype, args, plan, info) -> dict:
+def bench_case(pair: PairRun, case: str, shape: Shape, results: dict) -> None:
+    """One case at one shape: its timed row, then (CPU) its fresh-process prefill and its peak memory."""
+    name, args = pair.spec.name, pair.args
+    log(f"{name}: {case} {shape.label()}")
+    fns, timings = time_case(pair, case, shape)
+    if not timings:
+        return
+    results["cases"].append(case_row(pair, case, shape, fns, timings))
+    del fns, timings
+    if (case == PREFILL and args.fresh_process and pair.spec.roofline and pair.device.type == "cpu"
+            and pair.dtype == torch.float32):
+        log(f"{name}: prefill {shape.label()}, each side in a fresh process")
+        results["fresh_process"].append(fresh_process.measure_folders(
+            name, pair.folders, shape, repeats=pair.plan.repeats, calls=pair.plan.repeats, threads=args.threads,
+            attn=args.attn,
+        ))
+    free_memory()
+    largest_decode = max(s.batch for s in pair.plan.decode)
+    if args.memory and case != DECODE_COMPILED and (case != DECODE or shape.batch == largest_decode):
+        log(f"{name}: peak memory of {case} {shape.label()}")
+        results["memory"].append(measure_memory(pair, case, shape))
+
+
+def time_case(pair: PairRun, case: str, shape: Shape) -> tuple:
+    """(the timed callables or None, {impl: measure.Timing}), both sides interleaved."""
+    if case == DECODE_COMPILED:
+        return None, time_compiled_decode(pair, shape)
+    fns = {impl: build(case, m, pair.spec.family, shape, pair.device, pair.extra) for impl, m in pair.models.items()}
+    warm = None
+    if case == DECODE:  # a short generate warms every code path without costing a full run
+        warm = {impl: build_generate(m, shape, pair.device, new_tokens=4) for impl, m in pair.models.items()}
+    timings = measure.time_interleaved(fns, device=pair.device, warmup=pair.plan.warmup, repeats=pair.plan.repeats,
+                                       warmup_contenders=warm, clock=CLOCKS[pair.args.clock])
+    return fns, timings
+
+
+def case_row(pair: PairRun, case: str, shape: Shape, fns, timings: dict) -> dict:
+    """The report's row of one timed case: timings, operator counts and the decode profile (when asked for), and
+    the work done (FLOPs; generate: tokens and bytes, and whether both sides chose the same tokens)."""
+    args, arch, device = pair.args, pair.arch, pair.device
+    row = {
+        "model": pair.spec.name, "case": case, "shape": shape.label(), "roofline": pair.spec.roofline,
+        "timings": {impl: t.as_dict() for impl, t in timings.items()},
+    }
+    if args.ops and case in (PREFILL, DECODE):  # a training step's profile shows autograd, not us
+        row["calls"] = count_ops(case, pair.models, fns, pair.spec.family, shape, device)
+    if args.ops and case == DECODE and device.type == "cpu":  # CPU self times: on a GPU, launch times
+        row["step_profile"] = profile_decode_step(pair.models, shape, device)
+        row["step_profile_steps"] = PROFILED_STEPS
+        row["step_weight_bytes"] = roofline.generate_bytes(arch, batch=shape.batch, prompt=0, new_tokens=1,
+                                                           bytes_per_value=torch.finfo(pair.dtype).bits // 8)
+    row.update(work_of(pair, case, shape))
+    if case in (DECODE, DECODE_COMPILED) and len(timings) == 2:
+        outs = {impl: timing.last_output[:, shape.seq:] for impl, timing in timings.items()}
+        row["token_agreement"] = float((outs[OFFICIAL] == outs[HF_TINY]).float().mean())
+    return row
+
+
+def work_of(pair: PairRun, case: str, shape: Shape) -> dict:
+    """FLOPs of one call (roofline.py's count); generate also counts its tokens and the bytes it reads."""
+    arch = pair.arch
+    if case == PREFILL:
+        positions = 1 if pair.extra and pair.extra.get("logits_to_keep") == 1 else shape.seq
+        return {"flops": roofline.forward_flops(arch, shape.batch, shape.seq,
+                                                logits_positions=positions if arch.causal else 0)}
+    if case == TRAIN:
+        return {"flops": roofline.train_flops(arch, shape.batch, shape.seq)}
+    tokens = dict(batch=shape.batch, prompt=shape.seq, new_tokens=shape.new_tokens)
+    return {
+        "tokens": shape.batch * shape.new_tokens,  # generate and generate_compiled
+        "bytes": roofline.generate_bytes(arch, **tokens, bytes_per_value=torch.finfo(pair.dtype).bits // 8),
+        "flops": roofline.generate_flops(arch, **tokens),
+    }
+
+
+def measure_memory(pair: PairRun, case: str, shape: Shape) -> dict:
+    """Peak memory of one case per side: CUDA's allocator peak here, or on a CPU a fresh process per side."""
+    row = {"model": pair.spec.name, "case": case, "shape": shape.label()}
+    calls = 2 if case == TRAIN else 1  # a training step reaches its steady peak once AdamW's state exists
+    for impl in pair.models:
+        if pair.device.type == "cuda":
+            fn = build(case, pair.models[impl], pair.spec.family, shape, pair.device, pair.extra)
+            try:
+                row[impl] = measure.cuda_peak_bytes(fn, pair.device, calls=calls)
+            except torch.OutOfMemoryError:
+                row[impl] = "out of memory"
+            del fn
+            free_memory()
+        else:
+            answer = measure.run_memory_probe(memory_probe_spec(pair, impl, case, shape, calls))
+            row[impl] = answer.get("peak_bytes", answer.get("error"))
+    return row
+
+
+def memory_probe_spec(pair: PairRun, impl: str, case: str, shape: Shape, calls: int) -> dict:
+    """What benchmarks.memory_probe needs to run one side of a case in its own process."""
+    return {
+        "model": pair.spec.name, "impl": impl, "folder": str(pair.folders[impl]),
+        "dtype": str(pair.dtype).replace("torch.", ""), "attn": pair.args.attn, "case": case, "batch": shape.batch,
+        "seq": shape.seq, "new_tokens": shape.new_tokens, "prefill_extra": pair.extra,
+        "threads": torch.get_num_threads(), "drop_pooler": pair.drop_pooler and impl == OFFICIAL, "calls": calls,
+    }
+
+
+def sweep_model_of(pair: PairRun, results: dict):
+    """hf_tiny's model for the backend sweep (once per run, a causal model with a roofline), or None; loaded
+    again with a larger position limit when the sweep runs past the checkpoint's."""
+    args, spec = pair.args, pair.spec
+    if not (args.sweep and spec.family == "causal" and spec.roofline and HF_TINY in pair.models
+            and results.get("sweep") is None):
+        return None
+    model = pair.models[HF_TINY]
+    longest = max(pair.plan.sweep_lengths)
+    if longest > model.config.max_position_embeddings:
+        # Timing only: the default RoPE does not depend on this field, it only lifts the length check.
+        model = load_model(spec, HF_TINY, pair.folders[HF_TINY], dtype=pair.dtype, device=pair.device,
+                           attn=args.attn, max_position_embeddings=longest)
+        pair.info["notes"].append(f"backend sweep loads hf_tiny with max_position_embeddings={longest}")
+    return model
+
+
+def time_compiled_decode(pair: PairRun, shape: Shape) -> dict:
     """generate() with a static cache and a torch.compile'd forward, on fresh copies of both models (compiling
     replaces their forward). The first call compiles (prefill and decode graphs) and is the warm-up; a side whose
     compilation fails is reported and left out."""
     fns = {}
-    for impl in models:
-        model = load_model(spec, impl, folders[impl], dtype=dtype, device=device, attn=args.attn)
-        compile_for_decoding(model, device)
-        fn = build_generate(model, shape, device, static_cache=True)
+    for impl in pair.models:
+        model = load_model(pair.spec, impl, pair.folders[impl], dtype=pair.dtype, device=pair.device,
+                           attn=pair.args.attn)
+        compile_for_decoding(model, pair.device)
+        fn = build_generate(model, shape, pair.device, static_cache=True)
         try:
             start = time.perf_counter()
             fn()  # compiles the prefill and decode graphs
-            info["notes"].append(
-                f"{impl} compiled generate {shape.label()}: first call (compilation included) {time.perf_counter() - start:,.1f} s"
-            )
-            for _ in range(max(plan.warmup, 1) - 1):
+            pair.info["notes"].append(f"{impl} compiled generate {shape.label()}: first call (compilation included) "
+                                      f"{time.perf_counter() - start:,.1f} s")
+            for _ in range(max(pair.plan.warmup, 1) - 1):
                 fn()
         except Exception as error:
-            info["errors"][f"{impl} {DECODE_COMPILED} {shape.label()}"] = f"{type(error).__name__}: {str(error)[:300]}"
-            log(f"{spec.name}: {impl}: compiled generate failed: {type(error).__name__}: {error}")
+            pair.info["errors"][f"{impl} {DECODE_COMPILED} {shape.label()}"] = f"{type(error).__name__}: {str(error)[:300]}"
+            log(f"{pair.spec.name}: {impl}: compiled generate failed: {type(error).__name__}: {error}")
             continue
         fns[impl] = fn
     if not fns:
         return {}
-    return measure.time_interleaved(fns, device=device, warmup=0, repeats=plan.repeats, clock=CLOCKS[args.clock])
+    return measure.time_interleaved(fns, device=pair.device, warmup=0, repeats=pair.plan.repeats,
+                                    clock=CLOCKS[pair.args.clock])
 
 
 def count_ops(case, models, fns, family, shape, device) -> dict:
@@ -480,17 +466,22 @@ def main(argv=None) -> dict:
         log("serving SmolLM2 both ways with vLLM")
         results["vllm"] = vllm_rows.measure_vllm(log=log)
 
+    write_report(results, args)
+    return results
+
+
+def write_report(results: dict, args) -> None:
+    """<out>/<device>-<date>[-quick][-tag].md, .json and .png; prints the markdown."""
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"{results['meta']['device_tag']}-{datetime.date.today().isoformat()}" + ("-quick" if args.quick else "")
     if args.tag:
-        stem += "-" + "".join(c if c.isalnum() or c in "-_" else "-" for c in args.tag)
+        stem += "-" + file_stem(args.tag)
     markdown = report.render_markdown(results)
     (args.out / f"{stem}.md").write_text(markdown)
     dump_json(args.out / f"{stem}.json", results)
     report.render_plot(results, args.out / f"{stem}.png")
     print(markdown)
     log(f"wrote {args.out / stem}.md, .json and .png")
-    return results
 
 
 if __name__ == "__main__":

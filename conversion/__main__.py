@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--force", action="store_true", help="replace DST if it exists")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast floating weights")
+    parser.add_argument("--max-shard-size", metavar="SIZE",
+                        help="largest weights file written, as save_pretrained's max_shard_size (e.g. 5GB; default 50GB)")
     parser.add_argument("--debug", action="store_true", help="show the full traceback on failure")
     return parser
 
@@ -83,17 +85,44 @@ def run(args: argparse.Namespace) -> None:
         convert_back = getattr(module, "convert_back", None)
         if convert_back is None:
             raise UsageError(f"family {args.family!r} has no reverse conversion (--reverse)")
-        convert_back(args.src, args.dst, force=args.force)
+        return convert_back(args.src, args.dst, force=args.force, **_shard_size(convert_back, args))
     else:
         convert = getattr(module, "convert", None)
         if convert is None:
             raise ConversionError(f"converter module {FAMILIES[args.family]} defines no convert() function")
-        kwargs = {"force": args.force}
+        kwargs = {"force": args.force, **_shard_size(convert, args)}
         if args.dtype is not None:
             if "dtype" not in inspect.signature(convert).parameters:
                 raise UsageError(f"family {args.family!r} does not support --dtype")
             kwargs["dtype"] = parse_dtype(args.dtype)
-        convert(args.src, args.dst, **kwargs)
+        return convert(args.src, args.dst, **kwargs)
+
+
+def _shard_size(function, args: argparse.Namespace) -> dict:
+    if args.max_shard_size is None:
+        return {}
+    if "max_shard_size" not in inspect.signature(function).parameters:
+        raise UsageError(f"family {args.family!r} writes one weights file; --max-shard-size does not apply")
+    return {"max_shard_size": args.max_shard_size}
+
+
+def summary(args: argparse.Namespace, result) -> str:
+    """The last line of a run: what was written, how big, and the parity verdict."""
+    done = f"{'converted back' if args.reverse else 'converted'} {args.family}: {args.src} -> {args.dst}"
+    if not isinstance(result, dict):
+        return done
+    sizes = []
+    if result.get("bytes"):
+        sizes.append(f"{result['bytes'] / 2**30:.2f} GiB of weights" if result["bytes"] >= 2**30
+                     else f"{result['bytes'] / 2**20:.1f} MiB of weights")
+    if result.get("files"):
+        sizes.append(f"{len(result['files'])} weights file(s)")
+    rows = result.get("parity") or []
+    if rows:
+        worst = max(rows, key=lambda row: row["max_abs_diff"] / max(row["tolerance"], 1e-30))
+        sizes.append(f"parity passed: {len(rows)} run(s), largest max |diff| {worst['max_abs_diff']:.3g} "
+                     f"({worst['backend']}, {worst['dtype']}; tolerance {worst['tolerance']:.3g}; see README.md)")
+    return done + (f" ({'; '.join(sizes)})" if sizes else "")
 
 
 def _one_line(error: BaseException) -> str:
@@ -111,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         resolve_paths(args)
-        run(args)
+        result = run(args)
     except UsageError as error:
         if debug:
             raise
@@ -128,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         hint = "" if _is_expected(error) else " (run with --debug for the traceback)"
         print(f"error: {_one_line(error)}{hint}", file=sys.stderr)
         return EXIT_FAILURE
-    print(f"{'converted back' if args.reverse else 'converted'} {args.family}: {args.src} -> {args.dst}")
+    print(summary(args, result))
     return 0
 
 

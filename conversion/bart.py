@@ -17,6 +17,7 @@ import torch
 
 from .errors import ConversionError
 from .keymap import KeyMap, Rule, layer_rules
+from .lazy import LazyTensors, TensorInfo
 from .pipeline import Plan, ReversePlan, Source, entry_points
 from .readers import official_config
 from .seq2seq_common import Seq2SeqFamily, require_style, stack_depths, styled_config
@@ -126,7 +127,9 @@ def _normalise_source(state: dict, *, src, shared: bool, tied_head: bool) -> dic
         raise ConversionError(f"{src}: missing tensor {canonical}")
     if "final_logits_bias" not in state:
         # optional in BART checkpoints (the official class zero-fills it when missing)
-        state["final_logits_bias"] = torch.zeros(1, state[canonical].shape[0])
+        vocab = state.info(canonical).shape[0]
+        state = state.with_tensors({"final_logits_bias": (TensorInfo((1, vocab), torch.float32),
+                                                          lambda: torch.zeros(1, vocab))})
     return state
 
 
@@ -160,11 +163,11 @@ class BartFamily(Seq2SeqFamily):
         return ReversePlan(OFFICIAL_CLASSES[model_type], official_config_from_ours(config, src=src, model_type=model_type),
                            mapping, stack_depths(config))
 
-    def finish_official_state(self, state: dict, config, plan: ReversePlan) -> dict:
+    def finish_official_state(self, state: LazyTensors, config, plan: ReversePlan) -> LazyTensors:
         if plan.official_class == OFFICIAL_CLASSES["bart"] and not config.tie_word_embeddings:
             # transformers unties BART's encoder/decoder tables from `shared` too when tie_word_embeddings=False
-            for stack in ("encoder", "decoder"):
-                state[f"model.{stack}.embed_tokens.weight"] = state["model.shared.weight"]
+            return state.aliased({f"model.{stack}.embed_tokens.weight": "model.shared.weight"
+                                  for stack in ("encoder", "decoder")})
         return state
 
 

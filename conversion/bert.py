@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 from .errors import ConversionError, list_names
 from .keymap import KeyMap, Rule, join, layer_rules
+from .lazy import LazyTensors
 from .pipeline import Family, Plan, ReversePlan, Source, entry_points
 from .readers import official_config
 from .writer import drop_tied_copies
@@ -355,10 +356,10 @@ class EncoderFamily(Family):
         return ReversePlan(official, official_config_from_encoder(self.variant, config, official),
                            key_map(self.variant, suffix, config), config.num_blocks())
 
-    def finish_official_state(self, state: dict, config, plan: ReversePlan) -> dict:
+    def finish_official_state(self, state: LazyTensors, config, plan: ReversePlan) -> LazyTensors:
         names = self.variant.masked_lm
         if names.decoder + ".bias" in state and names.bias not in state:
-            state[names.bias] = state[names.decoder + ".bias"].clone()  # untied BERT: read by nothing, expected
+            return state.aliased({names.bias: names.decoder + ".bias"})  # untied BERT: read by nothing, expected
         return state
 
 

@@ -152,6 +152,32 @@ def _gguf_to_transformers_names(model, processor, architecture: str, num_layers:
     return names
 
 
+def _checked_architecture(path: Path, expected_architecture: str | tuple[str, ...]) -> str:
+    expected = (expected_architecture,) if isinstance(expected_architecture, str) else tuple(expected_architecture)
+    architecture = gguf_architecture(path)
+    if architecture not in expected:
+        raise ConversionError(
+            f"{path} is a GGUF of architecture {architecture!r}, expected {' or '.join(map(repr, expected))}"
+        )
+    return architecture
+
+
+def _checked_reader(path: Path, reader_class):
+    """The file's reader, after checking that every tensor's quantization type can be dequantized."""
+    try:
+        reader = reader_class(str(path))
+    except (ValueError, OSError, IndexError, KeyError) as error:
+        raise ConversionError(f"{path} is not a valid GGUF file (truncated or corrupt?): {error}") from error
+    supported = _dequantizable_types()
+    unsupported = [f"{t.name} ({t.tensor_type.name})" for t in reader.tensors if t.tensor_type not in supported]
+    if unsupported:
+        raise ConversionError(
+            f"{path}: cannot dequantize tensor(s) with unsupported quantization type: {list_names(unsupported)}; "
+            f"supported types: {list_names(t.name for t in supported)}"
+        )
+    return reader
+
+
 def load_gguf(
     path: str | os.PathLike, *, expected_architecture: str | tuple[str, ...], dtype: torch.dtype | None = None
 ) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -172,23 +198,8 @@ def load_gguf(
     except ImportError as error:
         raise ConversionError(f"reading GGUF needs the `gguf` package (pip install gguf): {error}") from error
 
-    expected = (expected_architecture,) if isinstance(expected_architecture, str) else tuple(expected_architecture)
-    architecture = gguf_architecture(path)
-    if architecture not in expected:
-        raise ConversionError(
-            f"{path} is a GGUF of architecture {architecture!r}, expected {' or '.join(map(repr, expected))}"
-        )
-    try:
-        reader = GGUFReader(str(path))
-    except (ValueError, OSError, IndexError, KeyError) as error:
-        raise ConversionError(f"{path} is not a valid GGUF file (truncated or corrupt?): {error}") from error
-    supported = _dequantizable_types()
-    unsupported = [f"{t.name} ({t.tensor_type.name})" for t in reader.tensors if t.tensor_type not in supported]
-    if unsupported:
-        raise ConversionError(
-            f"{path}: cannot dequantize tensor(s) with unsupported quantization type: {list_names(unsupported)}; "
-            f"supported types: {list_names(t.name for t in supported)}"
-        )
+    architecture = _checked_architecture(path, expected_architecture)
+    reader = _checked_reader(path, GGUFReader)
     try:
         config = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
         model = official_meta_model(config)

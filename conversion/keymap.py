@@ -10,7 +10,7 @@ import itertools
 import re
 import string
 import sys
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -155,71 +155,119 @@ class KeyMap:
         self, state_dict: Mapping[str, torch.Tensor], *, num_layers: int | Mapping[str, int], progress: bool = False
     ) -> dict[str, torch.Tensor]:
         """Source naming -> hf_tiny naming; every source tensor is used or ignored, every rule is satisfied."""
-        return self._apply(state_dict, num_layers, forward=True, progress=progress)
+        return dict(self.iterate(state_dict, num_layers=num_layers, forward=True, progress=progress))
 
     def to_source(
         self, state_dict: Mapping[str, torch.Tensor], *, num_layers: int | Mapping[str, int], progress: bool = False
     ) -> dict[str, torch.Tensor]:
         """hf_tiny naming -> source naming; the exact inverse of to_target (minus ignored keys)."""
-        return self._apply(state_dict, num_layers, forward=False, progress=progress)
+        return dict(self.iterate(state_dict, num_layers=num_layers, forward=False, progress=progress))
 
-    def _apply(self, state_dict, num_layers, *, forward: bool, progress: bool) -> dict[str, torch.Tensor]:
-        from tqdm.auto import tqdm
-
+    def steps(self, keys: Iterable[str], *, num_layers, forward: bool = True) -> list[MapStep]:
+        """What mapping a state with these keys runs, one step per concrete rule; checked before any tensor is
+        read: every input present, every key used or ignored."""
+        keys = set(keys)
         rules = self._expand(num_layers)
         ignore = self.ignore if forward else self.ignore_target
         direction = "source" if forward else "hf_tiny"
-        missing: list[str] = []
-        runnable: list[tuple[tuple[str, ...], tuple[str, ...], Callable | None, Transform | None]] = []
-        used: set[str] = set()
         # An optional rule is all-or-nothing over its layers: absent everywhere -> skipped, else required.
         present_origins = {
-            rule.origin
-            for rule in rules
-            if any(key in state_dict for key in (rule.source if forward else rule.target))
+            rule.origin for rule in rules if any(key in keys for key in (rule.source if forward else rule.target))
         }
+        missing, used, steps = [], set(), []
         for rule in rules:
-            inputs, outputs = (rule.source, rule.target) if forward else (rule.target, rule.source)
             if rule.optional and rule.origin not in present_origins:
                 continue
-            present = [key for key in inputs if key in state_dict]
-            missing.extend(key for key in inputs if key not in state_dict)
-            used.update(present)
+            inputs, outputs = (rule.source, rule.target) if forward else (rule.target, rule.source)
+            missing.extend(key for key in inputs if key not in keys)
+            used.update(inputs)
             function = None
             if rule.transform is not None:
                 function = rule.transform.forward if forward else rule.transform.backward
-            runnable.append((inputs, outputs, function, rule.transform))
-        unknown = [k for k in state_dict if k not in used and not any(p.fullmatch(k) for p in ignore)]
+            steps.append(MapStep(inputs, outputs, function, rule.transform.name if rule.transform else None))
+        unknown = [k for k in keys if k not in used and not any(p.fullmatch(k) for p in ignore)]
         problems = []
         if missing:
             problems.append(f"missing {direction} tensors: {list_names(missing)}")
         if unknown:
-            problems.append(f"unexpected {direction} tensors (not mapped, not ignored): {list_names(unknown)}")
+            problems.append(f"unexpected {direction} tensors (not mapped, not ignored): {list_names(sorted(unknown))}")
         if problems:
             raise ConversionError("; ".join(problems))
+        return steps
 
-        result: dict[str, torch.Tensor] = {}
-        bar = tqdm(runnable, desc="mapping tensors", unit="rule", disable=not progress, file=sys.stderr, leave=False)
-        for inputs, outputs, function, transform in bar:
-            tensors = [state_dict[key] for key in inputs]
-            if function is None:
-                _require_tied(inputs, tensors)
-                produced = (tensors[0],) * len(outputs)
-            else:
-                try:
-                    produced = function(*tensors)
-                except Exception as error:  # a transform failing on a bad tensor is the user's checkpoint
-                    raise ConversionError(
-                        f"transform {transform.name!r} failed on {', '.join(inputs)}: {type(error).__name__}: {error}"
-                    ) from error
-                produced = (produced,) if isinstance(produced, torch.Tensor) else tuple(produced)
-                if len(produced) != len(outputs):
-                    raise ConversionError(
-                        f"transform {transform.name!r} returned {len(produced)} tensors for {len(outputs)} keys "
-                        f"{', '.join(outputs)}"
-                    )
-            result.update(zip(outputs, produced, strict=True))
-        return result
+    def iterate(self, state_dict: Mapping[str, torch.Tensor], *, num_layers, forward: bool = True,
+                progress: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """(key, tensor) of the mapped state, one rule at a time: a lazy state_dict (lazy.py) is read one rule's
+        tensors at a time, so the whole state is never in memory at once."""
+        from tqdm.auto import tqdm
+
+        steps = self.steps(state_dict.keys(), num_layers=num_layers, forward=forward)
+        for step in tqdm(steps, desc="mapping tensors", unit="rule", disable=not progress, file=sys.stderr, leave=False):
+            yield from zip(step.outputs, step.run([state_dict[key] for key in step.inputs]), strict=True)
+
+
+    def lazy_view(self, state, *, num_layers, forward: bool = True):
+        """The mapped state as lazy.LazyTensors: nothing is read or computed until a key is asked for, then only
+        that key's rule (the last rule's outputs are kept, so reading a rule's several outputs in a row runs it
+        once)."""
+        from .lazy import LazyTensors
+
+        steps = self.steps(state.keys(), num_layers=num_layers, forward=forward)
+        infos, step_of = {}, {}
+        for step in steps:
+            for key, info in zip(step.outputs, step.output_infos(state), strict=True):
+                infos[key], step_of[key] = info, step
+        last: dict = {}
+
+        def read(key: str) -> torch.Tensor:
+            step = step_of[key]
+            if last.get("step") is not step:
+                last.clear()
+                last.update(step=step, outputs=dict(zip(step.outputs, step.run([state[k] for k in step.inputs]))))
+            return last["outputs"][key]
+
+        return LazyTensors(infos, read)
+
+
+@dataclass(frozen=True)
+class MapStep:
+    """One concrete rule in one direction: inputs -> outputs through function (None: copies of one tensor)."""
+
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    function: Callable | None
+    transform_name: str | None
+
+    def output_infos(self, state, expected: Mapping[str, torch.Size] | None = None) -> list:
+        """The outputs' TensorInfos from the inputs' (state.info) alone: the transform run on meta tensors; one
+        that cannot run there gets the expected shape (else its first input's) and its first input's dtype."""
+        from .lazy import TensorInfo
+
+        inputs = [state.info(key).meta() for key in self.inputs]
+        try:
+            outputs = self.run(inputs) if self.function is not None else (inputs[0],) * len(self.outputs)
+            return [TensorInfo(tuple(t.shape), t.dtype) for t in outputs]
+        except ConversionError:
+            shape = lambda key: tuple((expected or {}).get(key, inputs[0].shape))  # noqa: E731
+            return [TensorInfo(shape(key), inputs[0].dtype) for key in self.outputs]
+
+    def run(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        if self.function is None:
+            _require_tied(self.inputs, tensors)
+            return (tensors[0],) * len(self.outputs)
+        try:
+            produced = self.function(*tensors)
+        except Exception as error:  # a transform failing on a bad tensor is the user's checkpoint
+            raise ConversionError(
+                f"transform {self.transform_name!r} failed on {', '.join(self.inputs)}: {type(error).__name__}: {error}"
+            ) from error
+        produced = (produced,) if isinstance(produced, torch.Tensor) else tuple(produced)
+        if len(produced) != len(self.outputs):
+            raise ConversionError(
+                f"transform {self.transform_name!r} returned {len(produced)} tensors for {len(self.outputs)} keys "
+                f"{', '.join(self.outputs)}"
+            )
+        return produced
 
 
 def _require_tied(keys: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:

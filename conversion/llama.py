@@ -22,31 +22,22 @@ fp32 row above its tolerance, or any row that is not finite, fails the conversio
 
 from __future__ import annotations
 
-import json
-import re
 from pathlib import Path
 
-import torch
-
-from .errors import ConversionError
-from .gguf_files import gguf_special_token_ids, load_gguf
 from . import deepseek
-from .keymap import KeyMap, Rule, Transform
-from .moe import MOE_MODEL_TYPES, OFFICIAL_PREFIXES, moe_fields_from_official, moe_rules, official_moe_config_fields
-from .moe import official_moe_family
-from .pipeline import Family, Plan, ReversePlan, Source, entry_points
-from .readers import load_checkpoint, official_config, require_model_type
+from .causal import IGNORED_BUFFERS, OUR_CLASSES, CausalFamily, check_layer_types, detect_source
+from .errors import ConversionError
+from .keymap import KeyMap, Rule
+from .llama_configs import causal_config_from_official, official_config_from_causal, official_family
+from .meta_llama import meta_config, meta_key_map, meta_official_model, read_meta_source
+from .moe import MOE_MODEL_TYPES, OFFICIAL_PREFIXES, moe_rules
+from .pipeline import Plan, ReversePlan, Source, entry_points
+from .readers import official_config
 from .writer import drop_tied_copies
 
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text") + MOE_MODEL_TYPES + (deepseek.MODEL_TYPE,)
 # GGUF general.architecture values read (transformers' GGUF loader turns "gemma3" into model_type gemma3_text)
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
-# hf_tiny class -> (Auto class, pipeline tag, prefix of the base model's tensors)
-OUR_CLASSES = {
-    "TinyCausalForCausalLM": ("AutoModelForCausalLM", "text-generation", "model."),
-    "TinyCausalForSequenceClassification": ("AutoModelForSequenceClassification", "text-classification", "model."),
-    "TinyCausalModel": ("AutoModel", "feature-extraction", ""),
-}
 # official model type -> {hf_tiny class: official class}
 OFFICIAL_CLASSES = {
     model_type: {
@@ -76,26 +67,7 @@ GEMMA3_NORMS = {
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 LAYER_NORMS = ("input_layernorm", "post_attention_layernorm")
-# Old checkpoints carry the rotary buffers; the model recomputes them.
-IGNORED_BUFFERS = (r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"(model\.)?rotary_emb\.inv_freq")
 
-# Meta layout: tensors split across model-parallel shards along this dimension (None = replicated).
-META_SHARD_DIMS = {
-    "attention.wq.weight": 0,
-    "attention.wk.weight": 0,
-    "attention.wv.weight": 0,
-    "attention.wo.weight": 1,
-    "feed_forward.w1.weight": 0,
-    "feed_forward.w2.weight": 1,
-    "feed_forward.w3.weight": 0,
-    "attention_norm.weight": None,
-    "ffn_norm.weight": None,
-    "norm.weight": None,
-    "output.weight": 0,
-}
-META_IGNORED = (r"rope\.freqs",)
-# Meta's params.json has no context length; these are the lengths transformers' converter assigns.
-META_CONTEXT_LENGTH = {"llama3.1": 131072, "llama3": 8192, "codellama": 16384, "llama2": 4096}
 
 # ----------------------------------------------------------------------------------------------------------------
 # Key maps
@@ -193,428 +165,9 @@ def layer_counts(config) -> int | dict[str, int]:
     return config.num_hidden_layers
 
 
-def rope_permutation(num_heads: int) -> Transform:
-    """Meta's q/k row order (rotary pairs interleaved) <-> Llama's (pairs split into halves), per head."""
-
-    def to_halves(weight: torch.Tensor) -> torch.Tensor:
-        rows, cols = weight.shape
-        return weight.view(num_heads, rows // num_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
-
-    def to_interleaved(weight: torch.Tensor) -> torch.Tensor:
-        rows, cols = weight.shape
-        return weight.view(num_heads, 2, rows // num_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
-
-    return Transform(f"rope_permutation({num_heads} heads)", to_halves, to_interleaved)
-
-
-def meta_key_map(config) -> KeyMap:
-    """Meta consolidated.*.pth naming <-> hf_tiny TinyCausalForCausalLM."""
-    rules = [
-        ("tok_embeddings.weight", "model.embed_tokens.weight"),
-        ("norm.weight", "model.norm.weight"),
-        ("output.weight", "lm_head.weight"),
-        Rule(
-            "layers.{i}.attention.wq.weight",
-            "model.layers.{i}.self_attn.q_proj.weight",
-            rope_permutation(config.num_attention_heads),
-        ),
-        Rule(
-            "layers.{i}.attention.wk.weight",
-            "model.layers.{i}.self_attn.k_proj.weight",
-            rope_permutation(config.num_key_value_heads),
-        ),
-        ("layers.{i}.attention.wv.weight", "model.layers.{i}.self_attn.v_proj.weight"),
-        ("layers.{i}.attention.wo.weight", "model.layers.{i}.self_attn.o_proj.weight"),
-        ("layers.{i}.feed_forward.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
-        ("layers.{i}.feed_forward.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
-        ("layers.{i}.feed_forward.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
-        ("layers.{i}.attention_norm.weight", "model.layers.{i}.input_layernorm.weight"),
-        ("layers.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-    ]
-    return KeyMap(rules, ignore=META_IGNORED)
-
-
 # ----------------------------------------------------------------------------------------------------------------
-# Configs
+# Classes
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def causal_config_from_official(official, *, src):
-    """TinyCausalConfig equivalent to an official Llama / Mistral / Qwen2 config; variants without an hf_tiny
-    equivalent are errors naming the field."""
-    model_type = official.model_type
-    values = {
-        name: getattr(official, name)
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "num_key_value_heads",
-            "max_position_embeddings",
-            "initializer_range",
-            "rms_norm_eps",
-            "attention_dropout",
-            "tie_word_embeddings",
-            "pad_token_id",
-            "bos_token_id",
-            "eos_token_id",
-        )
-    }
-    values["hidden_act"] = getattr(official, "hidden_activation", None) or official.hidden_act  # Gemma's name
-    values["head_dim"] = getattr(official, "head_dim", None) or official.hidden_size // official.num_attention_heads
-    values["rope_parameters"] = _plain(official.rope_parameters or {})
-    values["sliding_window"] = getattr(official, "sliding_window", None)
-    if getattr(official, "layer_types", None) is not None:  # Qwen2/Qwen3 derive it from max_window_layers
-        values["layer_types"] = list(official.layer_types)
-    if model_type == "llama":
-        values["attention_bias"] = official.attention_bias
-        values["mlp_bias"] = official.mlp_bias
-    elif model_type == "gemma3_text":
-        values.update(_gemma3_fields(official, src=src))
-    elif model_type == deepseek.MODEL_TYPE:
-        values.update(deepseek.fields_from_official(official, src=src))
-    elif model_type in MOE_MODEL_TYPES:
-        values.update(moe_fields_from_official(official, src=src))
-        if model_type == "qwen2_moe":  # biases on q/k/v (qkv_bias), none on o_proj
-            values.update(attention_bias=official.qkv_bias, attention_output_bias=False, sliding_window=None)
-        elif model_type == "qwen3_moe":
-            values.update(attention_bias=official.attention_bias, qk_norm=True, sliding_window=None)
-    elif model_type in ("qwen2", "qwen3"):
-        if model_type == "qwen2":
-            values["attention_bias"] = True  # Qwen2 has biases on q/k/v and none on o_proj
-            values["attention_output_bias"] = False
-        else:
-            values["attention_bias"] = official.attention_bias  # Qwen3: on q/k/v/o alike
-            values["qk_norm"] = True
-    if values.get("pad_token_id") is not None and not 0 <= values["pad_token_id"] < values["vocab_size"]:
-        values["pad_token_id"] = None  # some checkpoints store pad_token_id=-1 for "none"
-    return build_causal_config(values, official, src=src)
-
-
-LABEL_FIELDS = ("id2label", "label2id", "problem_type")
-
-
-def build_causal_config(values: dict, official, *, src):
-    """TinyCausalConfig(**values) with the official config's label fields; invalid values are a ConversionError
-    naming the source and its model type."""
-    from hf_tiny import TinyCausalConfig
-
-    values = dict(values)
-    for label_field in LABEL_FIELDS:
-        if getattr(official, label_field, None) is not None:
-            values[label_field] = getattr(official, label_field)
-    try:
-        return TinyCausalConfig(**values)
-    except (TypeError, ValueError) as error:
-        raise ConversionError(f"{src}: this {official.model_type} config has no hf_tiny equivalent: {error}") from error
-
-
-def _plain(value):
-    """rope_parameters as plain nested dicts (copied)."""
-    return {k: _plain(v) for k, v in value.items()} if isinstance(value, dict) else value
-
-
-def _gemma3_fields(official, *, src) -> dict:
-    """The Gemma 3 switches of TinyCausalConfig for an official Gemma3TextConfig."""
-    if getattr(official, "use_bidirectional_attention", False):
-        raise ConversionError(
-            f"{src}: Gemma 3 with use_bidirectional_attention=True (EmbeddingGemma) is not supported; hf_tiny's causal "
-            "family attends causally"
-        )
-    if official.attn_logit_softcapping is not None:
-        raise ConversionError(
-            f"{src}: attn_logit_softcapping={official.attn_logit_softcapping!r} is not supported (needs the raw "
-            "attention scores); only None is"
-        )
-    return dict(
-        attention_bias=official.attention_bias,
-        qk_norm=True,
-        rms_norm_unit_offset=True,
-        scale_embeddings=True,
-        sandwich_norms=True,
-        query_pre_attn_scalar=official.query_pre_attn_scalar,
-        final_logit_softcapping=official.final_logit_softcapping,
-    )
-
-
-def official_config_from_causal(config, official_class: str):
-    """The official transformers config for an hf_tiny causal config (the type official_family picks)."""
-    import transformers
-
-    family = official_family(config)
-    values = dict(
-        vocab_size=config.vocab_size,
-        hidden_size=config.hidden_size,
-        intermediate_size=config.intermediate_size,
-        num_hidden_layers=config.num_hidden_layers,
-        num_attention_heads=config.num_attention_heads,
-        num_key_value_heads=config.num_key_value_heads,
-        hidden_act=config.hidden_act,
-        max_position_embeddings=config.max_position_embeddings,
-        initializer_range=config.initializer_range,
-        rms_norm_eps=config.rms_norm_eps,
-        rope_parameters=_plain(config.rope_parameters),
-        attention_dropout=config.attention_dropout,
-        tie_word_embeddings=config.tie_word_embeddings,
-        pad_token_id=config.pad_token_id,
-        bos_token_id=config.bos_token_id,
-        eos_token_id=config.eos_token_id,
-        architectures=[official_class],
-    )
-    if config.id2label is not None and official_class.endswith("ForSequenceClassification"):
-        values.update(id2label=config.id2label, label2id=config.label2id, problem_type=config.problem_type)
-    if family == deepseek.MODEL_TYPE:
-        return transformers.DeepseekV3Config(**values, **deepseek.official_fields(config))
-    if family in MOE_MODEL_TYPES:
-        values.update(official_moe_config_fields(config, family))
-        if family == "mixtral":  # Mixtral's experts are intermediate_size wide; it has no dense layers
-            values["intermediate_size"] = config.moe_intermediate_size
-        elif family == "qwen2_moe":
-            values["layer_types"] = list(config.layer_types)
-        return getattr(transformers, f"{OFFICIAL_PREFIXES[family]}Config")(**values)
-    if family == "llama":
-        values.update(head_dim=config.head_dim, attention_bias=config.attention_bias, mlp_bias=config.mlp_bias)
-        return transformers.LlamaConfig(**values)
-    if family == "mistral":
-        values.update(head_dim=config.head_dim, sliding_window=config.sliding_window)
-        return transformers.MistralConfig(**values)
-    if family == "gemma3_text":
-        values.pop("hidden_act")
-        values.update(
-            head_dim=config.head_dim, hidden_activation=config.hidden_act, attention_bias=config.attention_bias,
-            sliding_window=config.sliding_window, layer_types=list(config.layer_types),
-            query_pre_attn_scalar=config.query_pre_attn_scalar or config.head_dim,
-            final_logit_softcapping=config.final_logit_softcapping,
-        )
-        return transformers.Gemma3TextConfig(**values)
-    sliding = "sliding_attention" in config.layer_types
-    values.update(
-        use_sliding_window=sliding, sliding_window=config.sliding_window if sliding else None,
-        layer_types=list(config.layer_types),
-    )
-    if sliding:  # Qwen's own rule for the layer types, consistent with the list we pass
-        values["max_window_layers"] = config.layer_types.index("sliding_attention")
-    if family == "qwen3":
-        values.update(head_dim=config.head_dim, attention_bias=config.attention_bias)
-        return transformers.Qwen3Config(**values)
-    if config.head_dim != config.hidden_size // config.num_attention_heads:
-        raise ConversionError(
-            f"Qwen2 has no head_dim field: head_dim={config.head_dim} must equal hidden_size // num_attention_heads"
-        )
-    return transformers.Qwen2Config(**values)
-
-
-GEMMA3_SWITCHES = ("qk_norm", "rms_norm_unit_offset", "scale_embeddings", "sandwich_norms")
-GEMMA3_ONLY = ("rms_norm_unit_offset", "scale_embeddings", "sandwich_norms", "query_pre_attn_scalar", "final_logit_softcapping")
-
-
-def official_family(config) -> str:
-    """Which official model type can hold an hf_tiny causal config."""
-    from .phi3 import needs_phi3
-
-    if needs_phi3(config) or config.position_embedding_type != "rope" or config.norm_type != "rmsnorm" or not config.mlp_gated:
-        raise ConversionError(
-            "the Llama family's official classes rotate whole heads with RMSNorm and a gated MLP; this config has "
-            f"rope_parameters={config.rope_parameters}, position_embedding_type={config.position_embedding_type!r}, "
-            f"norm_type={config.norm_type!r}, mlp_gated={config.mlp_gated}: convert it with the phi3 or gpt2 family"
-        )
-    if config.hidden_dropout or config.embedding_dropout:
-        raise ConversionError(
-            f"Llama-family official classes have no residual or embedding dropout; got hidden_dropout="
-            f"{config.hidden_dropout}, embedding_dropout={config.embedding_dropout} (Phi-3 has a residual one)"
-        )
-    if config.mla_spec() is not None:
-        deepseek.check_holds(config)
-        return deepseek.MODEL_TYPE
-    if config.moe_spec() is not None:
-        return official_moe_family(config)
-    out_bias = config.attention_bias if config.attention_output_bias is None else config.attention_output_bias
-    gemma_fields = {name: getattr(config, name) for name in GEMMA3_ONLY}
-    if any(value not in (None, False) for value in gemma_fields.values()):
-        switches = {name: getattr(config, name) for name in GEMMA3_SWITCHES}
-        if not all(switches.values()) or config.mlp_bias or config.attention_bias != out_bias:
-            raise ConversionError(
-                "only Gemma 3 has Gemma's norms, embedding scale, query_pre_attn_scalar or logit soft-capping, and it "
-                f"needs all of {switches} True, no MLP biases and one attention_bias for q/k/v/o; got mlp_bias="
-                f"{config.mlp_bias}, attention_bias={config.attention_bias}, attention_output_bias="
-                f"{config.attention_output_bias}"
-            )
-        return "gemma3_text"
-    if config.qk_norm:
-        if config.mlp_bias or config.attention_bias != out_bias:
-            raise ConversionError(
-                "Qwen3 (qk_norm=True) has no MLP biases and one attention_bias for q/k/v/o; got mlp_bias="
-                f"{config.mlp_bias}, attention_bias={config.attention_bias}, attention_output_bias="
-                f"{config.attention_output_bias}"
-            )
-        return "qwen3"
-    if config.attention_bias and not out_bias and not config.mlp_bias:
-        return "qwen2"  # biases on q/k/v only; any layer_types (max_window_layers)
-    if len(set(config.layer_types)) > 1:
-        raise ConversionError(
-            "per-layer sliding windows (layer_types mixing full and sliding attention) exist officially in Qwen2 "
-            "(q/k/v biases only), Qwen3 (qk_norm) and Gemma 3; this config has attention_bias="
-            f"{config.attention_bias}, attention_output_bias={config.attention_output_bias}, "
-            f"mlp_bias={config.mlp_bias}, qk_norm={config.qk_norm}"
-        )
-    if "sliding_attention" in config.layer_types:
-        if config.attention_bias or out_bias or config.mlp_bias:
-            raise ConversionError(
-                "no official class has both a sliding_window on every layer and attention/MLP biases "
-                f"(sliding_window={config.sliding_window}, attention_bias={config.attention_bias}, "
-                f"mlp_bias={config.mlp_bias})"
-            )
-        return "mistral"
-    if config.attention_bias == out_bias:
-        return "llama"
-    raise ConversionError(
-        f"no official class has attention_bias={config.attention_bias}, attention_output_bias="
-        f"{config.attention_output_bias}, mlp_bias={config.mlp_bias}"
-    )
-
-
-def meta_config(params: dict, state: dict, *, src):
-    """TinyCausalConfig of a Meta checkpoint: params.json for the architecture, the tensors for the sizes."""
-    from hf_tiny import TinyCausalConfig
-
-    params = params.get("model", params)
-    for field in ("dim", "n_layers", "n_heads", "norm_eps"):
-        if field not in params:
-            raise ConversionError(f"{src}/params.json lacks the field {field!r}; it has {sorted(params)}")
-    for key in ("tok_embeddings.weight", "layers.0.feed_forward.w1.weight"):
-        if key not in state:
-            raise ConversionError(f"{src}: consolidated checkpoint lacks the tensor {key!r}")
-    vocab_size = state["tok_embeddings.weight"].shape[0]
-    theta = float(params.get("rope_theta", 10000.0))
-    if params.get("use_scaled_rope"):
-        # Llama 3.1's apply_scaling(): low/high frequency factors 1 and 4 around an 8192-token original context.
-        rope = {
-            "rope_type": "llama3",
-            "rope_theta": theta,
-            "factor": float(params.get("rope_scaling_factor", 8.0)),
-            "low_freq_factor": 1.0,
-            "high_freq_factor": float(params.get("high_freq_factor", 4.0)),
-            "original_max_position_embeddings": 8192,
-        }
-        version = "llama3.1"
-    else:
-        rope = {"rope_type": "default", "rope_theta": theta}
-        version = "llama3" if vocab_size >= 128000 else ("codellama" if theta > 10000.0 else "llama2")
-    max_positions = params.get("max_seq_len") or META_CONTEXT_LENGTH[version]
-    bos, eos = (128000, 128001) if vocab_size >= 128000 else (1, 2)
-    try:
-        return TinyCausalConfig(
-            vocab_size=vocab_size,
-            hidden_size=params["dim"],
-            intermediate_size=state["layers.0.feed_forward.w1.weight"].shape[0],
-            num_hidden_layers=params["n_layers"],
-            num_attention_heads=params["n_heads"],
-            num_key_value_heads=params.get("n_kv_heads") or params["n_heads"],
-            max_position_embeddings=max_positions,
-            rms_norm_eps=params["norm_eps"],
-            rope_parameters=rope,
-            tie_word_embeddings=False,
-            bos_token_id=bos if bos < vocab_size else None,
-            eos_token_id=eos if eos < vocab_size else None,
-        )
-    except (TypeError, ValueError) as error:
-        raise ConversionError(f"{src}/params.json describes no valid model: {error}") from error
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Reading the three source kinds
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def detect_source(src: Path) -> tuple[str, Path]:
-    """("gguf", file) | ("meta", folder) | ("hf", folder)."""
-    if not src.exists():
-        raise ConversionError(f"source {src} does not exist")
-    if src.is_file():
-        if src.suffix == ".gguf":
-            return "gguf", src
-        raise ConversionError(f"source {src} is a file but not a .gguf; pass a checkpoint folder or a .gguf file")
-    if (src / "params.json").is_file() and sorted(src.glob("consolidated.*.pth")):
-        return "meta", src
-    if (src / "config.json").is_file():
-        return "hf", src
-    ggufs = sorted(src.glob("*.gguf"))
-    if len(ggufs) == 1:
-        return "gguf", ggufs[0]
-    if len(ggufs) > 1:
-        raise ConversionError(
-            f"{src} holds {len(ggufs)} GGUF files ({', '.join(p.name for p in ggufs)}); pass the one to convert"
-        )
-    raise ConversionError(
-        f"{src} is not a Llama checkpoint: expected config.json (Hugging Face), params.json + consolidated.*.pth "
-        "(Meta), or a .gguf file"
-    )
-
-
-def merge_meta_shards(shards: list[dict], params: dict, *, src) -> dict:
-    """One state dict from Meta's model-parallel shards (each holds a slice of every split tensor)."""
-    if len(shards) == 1:
-        return dict(shards[0])
-    keys = set(shards[0])
-    for number, shard in enumerate(shards[1:], start=1):
-        if set(shard) != keys:
-            raise ConversionError(
-                f"{src}: consolidated.{number:02d}.pth holds different tensor names than consolidated.00.pth"
-            )
-    dim = params.get("model", params).get("dim")
-    merged = {}
-    for key in sorted(keys):
-        pieces = [shard[key] for shard in shards]
-        suffix = re.sub(r"^layers\.\d+\.", "", key)
-        if key == "tok_embeddings.weight":
-            _check_shard_ranks(pieces, key, 2, src)
-            # Llama 1/2 split the embedding width across shards, Llama 3 the vocabulary.
-            merged[key] = _concatenate_shards(pieces, 0 if pieces[0].shape[1] == dim else 1, key, src)
-        elif suffix in META_SHARD_DIMS and META_SHARD_DIMS[suffix] is not None:
-            _check_shard_ranks(pieces, key, META_SHARD_DIMS[suffix] + 1, src)
-            merged[key] = _concatenate_shards(pieces, META_SHARD_DIMS[suffix], key, src)
-        else:
-            for number, piece in enumerate(pieces[1:], start=1):
-                if piece.shape != pieces[0].shape or not torch.equal(piece, pieces[0]):
-                    raise ConversionError(f"{src}: replicated tensor {key!r} differs between shard 00 and shard {number:02d}")
-            merged[key] = pieces[0]
-    return merged
-
-
-def _shapes(pieces) -> str:
-    return ", ".join(f"shard {number:02d}: {tuple(piece.shape)}" for number, piece in enumerate(pieces))
-
-
-def _check_shard_ranks(pieces: list, key: str, min_dims: int, src) -> None:
-    for number, piece in enumerate(pieces):
-        if piece.dim() < min_dims:
-            raise ConversionError(
-                f"{src}: tensor {key!r} in consolidated.{number:02d}.pth is {piece.dim()}-D with shape "
-                f"{tuple(piece.shape)}; a model-parallel shard of it needs at least {min_dims} dimensions"
-            )
-
-
-def _concatenate_shards(pieces: list, dim: int, key: str, src) -> torch.Tensor:
-    """Joins the slices of a split tensor along dim; every other dimension must agree."""
-    others = {tuple(size for axis, size in enumerate(piece.shape) if axis != dim) for piece in pieces}
-    if len({piece.dim() for piece in pieces}) != 1 or len(others) != 1:
-        raise ConversionError(
-            f"{src}: the shards of tensor {key!r} do not concatenate along dimension {dim} ({_shapes(pieces)})"
-        )
-    return torch.cat(pieces, dim=dim)
-
-
-def _read_params(src: Path) -> dict:
-    params_path = src / "params.json"
-    try:
-        params = json.loads(params_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ConversionError(f"cannot read {params_path}: {error}") from error
-    if not isinstance(params, dict):
-        raise ConversionError(f"{params_path} holds a JSON {type(params).__name__}, expected an object")
-    return params
 
 
 def _class_for_official(architectures, state: dict, *, src) -> str:
@@ -648,57 +201,6 @@ OFFICIAL_NOTES = {
 }
 
 
-def class_for_architecture(architectures, official_classes: dict[str, str], default: str, *, src) -> str:
-    """The hf_tiny class of config.json's `architectures[0]` (default when it names none)."""
-    named = (architectures or [default])[0]
-    for ours, official in official_classes.items():
-        if named == official:
-            return ours
-    raise ConversionError(
-        f"{src}: architecture {named!r} is not supported; supported: {', '.join(official_classes.values())}"
-    )
-
-
-class CausalFamily(Family):
-    """What every family converting to the hf_tiny causal LM shares: its classes, and GGUF sources (read with
-    transformers' dequantization, the official side loaded with `gguf_file=`, the tokenizer rebuilt from it)."""
-
-    config_class = "TinyCausalConfig"
-    classes = {name: (auto, tag) for name, (auto, tag, _prefix) in OUR_CLASSES.items()}
-    default_class = "TinyCausalForCausalLM"
-    modality = "causal"
-
-    def read_gguf(self, path: Path) -> Source:
-        raw, state = load_gguf(path, expected_architecture=self.gguf_architectures)
-        require_model_type(raw, self.model_types, src=path)
-        return Source(path, path.parent, "gguf", raw, state, f"the GGUF file `{path.name}` (dequantized to float32)")
-
-    def official_model(self, source: Source, plan: Plan):
-        if source.kind == "gguf":
-            import transformers
-
-            return transformers.AutoModelForCausalLM.from_pretrained(
-                str(source.folder), gguf_file=source.path.name, dtype=torch.float32
-            )
-        return super().official_model(source, plan)
-
-    def write_side_files(self, source: Source, plan: Plan, tmp: Path) -> str:
-        if source.kind != "gguf":
-            return super().write_side_files(source, plan, tmp)
-        from transformers import AutoTokenizer
-
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(str(source.folder), gguf_file=source.path.name)
-        except Exception as error:  # the weights are still usable; say so on the card
-            return f"the GGUF tokenizer could not be rebuilt ({type(error).__name__}: {error})"
-        padding = gguf_special_token_ids(source.path).get("padding")
-        if tokenizer.pad_token is None and padding is not None:
-            # transformers before 5.2x leaves it unset when rebuilding from GGUF (the metadata names it)
-            tokenizer.pad_token = tokenizer.convert_ids_to_tokens(padding)
-        tokenizer.save_pretrained(str(tmp))
-        return "rebuilt from the GGUF metadata"
-
-
 class LlamaFamily(CausalFamily):
     name = "llama"
     model_types = HF_MODEL_TYPES
@@ -715,16 +217,14 @@ class LlamaFamily(CausalFamily):
             return source
         if kind == "gguf":
             return self.read_gguf(path)
-        params = _read_params(path)
-        files = sorted(path.glob("consolidated.*.pth"))
-        state = merge_meta_shards([load_checkpoint(f) for f in files], params, src=path)
-        return Source(path, path, kind, params, state, f"the Meta consolidated checkpoint ({len(files)} shard(s))")
+        return read_meta_source(path)
 
     def plan(self, source: Source) -> Plan:
         if source.kind == "meta":
             config = meta_config(source.raw_config, source.state, src=source.path)
             class_name, mapping, state = "TinyCausalForCausalLM", meta_key_map(config), source.state
         else:
+            check_layer_types(source.raw_config, src=source.path)
             config = causal_config_from_official(official_config(source.raw_config, src=source.path), src=source.path)
             class_name = "TinyCausalForCausalLM" if source.kind == "gguf" else _class_for_official(
                 source.raw_config.get("architectures"), source.state, src=source.path)
@@ -743,19 +243,9 @@ class LlamaFamily(CausalFamily):
                     notes=[note, *([] if source.kind == "meta" else notes)], tags=(official_family(config),))
 
     def official_model(self, source: Source, plan: Plan):
-        import transformers
-
         if source.kind != "meta":
             return super().official_model(source, plan)
-        official_config_ = official_config_from_causal(plan.config, plan.official_class)
-        with torch.device("meta"):
-            model = getattr(transformers, plan.official_class)(official_config_)
-        state = plan.key_map.to_target(plan.state, num_layers=plan.num_layers)
-        model.load_state_dict({k: v.float() for k, v in state.items()}, strict=True, assign=True)
-        # the rotary buffers are not in the state dict: build them for real (they are all that is left on meta)
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=official_config_)
-        model.tie_weights()
-        return model
+        return meta_official_model(plan, official_config_from_causal(plan.config, plan.official_class))
 
     def reverse(self, config, our_class: str, src: Path) -> ReversePlan:
         official_class = _official_class_name(config, our_class)

@@ -221,44 +221,107 @@ def compared_outputs(output, real_tokens: torch.Tensor | None) -> list[torch.Ten
     return tensors
 
 
-def _run(model, inputs: Mapping, device: str):
-    with torch.no_grad():
-        return model(**{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()})
+def _moved(inputs: Mapping, device: str) -> dict:
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
 
 
-def measure_parity(
-    official, ours, batch: ParityBatch, dtype: torch.dtype, *, backends: Sequence[str] = ("eager", "sdpa", "flash_attention_2")
-) -> list[dict]:
-    """max |ours - official| per (device, dtype, backend) of parity_plans(dtype) whose backend is in `backends`.
-    A backend this machine cannot run off the CPU (e.g. flash on an old GPU) is reported on stderr and skipped."""
-    official.eval()
-    ours.eval()
-    rows, skipped, reference_device, reference, scale = [], [], None, None, 1.0
-    # Full-precision rows first: moving `ours` to a half dtype rounds its float buffers too (RoPE's inv_freq), and
-    # a later .to(float32) does not undo that (measured on an H100: a bf16 CPU row, then fp32 CUDA rows 0.0055 off).
+@dataclass
+class ParityResult:
+    rows: list[dict]  # one per (device, dtype, backend) run: the model card's parity table
+    layers: dict[str, dict[str, float]]  # {"cpu float32 sdpa": {"model.layers.0": max |diff|, ...}, ...}
+
+
+def in_memory(model):
+    """A runner over a model already in memory: run(inputs, device, dtype, backend) -> (output, layer outputs)."""
+    from .streamed import recording_layers
+
+    model.eval()
+
+    def run(inputs, device: str, dtype: torch.dtype, backend: str):
+        model.to(device=device, dtype=dtype)
+        model.set_attn_implementation(backend)
+        with torch.no_grad(), recording_layers(model) as layers:
+            output = model(**_moved(inputs, device))
+        return output, layers
+
+    run.restore = lambda stored: model.to(device="cpu", dtype=stored)
+    return run
+
+
+def measure(official, ours, batch: ParityBatch, dtype: torch.dtype, *,
+            backends: Sequence[str] = ("eager", "sdpa", "flash_attention_2")) -> ParityResult:
+    """max |ours - official| per (device, dtype, backend) of parity_plans(dtype) whose backend is in `backends`,
+    and per layer. official / ours: runners (in_memory, or streamed.streamed_runner). The reference is official in
+    float32 with eager attention, once per device. A backend this machine cannot run off the CPU (e.g. flash on
+    an old GPU) is reported on stderr and skipped."""
+    rows, layers, skipped, reference_device, reference, scale = [], {}, [], None, None, 1.0
+    # Full-precision rows first: moving an in-memory model to a half dtype rounds its float buffers too (RoPE's
+    # inv_freq), and a later .to(float32) does not undo that (measured on an H100: fp32 CUDA rows 0.0055 off).
     plans = sorted(parity_plans(dtype), key=lambda plan: plan[1] in (torch.float16, torch.bfloat16))
     for device, run_dtype, backend in plans:
         if backend not in backends:
             continue
         if device != reference_device:
-            official.to(device=device, dtype=torch.float32)
-            official.set_attn_implementation("eager")
-            reference = compared_outputs(_run(official, batch.inputs, device), batch.real_tokens)
+            output, reference_layers = official(batch.inputs, device, torch.float32, "eager")
+            reference = compared_outputs(output, batch.real_tokens)
             scale = max(1.0, max(float(t.abs().max()) for t in reference if t.numel()))
             reference_device = device
-        ours.to(device=device, dtype=run_dtype)
         try:
-            ours.set_attn_implementation(backend)
-            produced = compared_outputs(_run(ours, batch.inputs, device), batch.real_tokens)
+            output, our_layers = ours(batch.inputs, device, run_dtype, backend)
         except ValueError as error:
             if device == "cpu":
                 raise
             skipped.append(f"{backend} {str(run_dtype).removeprefix('torch.')} on {device}: {error}")
             continue
+        produced = compared_outputs(output, batch.real_tokens)
         diff = max(max_abs_diff(a, b) for a, b in zip(produced, reference, strict=True))
         rows.append(parity_row(backend, run_dtype, device, diff, scale))
-    official.to("cpu")
-    ours.to(device="cpu", dtype=dtype)
+        run_name = f"{device} {str(run_dtype).removeprefix('torch.')} {backend}"
+        layers[run_name] = layer_differences(reference_layers, our_layers, batch.real_tokens)
+    for runner in (official, ours):
+        if hasattr(runner, "restore"):
+            runner.restore(torch.float32 if runner is official else dtype)
     if skipped:
         print("parity rows not measured: " + "; ".join(skipped), file=sys.stderr)
-    return rows
+    return ParityResult(rows, layers)
+
+
+def layer_differences(official: Mapping[str, torch.Tensor], ours: Mapping[str, torch.Tensor],
+                      real_tokens: torch.Tensor | None) -> dict[str, float]:
+    """max |ours - official| of each layer's output, paired by position (the n-th layer of each stack), at real
+    tokens where the output is per token; {} when the two models' stacks differ in number or shape."""
+    if len(official) != len(ours):
+        return {}
+    result = {}
+    for (name, theirs), mine in zip(official.items(), ours.values()):
+        if theirs.shape != mine.shape:
+            return {}
+        if real_tokens is not None and tuple(theirs.shape[:2]) == tuple(real_tokens.shape):
+            theirs, mine = theirs[real_tokens], mine[real_tokens]
+        result[name] = max_abs_diff(theirs, mine)
+    return result
+
+
+def measure_parity(official, ours, batch: ParityBatch, dtype: torch.dtype, *,
+                   backends: Sequence[str] = ("eager", "sdpa", "flash_attention_2")) -> list[dict]:
+    """measure() of two models in memory: the rows only."""
+    return measure(in_memory(official), in_memory(ours), batch, dtype, backends=backends).rows
+
+
+def layer_table(layers: Mapping[str, Mapping[str, float]]) -> str:
+    """Markdown: each layer's max |ours - official| per run (columns), where a mismatch would start."""
+    runs = [run for run, values in layers.items() if values]
+    if not runs:
+        return ""
+    names = list(layers[runs[0]])
+    lines = ["| layer | " + " | ".join(runs) + " |", "|---|" + "---|" * len(runs)]
+    for name in names:
+        cells = [_number(layers[run].get(name)) for run in runs]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _number(value) -> str:
+    if value is None:
+        return "-"
+    return "0" if value == 0 else f"{value:.3g}"

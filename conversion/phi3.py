@@ -23,7 +23,7 @@ import torch
 
 from .errors import ConversionError
 from .keymap import KeyMap, Rule, Transform
-from .llama import IGNORED_BUFFERS, OUR_CLASSES, CausalFamily, build_causal_config, class_for_architecture, detect_source
+from .causal import IGNORED_BUFFERS, OUR_CLASSES, CausalFamily, build_causal_config, class_for_architecture, detect_source
 from .pipeline import Plan, ReversePlan, Source, entry_points
 from .readers import official_config
 from .writer import drop_tied_copies

@@ -23,17 +23,13 @@ import torch
 from .cards import source_license, write_model_card
 from .errors import ConversionError
 from .keymap import KeyMap
-from .parity import MODALITIES, fail_on_parity, measure_parity, parity_batch
-from .readers import load_checkpoint, load_config_json, load_hf_tiny_config, require_model_type
-from .tensors import cast_floating, parse_dtype
-from .writer import (
-    atomic_output_dir,
-    copy_tokenizer_files,
-    load_cleanly,
-    with_tied_copies,
-    write_hf_tiny_folder,
-    write_official_folder,
-)
+from .lazy import LazyTensors
+from .parity import MODALITIES, fail_on_parity, in_memory, layer_table, measure, parity_batch
+from .readers import load_config_json, load_hf_tiny_config, open_checkpoint, require_model_type
+from .shards import parse_max_shard_size
+from .streamed import Streamed, can_stream, streamed_runner
+from .tensors import parse_dtype
+from .writer import atomic_output_dir, copy_tokenizer_files, stream_hf_tiny_folder, stream_official_folder, with_tied_copies
 
 
 @dataclass
@@ -44,7 +40,7 @@ class Source:
     folder: Path  # the folder holding its tokenizer and other side files
     kind: str  # "hf" (a Hugging Face folder), "gguf", "meta", "warm start", ...
     raw_config: dict  # config.json (or what stands for it: GGUF metadata, params.json)
-    state: dict[str, torch.Tensor]
+    state: LazyTensors | dict  # read lazily (readers.open_checkpoint); a dict is wrapped by the pipeline
     description: str  # for the model card: "the official `BertModel` checkpoint `x`"
     official: Any = None  # an official model already built while reading (e.g. a warm start)
     notes: list[str] = field(default_factory=list)  # what reading assumed (for stderr and the model card)
@@ -59,7 +55,7 @@ class Plan:
     official_class: str  # the transformers class parity is measured against
     key_map: KeyMap
     num_layers: int | dict[str, int]
-    state: dict[str, torch.Tensor]  # the source tensors ready for key_map (stored tied copies dropped)
+    state: LazyTensors | dict  # the source tensors ready for key_map (stored tied copies dropped), lazily
     official_config: Any = None  # the transformers config (seq2seq derives generation_config.json from it)
     notes: list[str] = field(default_factory=list)  # lines for the model card
     official_kwargs: dict = field(default_factory=dict)  # for the official from_pretrained (e.g. add_pooling_layer)
@@ -119,11 +115,36 @@ class Family:
             raw = {**raw, "model_type": self.model_types[0]}
         require_model_type(raw, self.model_types, src=src)
         folder = src if src.is_dir() else src.parent
-        return Source(src, folder, "hf", raw, load_checkpoint(src), f"the official checkpoint `{src.resolve().name}`",
+        return Source(src, folder, "hf", raw, open_checkpoint(src), f"the official checkpoint `{src.resolve().name}`",
                       notes=notes)
 
     def plan(self, source: Source) -> Plan:
         raise NotImplementedError
+
+    def official_reference(self, source: Source, plan: Plan):
+        """The parity reference (a parity runner): the official class streaming the source's tensors when they
+        are its own names (official_stream), else the official model loaded whole (official_model)."""
+        if source.official is not None:
+            return in_memory(source.official)
+        spec = self.official_stream(source, plan)
+        if spec is not None:
+            prefix = spec.model_class.base_model_prefix
+            why = can_stream(spec, base_prefix=prefix)
+            if why is None:
+                return streamed_runner(spec, base_prefix=prefix)
+            plan.notes.append(f"The official reference was loaded whole: its class does not read this checkpoint's "
+                              f"names as they are stored ({why}).")
+        return in_memory(self.official_model(source, plan))
+
+    def official_stream(self, source: Source, plan: Plan) -> Optional[Streamed]:
+        """The official class over the source's tensors (a Hugging Face folder), or None to load it whole."""
+        if source.kind != "hf":
+            return None
+        import transformers
+
+        official_class = getattr(transformers, plan.official_class)
+        config = official_class.config_class.from_pretrained(str(source.folder))
+        return Streamed(official_class, config, source.state, dict(plan.official_kwargs))
 
     def official_model(self, source: Source, plan: Plan):
         """The official model parity is measured against, in float32."""
@@ -145,8 +166,8 @@ class Family:
     def reverse(self, config, our_class: str, src: Path) -> ReversePlan:
         raise NotImplementedError
 
-    def finish_official_state(self, state: dict, config, plan: ReversePlan) -> dict:
-        """Named quirks of the official layout applied after the key map (default: none)."""
+    def finish_official_state(self, state: LazyTensors, config, plan: ReversePlan) -> LazyTensors:
+        """Named quirks of the official layout applied after the key map, as lazy views (default: none)."""
         return state
 
     # --- shared ---
@@ -179,9 +200,9 @@ def _code_path(cls) -> str:
 
 
 class _Stages:
-    """A progress bar over the named steps of a conversion (the key map adds its own bar per tensor)."""
+    """A progress bar over the named steps of a conversion (writing and parity add their own bars)."""
 
-    NAMES = ("reading weights", "mapping names", "writing the folder", "measuring parity", "writing the card")
+    NAMES = ("reading the source", "writing the folder", "measuring parity", "writing the card")
 
     def __init__(self):
         from tqdm.auto import tqdm
@@ -198,127 +219,134 @@ class _Stages:
         self.bar.close()
 
 
-def convert(
-    family: Family,
-    src: str | os.PathLike,
-    dst: str | os.PathLike,
-    *,
-    force: bool = False,
-    dtype: Optional[torch.dtype | str] = None,
-    base_model: Optional[str] = None,
-    reference_model=None,
-) -> dict:
-    """An official checkpoint -> an hf_tiny folder (atomic: DST appears complete or not at all).
+def convert(family: Family, src: str | os.PathLike, dst: str | os.PathLike, *, force: bool = False,
+            dtype: Optional[torch.dtype | str] = None, base_model: Optional[str] = None, reference_model=None,
+            max_shard_size: Optional[int | str] = None) -> dict:
+    """An official checkpoint -> an hf_tiny folder (atomic: DST appears complete or not at all), streamed: one
+    rule's tensors in memory at a time while writing, one module's weights at a time while measuring parity.
 
-    reference_model: the official model already loaded from the same source (saves loading it again, e.g. the
-    ~17 s of dequantizing a GGUF). Returns {"dst", "family", "source_kind", "architecture" (the official class),
-    "hf_tiny_class", "config", "parity" (rows measured now), "parity_inputs"}.
+    reference_model: the official model already loaded from the same source (saves loading it again).
+    max_shard_size: as save_pretrained's (default 50GB). Returns {"dst", "family", "source_kind",
+    "architecture" (the official class), "hf_tiny_class", "config", "parity" (rows measured now),
+    "parity_layers" (per run, each layer's max difference), "parity_inputs", "files", "bytes"}.
     """
     if family.modality not in MODALITIES:
         raise ValueError(f"family {family.name!r}: modality must be one of {MODALITIES}, got {family.modality!r}")
     src, dst = Path(src), Path(dst)
     dtype = parse_dtype(dtype)
+    parse_max_shard_size(max_shard_size)
     if not src.exists():
         raise ConversionError(f"source {src} does not exist")
     stages = _Stages()
     try:
         with atomic_output_dir(dst, force=force, src=src) as tmp:
             source = family.read(src)
-            stages.next()
-
+            source.state = LazyTensors.of(source.state)
             plan = family.plan(source)
-            progress = sys.stderr.isatty()
-            try:
-                mapped = plan.key_map.to_target(plan.state, num_layers=plan.num_layers, progress=progress)
-            except ConversionError as error:
-                raise ConversionError(f"{src}: the tensors do not fit {plan.official_class} (family {family.name}): "
-                                      f"{error}") from error
-            ours = cast_floating(mapped, dtype)
+            plan.state = LazyTensors.of(plan.state)
             stages.next()
-
-            our_class = family.hf_tiny_class(plan.our_class)
-            plan.config.architectures = [plan.our_class]
-            plan.config.auto_map = family.auto_map(plan.our_class)
-            write_hf_tiny_folder(tmp, our_class, plan.config, ours)
-            tokenizer_note = family.write_side_files(source, plan, tmp)
+            written = _write_folder(family, source, plan, tmp, dtype, max_shard_size)
             stages.next()
-
-            stored_dtype = dtype or next(iter(ours.values())).dtype
-            converted = load_cleanly(our_class, tmp, "the converted folder", dtype=stored_dtype)
-            official = reference_model if reference_model is not None else family.official_model(source, plan)
+            stored_dtype = dtype or _stored_dtype(written)
             batch = parity_batch(family.modality, plan.config, tmp)
-            rows = measure_parity(official, converted, batch, stored_dtype, backends=family.parity_backends)
+            official = in_memory(reference_model) if reference_model is not None else family.official_reference(source, plan)
+            ours = streamed_runner(Streamed(family.hf_tiny_class(plan.our_class), plan.config, written))
+            parity = measure(official, ours, batch, stored_dtype, backends=family.parity_backends)
             stages.next()
-
-            auto_class, pipeline_tag = family.classes[plan.our_class]
-            notes = " ".join(plan.notes)
-            write_model_card(
-                tmp,
-                model_name=dst.name,
-                license=source_license(source.folder),
-                model_id=str(dst),
-                base_model=base_model or source.raw_config.get("_name_or_path") or source.path.resolve().name,
-                pipeline_tag=pipeline_tag,
-                family=family.card_family,
-                auto_class=auto_class,
-                description=f"`{plan.our_class}` converted from {source.description}.",
-                parity_rows=rows,
-                tags=list(dict.fromkeys((*family.tags, *plan.tags))),
-                extra=f"\nParity inputs: {batch.description}; per-token outputs are compared at real tokens only. "
-                f"The reference is the official `{plan.official_class}` in float32 with eager attention. Tolerance = "
-                "relative tolerance of the dtype × max(1, max |official output|); float32 rows must pass and every "
-                f"row must be finite, or the conversion fails. Tokenizer: {tokenizer_note}.\n"
-                + (f"\n{notes}\n" if notes else ""),
-            )
+            _write_card(family, source, plan, tmp, dst, parity, batch, base_model)
             stages.next()
-            fail_on_parity(rows, plan.official_class, ours)
+            fail_on_parity(parity.rows, plan.official_class, written)
     finally:
         stages.close()
-    return {
-        "dst": dst,
-        "family": family.name,
-        "source_kind": source.kind,
-        "architecture": plan.official_class,
-        "hf_tiny_class": plan.our_class,
-        "config": plan.config,
-        "parity": rows,
-        "parity_inputs": batch.description,
-    }
+    return {"dst": dst, "family": family.name, "source_kind": source.kind, "architecture": plan.official_class,
+            "hf_tiny_class": plan.our_class, "config": plan.config, "parity": parity.rows,
+            "parity_layers": parity.layers, "parity_inputs": batch.description, "bytes": written.nbytes,
+            "files": sorted(path.name for path in dst.glob("*.safetensors"))}
 
 
-def convert_back(family: Family, src: str | os.PathLike, dst: str | os.PathLike, *, force: bool = False) -> dict:
-    """An hf_tiny folder -> the official folder that transformers loads with no missing or unexpected keys.
-    Returns {"dst", "family", "architecture" (the official class)}."""
+def _write_folder(family: Family, source: Source, plan: Plan, tmp: Path, dtype, max_shard_size) -> LazyTensors:
+    plan.config.architectures = [plan.our_class]
+    try:
+        written = stream_hf_tiny_folder(
+            tmp, family.hf_tiny_class(plan.our_class), plan.config, plan.state, plan.key_map, plan.num_layers,
+            dtype=dtype, max_shard_size=max_shard_size, auto_map=family.auto_map(plan.our_class),
+            progress=sys.stderr.isatty(),
+        )
+    except ConversionError as error:
+        raise ConversionError(f"{source.path}: the tensors do not fit {plan.official_class} (family {family.name}): "
+                              f"{error}") from error
+    plan.notes.insert(0, f"Tokenizer: {family.write_side_files(source, plan, tmp)}.")
+    return written
+
+
+def _stored_dtype(written: LazyTensors) -> torch.dtype:
+    return next((written.info(key).dtype for key in written if written.info(key).dtype.is_floating_point), torch.float32)
+
+
+def _write_card(family: Family, source: Source, plan: Plan, tmp: Path, dst: Path, parity, batch, base_model) -> None:
+    auto_class, pipeline_tag = family.classes[plan.our_class]
+    notes = " ".join(plan.notes)
+    write_model_card(
+        tmp, model_name=dst.name, license=source_license(source.folder), model_id=str(dst),
+        base_model=base_model or source.raw_config.get("_name_or_path") or source.path.resolve().name,
+        pipeline_tag=pipeline_tag, family=family.card_family, auto_class=auto_class,
+        description=f"`{plan.our_class}` converted from {source.description}.", parity_rows=parity.rows,
+        tags=list(dict.fromkeys((*family.tags, *plan.tags))),
+        extra=f"\nParity inputs: {batch.description}; per-token outputs are compared at real tokens only. "
+        f"The reference is the official `{plan.official_class}` in float32 with eager attention. Tolerance = "
+        "relative tolerance of the dtype × max(1, max |official output|); float32 rows must pass and every "
+        "row must be finite, or the conversion fails.\n" + _layers_section(parity.layers)
+        + (f"\n{notes}\n" if notes else ""),
+    )
+
+
+def _layers_section(layers) -> str:
+    table = layer_table(layers)
+    if not table:
+        return ""
+    return ("\nEach layer's output, max |ours - official| at real tokens (the official float32 eager layer is the "
+            f"reference; where a mismatch starts):\n\n{table}\n")
+
+
+def convert_back(family: Family, src: str | os.PathLike, dst: str | os.PathLike, *, force: bool = False,
+                 max_shard_size: Optional[int | str] = None) -> dict:
+    """An hf_tiny folder -> the official folder that transformers loads with no missing or unexpected keys,
+    streamed like convert(). Returns {"dst", "family", "architecture" (the official class)}."""
     if not family.reversible:
         raise ConversionError(f"family {family.name!r} has no reverse conversion")
     src, dst = Path(src), Path(dst)
+    parse_max_shard_size(max_shard_size)
     config_class = family.hf_tiny_class(family.config_class)
     config, our_class = load_hf_tiny_config(src, config_class, supported=family.classes, default=family.default_class)
     with atomic_output_dir(dst, force=force, src=src) as tmp:
-        state = with_tied_copies(load_checkpoint(src), family.hf_tiny_class(our_class), config)
-        dtype = next(iter(state.values())).dtype
+        state = with_tied_copies(open_checkpoint(src), family.hf_tiny_class(our_class), config)
+        dtype = _stored_dtype(state)
         plan = family.reverse(config, our_class, src)
-        official = plan.key_map.to_source(state, num_layers=plan.num_layers, progress=sys.stderr.isatty())
+        official = plan.key_map.lazy_view(state, num_layers=plan.num_layers, forward=False)
         official = family.finish_official_state(official, config, plan)
         plan.official_config.dtype = dtype
         import transformers
 
-        official_class = getattr(transformers, plan.official_class)
-        write_official_folder(
-            tmp, official_class, plan.official_config, official, src, keep_stored_tied_copies=family.keep_stored_tied_copies,
-            check_in_memory_names=plan.stored_as_loaded, dropped_by_official=plan.dropped_by_official,
+        stream_official_folder(
+            tmp, getattr(transformers, plan.official_class), plan.official_config, official, src,
+            keep_stored_tied_copies=family.keep_stored_tied_copies, check_in_memory_names=plan.stored_as_loaded,
+            dropped_by_official=plan.dropped_by_official, max_shard_size=max_shard_size,
+            progress=sys.stderr.isatty(),
         )
-    return {"dst": dst, "family": family.name, "architecture": plan.official_class}
+    return {"dst": dst, "family": family.name, "architecture": plan.official_class, "bytes": official.nbytes,
+            "files": sorted(path.name for path in dst.glob("*.safetensors"))}
 
 
 def entry_points(family: Family):
     """The module-level convert() / convert_back() of a family module (the CLI and the examples call them)."""
 
-    def convert_family(src, dst, *, force=False, dtype=None, base_model=None, reference_model=None) -> dict:
-        return convert(family, src, dst, force=force, dtype=dtype, base_model=base_model, reference_model=reference_model)
+    def convert_family(src, dst, *, force=False, dtype=None, base_model=None, reference_model=None,
+                       max_shard_size=None) -> dict:
+        return convert(family, src, dst, force=force, dtype=dtype, base_model=base_model,
+                       reference_model=reference_model, max_shard_size=max_shard_size)
 
-    def convert_family_back(src, dst, *, force: bool = False) -> dict:
-        return convert_back(family, src, dst, force=force)
+    def convert_family_back(src, dst, *, force: bool = False, max_shard_size=None) -> dict:
+        return convert_back(family, src, dst, force=force, max_shard_size=max_shard_size)
 
     convert_family.__doc__ = f"An official {family.name} checkpoint -> an hf_tiny folder (pipeline.convert)."
     convert_family_back.__doc__ = f"An hf_tiny folder -> the official {family.name} format (pipeline.convert_back)."

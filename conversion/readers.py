@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from .errors import ConversionError, list_names
+from .lazy import LazyTensors, read_safetensors, read_torch_files
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -19,8 +20,9 @@ PYTORCH_FILE = "pytorch_model.bin"
 PYTORCH_INDEX = "pytorch_model.bin.index.json"
 
 
-def load_checkpoint(src: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Reads every tensor of a checkpoint folder (or a single weights file) onto the CPU.
+def open_checkpoint(src: str | os.PathLike) -> LazyTensors:
+    """The tensors of a checkpoint folder (or a single weights file), read lazily (lazy.py): names, shapes and
+    dtypes now, each tensor's bytes when it is asked for.
 
     Folder lookup order: model.safetensors, model.safetensors.index.json, pytorch_model.bin,
     pytorch_model.bin.index.json. Pickle files are read only with `torch.load(weights_only=True)`.
@@ -28,16 +30,22 @@ def load_checkpoint(src: str | os.PathLike) -> dict[str, torch.Tensor]:
     path = _weights_file(Path(src))
     name = path.name
     if name.endswith(".index.json"):
-        return _load_sharded(path)
+        return _open_sharded(path)
     if name.endswith(".safetensors"):
-        return _load_safetensors(path)
+        return read_safetensors([path])
     if name.endswith((".bin", ".pt", ".pth")):
-        return _load_pickle_weights_only(path)
+        return read_torch_files([path], _mapped_state_dict)
     if name.endswith(".gguf"):
         raise ConversionError(f"{path} is a GGUF file: read it with load_gguf(path, expected_architecture=...)")
     raise ConversionError(
         f"unrecognised weights file {path}: expected a .safetensors, .bin/.pt/.pth or *.index.json file"
     )
+
+
+def load_checkpoint(src: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint (open_checkpoint, read at once): for small checkpoints and tests."""
+    state = open_checkpoint(src)
+    return {key: state[key] for key in state}
 
 
 def _weights_file(path: Path) -> Path:
@@ -58,44 +66,18 @@ def _weights_file(path: Path) -> Path:
 
 
 def checkpoint_keys(src: str | os.PathLike) -> list[str]:
-    """The tensor names of the weights load_checkpoint would read, from the safetensors header or shard index
-    where there is one (pickle files are loaded)."""
-    path = _weights_file(Path(src))
-    if path.name.endswith(".index.json"):
-        try:
-            return list(json.loads(path.read_text()).get("weight_map", {}))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as error:
-            raise ConversionError(f"cannot read shard index {path}: {error}") from error
-    if path.name.endswith(".safetensors"):
-        from safetensors import SafetensorError, safe_open
-
-        try:
-            with safe_open(str(path), framework="pt", device="cpu") as handle:
-                return list(handle.keys())
-        except (SafetensorError, OSError) as error:
-            raise ConversionError(f"{path} is not a valid safetensors file (truncated or corrupt?): {error}") from error
-    return list(load_checkpoint(path))
-
-
-def _load_safetensors(path: Path, expected_keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError, safe_open
-
-    try:
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
-            keys = list(handle.keys())
-            if expected_keys is not None:
-                keys = _keys_from_shard(path, set(keys), expected_keys)
-            return {key: handle.get_tensor(key) for key in keys}
-    except SafetensorError as error:
-        raise ConversionError(f"{path} is not a valid safetensors file (truncated or corrupt?): {error}") from error
-    except OSError as error:
-        raise ConversionError(f"cannot read {path}: {error}") from error
+    """The tensor names of a checkpoint, without reading a tensor."""
+    return list(open_checkpoint(src))
 
 
 def torch_load_weights_only(path: Path):
     """torch.load with weights_only=True (tensors and plain containers only), errors as ConversionError."""
+    return _refusing_code(path, lambda p: torch.load(p, map_location="cpu", weights_only=True))
+
+
+def _refusing_code(path: Path, load):
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return load(path)
     except pickle.UnpicklingError as error:
         # weights_only refuses any global that is not a tensor/plain container: never retry without it.
         first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
@@ -109,8 +91,19 @@ def torch_load_weights_only(path: Path):
         ) from error
 
 
-def _load_pickle_weights_only(path: Path, expected_keys: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
-    loaded = torch_load_weights_only(path)
+def torch_load_mapped(path: Path) -> tuple[Mapping, bool]:
+    """(torch.load(mmap=True, weights_only=True), True): tensors backed by the file, read when touched; the
+    legacy (non-zip) format cannot be mapped: (its tensors in memory, False)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True), True
+    except RuntimeError as error:
+        if "mmap" not in str(error):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=True), False
+
+
+def _mapped_state_dict(path: Path) -> tuple[Mapping, bool]:
+    loaded, mapped = _refusing_code(path, torch_load_mapped)
     if not isinstance(loaded, Mapping):
         raise ConversionError(f"{path} holds a {type(loaded).__name__}, expected a dict of tensors (a state dict)")
     not_tensors = [str(k) for k, v in loaded.items() if not isinstance(v, torch.Tensor)]
@@ -118,21 +111,10 @@ def _load_pickle_weights_only(path: Path, expected_keys: Iterable[str] | None = 
         raise ConversionError(
             f"{path} is not a plain state dict: entries that are not tensors: {list_names(not_tensors)}"
         )
-    state = dict(loaded)
-    if expected_keys is not None:
-        state = {key: state[key] for key in _keys_from_shard(path, set(state), expected_keys)}
-    return state
+    return loaded, mapped
 
 
-def _keys_from_shard(path: Path, present: set[str], expected_keys: Iterable[str]) -> list[str]:
-    expected = list(expected_keys)
-    missing = [key for key in expected if key not in present]
-    if missing:
-        raise ConversionError(f"shard {path} lacks tensors that its index assigns to it: {list_names(missing)}")
-    return expected
-
-
-def _load_sharded(index_path: Path) -> dict[str, torch.Tensor]:
+def _open_sharded(index_path: Path) -> LazyTensors:
     try:
         index = json.loads(index_path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
@@ -151,14 +133,16 @@ def _load_sharded(index_path: Path) -> dict[str, torch.Tensor]:
             f"shard index {index_path} points at missing shard file(s): "
             + ", ".join(f"{index_path.parent / shard} ({len(by_shard[shard])} tensors)" for shard in sorted(missing))
         )
-    state: dict[str, torch.Tensor] = {}
+    infos, readers = {}, {}
     for shard, keys in by_shard.items():
-        shard_path = index_path.parent / shard
-        if shard.endswith(".safetensors"):
-            state.update(_load_safetensors(shard_path, keys))
-        else:
-            state.update(_load_pickle_weights_only(shard_path, keys))
-    return state
+        path = index_path.parent / shard
+        tensors = read_safetensors([path]) if shard.endswith(".safetensors") else read_torch_files([path], _mapped_state_dict)
+        absent = [key for key in keys if key not in tensors]
+        if absent:
+            raise ConversionError(f"shard {path} lacks tensors that its index assigns to it: {list_names(absent)}")
+        for key in keys:
+            infos[key], readers[key] = tensors.info(key), tensors
+    return LazyTensors(infos, lambda key: readers[key][key])
 
 
 def load_config_json(src: str | os.PathLike) -> dict:

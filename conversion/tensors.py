@@ -23,25 +23,25 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
 
 
 def cast_floating(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """Casts floating-point tensors to dtype (None: unchanged); integer/bool tensors keep their dtype.
+    """cast_tensor of every tensor."""
+    return {key: cast_tensor(key, value, dtype) for key, value in state_dict.items()}
+
+
+def cast_tensor(key: str, value: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A floating-point tensor cast to dtype (None: unchanged); integer/bool tensors keep their dtype.
 
     A cast that turns finite values into inf (|value| above the dtype's largest number, e.g. 65504 in float16) is
-    an error naming the dtype and the first such tensor: such a model would compute NaN."""
-    if dtype is None:
-        return dict(state_dict)
-    cast = {}
-    for key, value in state_dict.items():
-        if not value.is_floating_point():
-            cast[key] = value
-            continue
-        cast[key] = value.to(dtype)
-        if dtype.itemsize < value.dtype.itemsize or torch.finfo(dtype).max < torch.finfo(value.dtype).max:
-            overflow = torch.isinf(cast[key]) & torch.isfinite(value)
-            if bool(overflow.any()):
-                largest = float(value[overflow].abs().max())
-                raise ConversionError(
-                    f"--dtype {str(dtype).removeprefix('torch.')}: tensor {key} holds {largest:.6g}, beyond the largest "
-                    f"{str(dtype).removeprefix('torch.')} number ({torch.finfo(dtype).max:.6g}); the cast would make it "
-                    "inf. Convert to float32 or bfloat16 instead"
-                )
+    an error naming the dtype and the tensor: such a model would compute NaN."""
+    if dtype is None or not value.is_floating_point():
+        return value
+    cast = value.to(dtype)
+    if dtype.itemsize < value.dtype.itemsize or torch.finfo(dtype).max < torch.finfo(value.dtype).max:
+        overflow = torch.isinf(cast) & torch.isfinite(value)
+        if bool(overflow.any()):
+            largest = float(value[overflow].abs().max())
+            name = str(dtype).removeprefix("torch.")
+            raise ConversionError(
+                f"--dtype {name}: tensor {key} holds {largest:.6g}, beyond the largest {name} number "
+                f"({torch.finfo(dtype).max:.6g}); the cast would make it inf. Convert to float32 or bfloat16 instead"
+            )
     return cast

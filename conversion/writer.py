@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 import shutil
+import sys
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import torch
 
 from .errors import ConversionError
 from .keymap import check_shapes, expected_shapes
-from .readers import SAFETENSORS_FILE
+from .lazy import LazyTensors, TensorInfo, read_safetensors
 
 def save_state_dict_safetensors(
     state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike, *, metadata: Mapping[str, str] | None = None
@@ -164,41 +165,43 @@ def _sentence_transformers_module_folders(src_dir: Path) -> list[str]:
     return folders
 
 
-def write_official_folder(
-    tmp: Path,
-    official_class,
-    official_config,
-    state: dict,
-    src: str | os.PathLike,
-    *,
-    keep_stored_tied_copies: bool = False,
-    check_in_memory_names: bool = True,
-    dropped_by_official: tuple = (),
-) -> None:
-    """Writes a reverse conversion's official folder into tmp: config.json, model.safetensors (the tensors
-    official_class expects, shapes checked on a meta-device instance; tied copies stored once, as save_pretrained
-    does) and the tokenizer files of src. keep_stored_tied_copies: a tied copy that `state` holds is written
-    too (transformers 5 unties e.g. a T5 head whose stored copy differs). Tensors the class recomputes
-    (`_keys_to_ignore_on_save`, e.g. Marian's sinusoidal tables) are not expected, as save_pretrained skips them.
-    Ends by loading the folder with official_class: any missing or unexpected key fails the conversion.
-    check_in_memory_names=False skips the check against the meta instance's names (classes that convert their
-    stored tensors when they load) and relies on that final load; dropped_by_official: regexes of written
-    tensors the class does not load on purpose (unexpected there, not an error)."""
+def stream_official_folder(tmp: Path, official_class, official_config, state, src, *,
+                           keep_stored_tied_copies: bool = False, check_in_memory_names: bool = True,
+                           dropped_by_official: tuple = (), max_shard_size=None, progress: bool = False) -> None:
+    """The official folder, streamed: state (lazy.LazyTensors) is written one tensor at a time to
+    save_pretrained's shards, and the final check loads the folder on the meta device (names and shapes, no
+    tensor read)."""
+    from tqdm.auto import tqdm
+
+    from .shards import DEFAULT_MAX_SHARD_SIZE, ShardWriter
+
     with torch.device("meta"):
         reference = official_class(official_config)
     expected = expected_shapes(reference)
+    dropped = set()
     for tied_copy in reference.get_expanded_tied_weights_keys(all_submodels=True):
         if not (keep_stored_tied_copies and tied_copy in state):
             expected.pop(tied_copy, None)
-            state.pop(tied_copy, None)
+            dropped.add(tied_copy)
     for recomputed in reference._keys_to_ignore_on_save or ():
         expected.pop(recomputed, None)
+    state = state.without(dropped)
     if check_in_memory_names:
-        check_shapes(state, expected)
+        check_shapes({key: state.info(key).meta() for key in state}, expected)
+    order = [key for key in expected if key in state] + [key for key in state if key not in expected]
     official_config.save_pretrained(str(tmp))
-    save_state_dict_safetensors(state, Path(tmp) / SAFETENSORS_FILE)
+    writer = ShardWriter(tmp, {key: state.info(key) for key in order},
+                         max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+    try:
+        for key in tqdm(order, desc="writing tensors", unit="tensor", disable=not progress, file=sys.stderr, leave=False):
+            writer.write(key, state[key])
+        writer.close()
+    except BaseException:
+        writer.abort()
+        raise
     copy_tokenizer_files(src, tmp)
-    load_cleanly(official_class, tmp, f"the written {official_class.__name__} folder", dropped=dropped_by_official)
+    load_cleanly(official_class, tmp, f"the written {official_class.__name__} folder", dropped=dropped_by_official,
+                 device_map="meta")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -206,20 +209,19 @@ def write_official_folder(
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def drop_tied_copies(state: Mapping[str, torch.Tensor], canonical: str, copies, *, src, hint: str = "") -> dict:
+def drop_tied_copies(state: Mapping[str, torch.Tensor], canonical: str, copies, *, src, hint: str = "") -> LazyTensors:
     """A checkpoint may store one tied table several times: each stored copy must equal `canonical` and is
     dropped (hf_tiny stores it once). hint: what to do if the copy really differs."""
-    state = dict(state)
+    state = LazyTensors.of(state)
     if canonical not in state:
         if any(copy in state for copy in copies):
             raise ConversionError(f"{src}: missing tensor {canonical}")
         return state
-    for key in copies:
-        if key in state:
-            if state[key].shape != state[canonical].shape or not torch.equal(state[key], state[canonical]):
-                raise ConversionError(f"{src}: {key} differs from {canonical}, but they are tied{hint}")
-            state.pop(key)
-    return state
+    stored = [key for key in copies if key in state]
+    for key in stored:
+        if state.info(key).shape != state.info(canonical).shape or not torch.equal(state[key], state[canonical]):
+            raise ConversionError(f"{src}: {key} differs from {canonical}, but they are tied{hint}")
+    return state.without(stored)
 
 
 def stores_tied_copy(state: Mapping[str, torch.Tensor], canonical: str, copy: str) -> bool:
@@ -237,29 +239,19 @@ def tie_map(model_class, config) -> dict[str, str]:
     return model.get_expanded_tied_weights_keys(all_submodels=True)
 
 
-def with_tied_copies(state: Mapping[str, torch.Tensor], model_class, config) -> dict:
-    """hf_tiny folders store tied weights once: put the copies back so a key map sees every name."""
-    state = dict(state)
-    for copy, source in tie_map(model_class, config).items():
-        if copy not in state and source in state:
-            state[copy] = state[source]
-    return state
+def with_tied_copies(state, model_class, config):
+    """hf_tiny folders store tied weights once: the copies put back (as views of their source, read lazily) so a
+    key map sees every name."""
+
+    state = LazyTensors.of(state)
+    copies = {copy: source for copy, source in tie_map(model_class, config).items() if copy not in state and source in state}
+    return state.with_tensors({copy: (state.info(source), lambda source=source: state[source])
+                               for copy, source in copies.items()})
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # hf_tiny folders
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def write_hf_tiny_folder(tmp: Path, model_class, config, state: dict[str, torch.Tensor]) -> None:
-    """config.json (with its auto_map), model.safetensors and the modeling code: the tensors are checked against
-    the class's own (meta-device) state dict first, so a wrong map fails before anything is written."""
-    with torch.device("meta"):
-        model = model_class(config)
-    check_shapes(state, expected_shapes(model))
-    model.load_state_dict(state, strict=True, assign=True)
-    model.tie_weights()
-    model.save_pretrained(tmp)
 
 
 def load_cleanly(model_class, path: Path, what: str, *, dropped: tuple = (), **kwargs):
@@ -288,3 +280,79 @@ def write_generation_config(tmp: Path, config, official_config=None) -> None:
         if getattr(generation, field, None) is None and getattr(config, field, None) is not None:
             setattr(generation, field, getattr(config, field))
     generation.save_pretrained(tmp)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Streaming: tensors mapped, cast and written one rule at a time
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def planned_outputs(steps, state, expected: Mapping[str, torch.Size], dtype: torch.dtype | None) -> dict:
+    """{key: TensorInfo} every step will produce, from the inputs' shapes and dtypes alone (each transform run on
+    meta tensors; one that cannot run there is planned with the model's shape and its first input's dtype), in
+    the expected (state dict) order, cast to dtype where floating."""
+
+    produced = {}
+    for step in steps:
+        for key, info in zip(step.outputs, step.output_infos(state, expected), strict=True):
+            if dtype is not None and info.dtype.is_floating_point:
+                info = TensorInfo(info.shape, dtype)
+            produced[key] = info
+    order = [key for key in expected if key in produced] + [key for key in produced if key not in expected]
+    return {key: produced[key] for key in order}
+
+
+def stream_hf_tiny_folder(tmp: Path, model_class, config, state, key_map, num_layers, *, dtype=None,
+                          max_shard_size=None, auto_map=None, progress: bool = False):
+    """The converted folder, streamed: names and shapes checked against the class's (meta) state dict before any
+    tensor is read, then each rule's tensors read, mapped, cast and written to their shard; tied copies are stored
+    once, as save_pretrained stores them. Returns the written tensors, lazily (lazy.read_safetensors)."""
+    from tqdm.auto import tqdm
+
+    from .shards import DEFAULT_MAX_SHARD_SIZE, ShardWriter
+    from .tensors import cast_tensor
+
+    with torch.device("meta"):
+        model = model_class(config)
+    expected = expected_shapes(model)
+    steps = key_map.steps(state.keys(), num_layers=num_layers)
+    planned = planned_outputs(steps, state, expected, dtype)
+    check_shapes({key: info.meta() for key, info in planned.items()}, expected)
+    copies = set(model.get_expanded_tied_weights_keys(all_submodels=True))
+    stored = {key: info for key, info in planned.items() if key not in copies}
+    writer = ShardWriter(tmp, stored, max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE,
+                         total_parameters=model.num_parameters())
+    try:
+        bar = tqdm(total=sum(info.nbytes for info in stored.values()), desc="writing tensors", unit="B",
+                   unit_scale=True, disable=not progress, file=sys.stderr, leave=False)
+        for step in steps:
+            for key, tensor in zip(step.outputs, step.run([state[key] for key in step.inputs]), strict=True):
+                if key in stored:
+                    writer.write(key, cast_tensor(key, tensor, dtype))
+                    bar.update(stored[key].nbytes)
+        bar.close()
+        files = writer.close()
+    except BaseException:
+        writer.abort()
+        raise
+    write_model_files(tmp, model, config, stored_dtype=dtype or _first_floating(stored), auto_map=auto_map)
+    return read_safetensors([tmp / name for name in files if name.endswith(".safetensors")])
+
+
+def _first_floating(infos: Mapping) -> torch.dtype:
+    return next((info.dtype for info in infos.values() if info.dtype.is_floating_point), torch.float32)
+
+
+def write_model_files(tmp: Path, model, config, *, stored_dtype: torch.dtype, auto_map=None) -> None:
+    """What save_pretrained writes besides the weights: config.json (dtype, architectures, auto_map), the
+    modeling code of a remote-code class and generation_config.json for a model that generates."""
+    from transformers.dynamic_module_utils import custom_object_save
+
+    config.dtype = str(stored_dtype).removeprefix("torch.")
+    config.architectures = [type(model).__name__]
+    custom_object_save(model, tmp, config=config)
+    if auto_map is not None:
+        config.auto_map = auto_map
+    config.save_pretrained(tmp)
+    if model.can_generate():
+        model.generation_config.save_pretrained(tmp)

@@ -15,7 +15,8 @@ from gguf_writer import write_stub_gguf
 from conversion import ConversionError, detect_family, gguf_architecture
 from conversion.__main__ import main
 
-RESULT_KEYS = {"dst", "family", "source_kind", "architecture", "hf_tiny_class", "config", "parity", "parity_inputs"}
+RESULT_KEYS = {"dst", "family", "source_kind", "architecture", "hf_tiny_class", "config", "parity", "parity_layers",
+               "parity_inputs", "bytes", "files"}
 
 
 write_gguf = write_stub_gguf
@@ -95,7 +96,7 @@ def test_every_family_returns_the_same_result_shape(sources, tmp_path):
         assert set(result) == RESULT_KEYS, module.__name__
         assert result["family"] == module.FAMILY.name and result["parity"]
         reverse = module.convert_back(tmp_path / name, tmp_path / f"{name}_back")
-        assert set(reverse) == {"dst", "family", "architecture"}
+        assert set(reverse) == {"dst", "family", "architecture", "bytes", "files"}
 
 
 def test_gguf_header_reader(tmp_path):

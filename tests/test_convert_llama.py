@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import hf_tiny  # noqa: F401  (registers the Auto classes)
 from causal_helpers import left_padded_batch, max_diff, real_logits, tiny_official
-from conversion import llama
+from conversion import llama, meta_llama
+from conversion.keymap import Transform
 from conversion.__main__ import main as cli
 from conversion import ConversionError
 
@@ -342,7 +343,7 @@ def write_meta_checkpoint(official, folder, shards: int = 1):
         part = {}
         for key, tensor in meta.items():
             suffix = re.sub(r"^layers\.\d+\.", "", key)
-            split = llama.META_SHARD_DIMS.get(suffix, None)
+            split = meta_llama.META_SHARD_DIMS.get(suffix, None)
             if key == "tok_embeddings.weight":
                 split = 1  # Llama 2 splits the embedding width
             part[key] = tensor.chunk(shards, dim=split)[shard].clone() if split is not None else tensor.clone()
@@ -406,8 +407,8 @@ def test_meta_layout_without_permutation_is_rejected_by_parity(tmp_path, monkeyp
     """Negative control: the same comparison fails when the RoPE permutation is skipped."""
     official = tiny_official("llama", num_key_value_heads=2)
     write_meta_checkpoint(official, tmp_path / "meta")
-    identity = llama.Transform("identity", lambda w: w, lambda w: w)
-    monkeypatch.setattr(llama, "rope_permutation", lambda num_heads: identity)
+    identity = Transform("identity", lambda w: w, lambda w: w)
+    monkeypatch.setattr(meta_llama, "rope_permutation", lambda num_heads: identity)
     llama.convert(tmp_path / "meta", tmp_path / "ours")  # its own check compares against the same wrong weights
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
     batch = left_padded_batch(official.config.vocab_size)
@@ -503,8 +504,8 @@ def test_bad_config_is_a_clear_error(changes, message, tmp_path, existing_dst):
 def test_gemma3_layer_type_we_do_not_know_names_the_entry(tmp_path, existing_dst):
     family, overrides = VARIANTS["gemma3"]
     tiny_official(family, **overrides).save_pretrained(tmp_path / "src")
-    edit_config(tmp_path / "src", layer_types=["sliding_attention", "full_attention", "chunked_attention", "full_attention"])
-    with pytest.raises(ConversionError, match=r"layer_types\[2\]='chunked_attention' is not a layer type hf_tiny knows"):
+    edit_config(tmp_path / "src", layer_types=["sliding_attention", "full_attention", "linear_attention", "full_attention"])
+    with pytest.raises(ConversionError, match=r"layer_types\[2\]='linear_attention' is not a layer type hf_tiny knows"):
         llama.convert(tmp_path / "src", existing_dst, force=True)
     assert_untouched(existing_dst)
 
