@@ -248,6 +248,29 @@ def _padding_pattern(mask: torch.Tensor, q: torch.Tensor, sk: int, is_causal: bo
 def _read_mask(mask: torch.Tensor, q: torch.Tensor, sk: int, is_causal: bool, *, allow_window: bool):
     """_padding_pattern, plus (allow_window: our Triton kernel) causal sliding windows: returns (query_valid,
     key_valid, causal, window), window None or the W of transformers' rule query - key < W over real tokens."""
+    full = _mask_rows(mask, q, sk)
+    key_valid = full.any(dim=1)  # [B, Sk]
+    for causal in (True, False) if is_causal else (False, True):
+        query_valid = _valid_queries(full, key_valid, causal)
+        padding_only = query_valid[:, :, None] & key_valid[:, None, :]
+        distance = _real_token_distance(query_valid, key_valid)
+        rebuilt = padding_only & (distance >= 0) if causal else padding_only
+        window = int(full.sum(-1).max())  # the widest row sees exactly the window
+        if not _dropped_rows_are_padding(full, key_valid, query_valid, window if allow_window else None):
+            continue
+        if torch.equal(rebuilt[query_valid], full[query_valid]):
+            return query_valid, key_valid, causal, None
+        if allow_window and causal and window > 0:
+            if torch.equal((rebuilt & (distance < window))[query_valid], full[query_valid]):
+                return query_valid, key_valid, True, window
+    raise ValueError(
+        "attn_implementation='flash_attention_2' supports padding and causal masks only; this mask (for "
+        "example a sliding window or a custom 4-D mask) needs attn_implementation='sdpa' or 'eager'"
+    )
+
+
+def _mask_rows(mask: torch.Tensor, q: torch.Tensor, sk: int) -> torch.Tensor:
+    """A bool mask as [B, Sq, Sk], the same for every head; other masks are clear errors."""
     if mask.dtype != torch.bool:
         raise ValueError(
             "attn_implementation='flash_attention_2' cannot apply an additive (float) attention mask or position "
@@ -268,25 +291,7 @@ def _read_mask(mask: torch.Tensor, q: torch.Tensor, sk: int, is_causal: bool, *,
             "attn_implementation='flash_attention_2' needs the same mask for every head; this mask differs across "
             "heads, use attn_implementation='sdpa' or 'eager'"
         )
-    full = full[:, 0]
-    key_valid = full.any(dim=1)  # [B, Sk]
-    for causal in (True, False) if is_causal else (False, True):
-        query_valid = _valid_queries(full, key_valid, causal)
-        padding_only = query_valid[:, :, None] & key_valid[:, None, :]
-        distance = _real_token_distance(query_valid, key_valid)
-        rebuilt = padding_only & (distance >= 0) if causal else padding_only
-        window = int(full.sum(-1).max())  # the widest row sees exactly the window
-        if not _dropped_rows_are_padding(full, key_valid, query_valid, window if allow_window else None):
-            continue
-        if torch.equal(rebuilt[query_valid], full[query_valid]):
-            return query_valid, key_valid, causal, None
-        if allow_window and causal and window > 0:
-            if torch.equal((rebuilt & (distance < window))[query_valid], full[query_valid]):
-                return query_valid, key_valid, True, window
-    raise ValueError(
-        "attn_implementation='flash_attention_2' supports padding and causal masks only; this mask (for "
-        "example a sliding window or a custom 4-D mask) needs attn_implementation='sdpa' or 'eager'"
-    )
+    return full[:, 0]
 
 
 def _valid_queries(full: torch.Tensor, key_valid: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -311,6 +316,79 @@ def _dropped_rows_are_padding(full, key_valid, query_valid, window: Optional[int
     if torch.equal(allowed[dropped], full[dropped]):
         return True
     return window is not None and torch.equal((allowed & (offset > -window))[dropped], full[dropped])
+
+
+@dataclass
+class ChunkedSegments:
+    """A chunked causal mask (Llama 4's chunked attention) read as varlen segments: every (row, chunk) pair is a
+    causal sequence of its own, its real queries over its real keys, aligned bottom-right. q_idx / k_idx: the real
+    rows of [B * Sq] / [B * Sk], in order; q_lens / k_lens: int32 lengths of the segments, row after row (a chunk
+    whose keys are all cached has no query)."""
+
+    q_idx: torch.Tensor
+    k_idx: torch.Tensor
+    q_lens: torch.Tensor
+    k_lens: torch.Tensor
+
+
+def _chunked_or_raise(error: ValueError, mask: torch.Tensor, q: torch.Tensor, sk: int, is_causal: bool) -> ChunkedSegments:
+    """The mask of causal attention read as chunked attention, where the padding / causal / window readings
+    refused it; their `error` when it is not chunked attention either."""
+    chunks = _read_chunks(mask, q, sk) if is_causal else None
+    if chunks is None:
+        raise error
+    return chunks
+
+
+def _read_chunks(mask: torch.Tensor, q: torch.Tensor, sk: int) -> Optional[ChunkedSegments]:
+    """Each real query sees a run of real keys ending at itself, one key longer than its predecessor's (same
+    chunk) or only itself (a new chunk starts); padding queries are dropped as in causal masks."""
+    try:
+        full = _mask_rows(mask, q, sk)
+    except ValueError:
+        return None
+    key_valid = full.any(dim=1)
+    query_valid = _valid_queries(full, key_valid, causal=True)
+    span = full.sum(-1)  # [B, Sq] keys each query sees
+    distance = _real_token_distance(query_valid, key_valid)
+    runs = query_valid[:, :, None] & key_valid[:, None, :] & (distance >= 0) & (distance < span[:, :, None])
+    if not torch.equal(runs[query_valid], full[query_valid]) or not _dropped_rows_see_runs(full, key_valid, query_valid):
+        return None
+    rows = [_chunk_lengths(span[b][query_valid[b]].tolist(), int(key_valid[b].sum())) for b in range(full.shape[0])]
+    if any(row is None for row in rows):
+        return None
+    q_lens, k_lens = ([n for row in rows for n in row[i]] for i in (0, 1))
+    as_int32 = lambda lens: torch.tensor(lens, dtype=torch.int32, device=q.device)
+    return ChunkedSegments(query_valid.flatten().nonzero().squeeze(-1), key_valid.flatten().nonzero().squeeze(-1),
+                           as_int32(q_lens), as_int32(k_lens))
+
+
+def _chunk_lengths(spans: list, keys: int) -> Optional[tuple[list, list]]:
+    """(queries, keys) of each chunk of one row, whose real queries (the last len(spans) of its `keys` real keys)
+    see spans[i] keys each; a first segment holds the keys before the first query's chunk (no query). None when a
+    query neither continues its predecessor's chunk nor starts one."""
+    if not spans:  # no real query (a padding row, or a padding step): its keys, if any, in one segment
+        return [0], [keys]
+    if any(span not in (1, previous + 1) for previous, span in zip(spans, spans[1:])):
+        return None
+    starts = [i for i, span in enumerate(spans) if i == 0 or span == 1]
+    first_keys = [keys - len(spans) + i - spans[i] + 1 for i in starts]
+    query_bounds, key_bounds = [0, 0] + starts[1:] + [len(spans)], [0] + first_keys + [keys]
+    return ([b - a for a, b in zip(query_bounds, query_bounds[1:])],
+            [b - a for a, b in zip(key_bounds, key_bounds[1:])])
+
+
+def _dropped_rows_see_runs(full: torch.Tensor, key_valid: torch.Tensor, query_valid: torch.Tensor) -> bool:
+    """A query row flash drops while it sees keys must see a run of the real keys ending at the last one at or
+    before it: what a chunked (or causal, or windowed) mask gives a padding query."""
+    dropped = full.any(dim=2) & ~query_valid
+    if not bool(dropped.any()):
+        return True
+    sq, sk = full.shape[1], full.shape[2]
+    before = torch.arange(sk, device=full.device)[None, :] <= torch.arange(sk - sq, sk, device=full.device)[:, None]
+    allowed, seen = (key_valid[:, None, :] & before)[dropped], full[dropped]
+    from_last = allowed.flip(-1).cumsum(-1).flip(-1)  # 1 at the last allowed key, 2 at the one before, ...
+    return torch.equal(seen, allowed & (from_last <= seen.sum(-1, keepdim=True)))
 
 
 def _flash_sdpa(q, k, v, *, scale, dropout_p, is_causal, sinks=None) -> torch.Tensor:
@@ -417,7 +495,11 @@ def flash_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0,
         return _flash_packed(q, k, v, segment_ids, scale=scale, dropout_p=dropout_p, is_causal=is_causal, sinks=sinks), None
     query_valid = key_valid = None
     if mask is not None:
-        query_valid, key_valid, is_causal = _padding_pattern(mask, q, k.shape[2], is_causal)
+        try:
+            query_valid, key_valid, is_causal = _padding_pattern(mask, q, k.shape[2], is_causal)
+        except ValueError as error:
+            chunks = _chunked_or_raise(error, mask, q, k.shape[2], is_causal)
+            return _flash_chunks(q, k, v, chunks, scale=scale, dropout_p=dropout_p, sinks=sinks), None
         if bool(query_valid.all()) and bool(key_valid.all()):
             query_valid = key_valid = None
     if package:
@@ -458,22 +540,39 @@ def _flash_packed(q, k, v, segment_ids, *, scale, dropout_p, is_causal, sinks=No
     _check_segment_ids(segment_ids, q, k)
     lengths = _segment_lengths(segment_ids).to(torch.int32)
     q_, k_, v_ = (t.transpose(1, 2).flatten(0, 1) for t in (q, k, v))  # [B*S, H, D]
-    if flash_attn_package_available(q.device):
+    out = _flash_varlen_rows(q_, k_, v_, lengths, lengths, scale=scale, dropout_p=dropout_p, is_causal=is_causal,
+                             sinks=sinks)
+    return out.view(batch, seq, heads, dim).transpose(1, 2)
+
+
+def _flash_chunks(q, k, v, chunks: ChunkedSegments, *, scale, dropout_p, sinks=None) -> torch.Tensor:
+    """Chunked causal attention: every (row, chunk) segment as one causal sequence; padding query rows are zeros."""
+    batch, heads, sq, dim = q.shape
+    q_ = q.transpose(1, 2).flatten(0, 1).index_select(0, chunks.q_idx)
+    k_, v_ = (t.transpose(1, 2).flatten(0, 1).index_select(0, chunks.k_idx) for t in (k, v))
+    out = _flash_varlen_rows(q_, k_, v_, chunks.q_lens, chunks.k_lens, scale=scale, dropout_p=dropout_p, is_causal=True,
+                             sinks=sinks)
+    out = out.new_zeros(batch * sq, heads, dim).index_copy(0, chunks.q_idx, out)
+    return out.view(batch, sq, heads, dim).transpose(1, 2)
+
+
+def _flash_varlen_rows(q_, k_, v_, q_lens, k_lens, *, scale, dropout_p, is_causal, sinks=None) -> torch.Tensor:
+    """Attention over packed rows [T, H, D], segment s being q_lens[s] queries over k_lens[s] keys (int32): the
+    flash-attn package in one varlen call (never given sinks: flash_attention refuses them there), else PyTorch's
+    flash kernel one segment at a time."""
+    if flash_attn_package_available(q_.device):
         flash_attn_varlen_func = _flash_attn_functions()[1]
-        cu = F.pad(lengths.cumsum(0, dtype=torch.int32), (1, 0))
-        out = flash_attn_varlen_func(
-            q_, k_, v_, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=int(lengths.max()),
-            max_seqlen_k=int(lengths.max()), dropout_p=dropout_p, softmax_scale=scale, causal=is_causal,
+        return flash_attn_varlen_func(
+            q_, k_, v_, cu_seqlens_q=_offsets(q_lens), cu_seqlens_k=_offsets(k_lens), max_seqlen_q=int(q_lens.max()),
+            max_seqlen_k=int(k_lens.max()), dropout_p=dropout_p, softmax_scale=scale, causal=is_causal,
         )
-        return out.view(batch, seq, heads, dim).transpose(1, 2)
-    outputs = []
-    for part_q, part_k, part_v in zip(*(t.split(lengths.tolist()) for t in (q_, k_, v_))):
-        part = _flash_sdpa(
-            *(t.transpose(0, 1)[None] for t in (part_q, part_k, part_v)),
-            scale=scale, dropout_p=dropout_p, is_causal=is_causal, sinks=sinks,
-        )
-        outputs.append(part[0].transpose(0, 1))
-    return torch.cat(outputs).view(batch, seq, heads, dim).transpose(1, 2)
+    outputs = [q_.new_zeros(0, *q_.shape[1:])]
+    for part_q, part_k, part_v in zip(*(t.split(n.tolist()) for t, n in ((q_, q_lens), (k_, k_lens), (v_, k_lens)))):
+        if part_q.shape[0]:  # a segment of cached keys only has no query to compute
+            part = _flash_sdpa(*(t.transpose(0, 1)[None] for t in (part_q, part_k, part_v)),
+                               scale=scale, dropout_p=dropout_p, is_causal=is_causal, sinks=sinks)
+            outputs.append(part[0].transpose(0, 1))
+    return torch.cat(outputs)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -515,7 +614,12 @@ def _varlen_layout(q, k, mask, is_causal: bool, segment_ids) -> VarlenLayout:
         cu_q = torch.arange(batch + 1, device=device, dtype=torch.int32) * sq
         cu_k = torch.arange(batch + 1, device=device, dtype=torch.int32) * sk
         return VarlenLayout(None, None, cu_q, cu_k, sq, sk, is_causal, None)
-    query_valid, key_valid, causal, window = _read_mask(mask, q, sk, is_causal, allow_window=True)
+    try:
+        query_valid, key_valid, causal, window = _read_mask(mask, q, sk, is_causal, allow_window=True)
+    except ValueError as error:
+        chunks = _chunked_or_raise(error, mask, q, sk, is_causal)
+        return VarlenLayout(chunks.q_idx, chunks.k_idx, _offsets(chunks.q_lens), _offsets(chunks.k_lens),
+                            int(chunks.q_lens.max()), int(chunks.k_lens.max()), True, None)
     q_lens, k_lens = query_valid.sum(-1), key_valid.sum(-1)
     q_idx = None if bool(query_valid.all()) else query_valid.flatten().nonzero().squeeze(-1)
     k_idx = None if bool(key_valid.all()) else key_valid.flatten().nonzero().squeeze(-1)

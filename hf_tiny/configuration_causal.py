@@ -15,7 +15,10 @@ from .validation import check_non_negative_number, check_positive_number, warn_o
 from .validation import check_probability, check_token_ids, init_arguments, store_init_fields
 
 
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# The layer types rope_parameters may be keyed by (chunked layers rotate with the full layers' parameters).
+ROPE_LAYER_TYPES = ("full_attention", "sliding_attention")
+QK_NORM_TYPES = ("head", "projection", "l2")
 MLP_LAYER_TYPES = ("dense", "sparse")
 POSITION_EMBEDDING_TYPES = ("rope", "learned", "alibi")
 
@@ -168,6 +171,12 @@ OPTIONAL_FIELDS = {
                 mla_absorb=False),
     "mtp": dict(num_nextn_predict_layers=0, mtp_loss_weight=0.3),
     "alibi": dict(alibi_bias_max=8.0),
+    "nope": dict(nope_layers=()),
+    "qk_norm_type": dict(qk_norm_type="head"),
+    "pre_norms": dict(pre_norms=True),
+    "chunked_attention": dict(attention_chunk_size=None),
+    "temperature": dict(attn_temperature_tuning=False, floor_scale=8192, attn_scale=0.1),
+    "router_input_weights": dict(apply_router_weight_on_input=False),
     "sinks": dict(attention_sinks=False),
     "moe_biases": dict(router_bias=False, expert_bias=False),
     "clamped_swiglu": dict(swiglu_limit=None, swiglu_alpha=1.702),
@@ -178,6 +187,10 @@ def _uses(group: str, values: dict) -> bool:
     return {
         "moe": bool(values["num_local_experts"]), "mla": values["kv_lora_rank"] is not None,
         "mtp": bool(values["num_nextn_predict_layers"]), "alibi": values["position_embedding_type"] == "alibi",
+        "nope": bool(values["nope_layers"]), "qk_norm_type": values["qk_norm_type"] != "head",
+        "pre_norms": values["pre_norms"] is not True, "chunked_attention": values["attention_chunk_size"] is not None,
+        "temperature": values["attn_temperature_tuning"] is not False,
+        "router_input_weights": values["apply_router_weight_on_input"] is not False,
         "sinks": bool(values["attention_sinks"]), "clamped_swiglu": values["swiglu_limit"] is not None,
         "moe_biases": bool(values["router_bias"] or values["expert_bias"]),
     }[group]
@@ -292,6 +305,67 @@ def check_gpt_oss_fields(owner: str, values: dict) -> None:
             )
 
 
+def check_nope_layers(owner: str, values: dict) -> list[int]:
+    """nope_layers checked: distinct layer indices of a rotary model whose layers do not rotate (NoPE); sorted."""
+    nope, layers = values["nope_layers"], values["num_hidden_layers"]
+    if not isinstance(nope, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in nope):
+        raise TypeError(f"{owner}: nope_layers must be a list of layer indices, got {nope!r}")
+    outside = [i for i in nope if not 0 <= i < layers]
+    if outside or len(set(nope)) != len(nope):
+        raise ValueError(
+            f"{owner}: nope_layers={list(nope)} must list distinct layer indices 0 .. {layers - 1} (num_hidden_layers="
+            f"{layers}); {'outside: ' + str(outside) if outside else 'repeated indices'}"
+        )
+    if nope and (values["position_embedding_type"] != "rope" or values["kv_lora_rank"] is not None):
+        raise ValueError(
+            f"{owner}: nope_layers={list(nope)} are the layers of a rotary model that do not rotate; needs "
+            f"position_embedding_type='rope' (got {values['position_embedding_type']!r}) and no MLA "
+            f"(kv_lora_rank={values['kv_lora_rank']!r})"
+        )
+    return sorted(nope)
+
+
+def _check_layer_variants(owner: str, values: dict) -> None:
+    """The switches of the 2025 decoders: q/k norm placement, post-sublayer norms, chunked attention, Llama 4's
+    query temperature on NoPE layers and its router weights on expert inputs."""
+    check_choice(owner, "qk_norm_type", values["qk_norm_type"], QK_NORM_TYPES)
+    check_bool(owner, pre_norms=values["pre_norms"], attn_temperature_tuning=values["attn_temperature_tuning"],
+               apply_router_weight_on_input=values["apply_router_weight_on_input"])
+    needs = {
+        "qk_norm_type": (values["qk_norm_type"] != "head", "qk_norm=True", values["qk_norm"]),
+        "pre_norms": (not values["pre_norms"], "sandwich_norms=True (norms on the sublayer outputs)",
+                      values["sandwich_norms"]),
+        "attn_temperature_tuning": (values["attn_temperature_tuning"], "NoPE layers (nope_layers)",
+                                    bool(values["nope_layers"])),
+        "apply_router_weight_on_input": (values["apply_router_weight_on_input"], "MoE layers (num_local_experts)",
+                                         bool(values["num_local_experts"])),
+    }
+    for name, (asked, requirement, met) in needs.items():
+        if asked and not met:
+            raise ValueError(f"{owner}: {name}={values[name]!r} needs {requirement}")
+    if values["attn_temperature_tuning"]:
+        check_positive_number(owner, floor_scale=values["floor_scale"])
+        check_non_negative_number(owner, attn_scale=values["attn_scale"])
+    _check_chunked_attention(owner, values)
+
+
+def _check_chunked_attention(owner: str, values: dict) -> None:
+    chunk, layer_types = values["attention_chunk_size"], values["layer_types"]
+    if chunk is not None:
+        check_positive(owner, attention_chunk_size=chunk)
+    chunked = "chunked_attention" in layer_types
+    if chunked != (chunk is not None):
+        raise ValueError(
+            f"{owner}: 'chunked_attention' layers and attention_chunk_size go together; got attention_chunk_size="
+            f"{chunk!r} and {layer_types.count('chunked_attention')} chunked_attention layer(s) in layer_types"
+        )
+    if chunked and "sliding_attention" in layer_types:
+        raise ValueError(
+            f"{owner}: layer_types mixes 'sliding_attention' and 'chunked_attention'; transformers' caches before "
+            "5.2x keep one window for every local layer, so a model has one kind of local attention"
+        )
+
+
 def _rope_parameters(owner: str, values: dict, legacy_scaling, legacy_theta) -> dict:
     """rope_parameters standardized (one dict, or one per layer type); the legacy spellings of Llama 2 era
     config.json files (rope_scaling + rope_theta beside it) accepted."""
@@ -299,13 +373,13 @@ def _rope_parameters(owner: str, values: dict, legacy_scaling, legacy_theta) -> 
     if rope_parameters is None and legacy_scaling is not None:
         rope_parameters = legacy_scaling
     if isinstance(rope_parameters, dict) and set(rope_parameters) & set(LAYER_TYPES):
-        unknown = sorted(set(rope_parameters) - set(LAYER_TYPES))
+        unknown = sorted(set(rope_parameters) - set(ROPE_LAYER_TYPES))
         if unknown:
-            raise ValueError(f"{owner}: rope_parameters keyed by layer type may hold only {list(LAYER_TYPES)}; got keys {unknown}")
+            raise ValueError(f"{owner}: rope_parameters keyed by layer type may hold only {list(ROPE_LAYER_TYPES)}; got keys {unknown}")
         rope_parameters = {
             kind: standardize_rope_parameters(rope_parameters.get(kind), max_position_embeddings=max_positions,
                                               rope_theta=legacy_theta, owner=f"{owner} rope_parameters[{kind!r}]")
-            for kind in LAYER_TYPES
+            for kind in ROPE_LAYER_TYPES
         }
     else:
         rope_parameters = standardize_rope_parameters(rope_parameters, max_position_embeddings=max_positions,
@@ -319,7 +393,7 @@ def _rope_parameters(owner: str, values: dict, legacy_scaling, legacy_theta) -> 
     if kind == "rope":
         mla = values["kv_lora_rank"] is not None
         rotated = values["qk_rope_head_dim"] if mla else values["head_dim"]
-        for params in (rope_parameters.values() if set(rope_parameters) == set(LAYER_TYPES) else (rope_parameters,)):
+        for params in (rope_parameters.values() if set(rope_parameters) == set(ROPE_LAYER_TYPES) else (rope_parameters,)):
             if mla and rotary_dim(params, rotated, owner=owner) != rotated:
                 raise ValueError(f"{owner}: MLA rotates all qk_rope_head_dim={rotated} dimensions; drop partial_rotary_factor")
             rotary_dim(params, rotated, owner=owner)
@@ -398,6 +472,19 @@ class TinyCausalConfig(PretrainedConfig):
     - router_bias / expert_bias: a bias on the router (`mlp.gate.bias`) / on each expert's projections.
     - swiglu_limit (None: off) and swiglu_alpha: every gated feed-forward is GPT-OSS's clamped SwiGLU,
       down((clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g)), g = clamp(gate, max=limit) (layers.py).
+    The 2025 decoders (SmolLM3, OLMo 2, Llama 4 text), each switch held only when used:
+    - nope_layers: indices of layers without rotary positions (NoPE: SmolLM3 every 4th layer, Llama 4 too).
+    - qk_norm_type: where qk_norm acts: "head" (each head before RoPE, weights of head_dim: Qwen3, Gemma 3),
+      "projection" (the whole q / k projection before the heads split, weights of heads * head_dim: OLMo 2),
+      "l2" (each head after RoPE, no weight, on rotary layers only: Llama 4's use_qk_norm).
+    - pre_norms=False: no norm before each sublayer; with sandwich_norms the layer is OLMo 2's
+      h = x + norm(attn(x)), out = h + norm(mlp(h)).
+    - layer_types "chunked_attention" with attention_chunk_size C (Llama 4's local layers): a query sees the keys
+      of its own chunk of C tokens (counted from the row's first real token), causally.
+    - attn_temperature_tuning (Llama 4): on NoPE layers the query of cache index t is scaled by
+      1 + attn_scale * log(1 + floor((t + 1) / floor_scale)).
+    - router_scoring "topk_sigmoid" (Llama 4: the k largest logits choose, weighed by their sigmoid) and
+      apply_router_weight_on_input: each expert gets its tokens already multiplied by their router weight.
     """
 
     model_type = "hf_tiny_causal"
@@ -445,6 +532,8 @@ class TinyCausalConfig(PretrainedConfig):
         values["head_dim"] = _check_sizes(owner, values)
         _check_parts(owner, values, kwargs)
         values["layer_types"] = check_layer_types(owner, layer_types, num_hidden_layers, sliding_window)
+        values["nope_layers"] = check_nope_layers(owner, values)
+        _check_layer_variants(owner, values)
         if values["moe_intermediate_size"] is None:
             values["moe_intermediate_size"] = intermediate_size
         values["mlp_layer_types"] = check_moe_fields(owner, values, num_hidden_layers, kwargs.pop("first_k_dense_replace", None))
@@ -467,10 +556,15 @@ class TinyCausalConfig(PretrainedConfig):
         self.rope_parameters = standardized
 
     def rope_parameters_for(self, layer_type: str) -> dict:
-        """The rope parameters a layer of this type rotates with."""
-        if set(self.rope_parameters) == set(LAYER_TYPES):
-            return self.rope_parameters[layer_type]
+        """The rope parameters a layer of this type rotates with (chunked layers: the full layers')."""
+        if set(self.rope_parameters) == set(ROPE_LAYER_TYPES):
+            return self.rope_parameters["sliding_attention" if layer_type == "sliding_attention" else "full_attention"]
         return self.rope_parameters
+
+    def uses_rope(self, layer_idx: int) -> bool:
+        """Whether layer `layer_idx` rotates its queries and keys: every layer of a RoPE model but its NoPE layers
+        (the MTP modules' blocks, past num_hidden_layers, rotate)."""
+        return self.position_embedding_type == "rope" and layer_idx not in field_value(self, "nope_layers")
 
     def sliding_window_for(self, layer_type: str) -> int | None:
         return self.sliding_window if layer_type == "sliding_attention" else None
@@ -492,6 +586,7 @@ class TinyCausalConfig(PretrainedConfig):
             routed_scaling_factor=self.routed_scaling_factor,
             shared_intermediate_size=self.shared_expert_intermediate_size, shared_expert_gate=self.shared_expert_gate,
             jitter_noise=self.router_jitter_noise, router_bias=field_value(self, "router_bias"),
+            weights_on_input=field_value(self, "apply_router_weight_on_input"),
         )
 
     def is_sparse_layer(self, layer_idx: int) -> bool:

@@ -7,7 +7,7 @@ runtime's job (runtime.py), which leaves these forwards as they are written here
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -28,10 +28,16 @@ class RMSNorm(nn.Module):
     offset is applied here rather than folded into the stored weight, so checkpoints convert bit for bit.
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, *, unit_offset: bool = False):
+    def __init__(self, hidden_size: int, eps: float = 1e-6, *, unit_offset: bool = False,
+                 elementwise_affine: bool = True):
+        """elementwise_affine=False: no weight, the normalized x itself (Llama 4's q/k norm, `Llama4TextL2Norm`)."""
         super().__init__()
         self.unit_offset = unit_offset
-        self.weight = nn.Parameter(torch.zeros(hidden_size) if unit_offset else torch.ones(hidden_size))
+        self.hidden_size = hidden_size
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.zeros(hidden_size) if unit_offset else torch.ones(hidden_size))
+        else:
+            self.register_parameter("weight", None)
         self.variance_epsilon = eps
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -39,16 +45,20 @@ class RMSNorm(nn.Module):
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
+        if self.weight is None:
+            return hidden_states.to(input_dtype)
         if self.unit_offset:
             return (hidden_states * (1.0 + self.weight.float())).to(input_dtype)
         return self.weight * hidden_states.to(input_dtype)
 
     def reset_weight(self) -> None:
-        self.weight.data.fill_(0.0 if self.unit_offset else 1.0)
+        if self.weight is not None:
+            self.weight.data.fill_(0.0 if self.unit_offset else 1.0)
 
     def extra_repr(self) -> str:
         offset = ", unit_offset=True" if self.unit_offset else ""
-        return f"{tuple(self.weight.shape)}, eps={self.variance_epsilon}{offset}"
+        weight = "" if self.weight is not None else ", elementwise_affine=False"
+        return f"{(self.hidden_size,)}, eps={self.variance_epsilon}{offset}{weight}"
 
 
 def build_norm(norm_type: str, hidden_size: int, eps: float, *, unit_offset: bool = False, bias: bool = True) -> nn.Module:
@@ -247,6 +257,24 @@ class RotaryEmbedding(nn.Module):
         return f"rope_type={self.rope_type!r}, head_dim={self.head_dim}, theta={self.rope_parameters['rope_theta']}"
 
 
+class QueryTemperature(NamedTuple):
+    """Llama 4's attention temperature on its NoPE layers (Nakanishi 2025, "Scalable-Softmax Is Superior for
+    Attention"): the query of the token at cache index t is multiplied by
+    1 + attn_scale * log(1 + floor((t + 1) / floor_scale)), which sharpens attention as the context grows."""
+
+    scales: torch.Tensor  # [1 | B, 1, S, 1] float32, broadcast over heads and head dimensions
+
+    def apply(self, query: torch.Tensor) -> torch.Tensor:
+        return (query * self.scales).to(query.dtype)
+
+
+def query_temperature(token_indices: torch.Tensor, floor_scale: float, attn_scale: float) -> QueryTemperature:
+    """token_indices [1 | B, S]: each new token's index in its row of the cache (transformers' Llama 4 counts
+    the cached tokens plus 0 .. S - 1, left padding included)."""
+    scales = torch.log1p(torch.floor((token_indices.float() + 1.0) / floor_scale)) * attn_scale + 1.0
+    return QueryTemperature(scales[:, None, :, None])
+
+
 # ---- attention ---------------------------------------------------------------------------------------------------
 
 
@@ -275,6 +303,10 @@ def interface_inputs(module, attention_mask, query: torch.Tensor, key: torch.Ten
     return foreign_mask(module, implementation, mask, is_causal, query, key.shape[2])
 
 
+# Where an Attention module applies its q/k norm (see Attention.__init__).
+QK_NORM_PLACES = ("head", "projection", "rotated")
+
+
 def zero_invisible_rows(out: torch.Tensor, visible: Optional[torch.Tensor]) -> torch.Tensor:
     """Query rows that see no key (padding) give zeros, as in our own backends; out is [B, S, H, D]."""
     return out if visible is None else out.masked_fill(~visible[:, 0, :, 0, None, None], 0.0)
@@ -294,11 +326,15 @@ class Attention(nn.Module):
     def __init__(self, config, layer_idx: int, *, hidden_size: int, num_heads: int, num_key_value_heads: int,
                  head_dim: int, bias: bool, output_bias: bool, scaling: float, dropout: float = 0.0,
                  is_causal: bool = False, is_cross_attention: bool = False, qk_norm: Optional[dict] = None,
-                 sinks: bool = False):
-        """qk_norm: the keyword arguments of an RMSNorm over each head's query and key (Qwen3, Gemma 3), or None.
-        sinks: a learned logit per head in the softmax denominator (GPT-OSS's `sinks`), passed to the attention
-        function as transformers' `s_aux`."""
+                 qk_norm_at: str = "head", sinks: bool = False):
+        """qk_norm: the keyword arguments of the RMSNorm of queries and keys, or None. qk_norm_at: where it acts,
+        one of QK_NORM_PLACES: "head" (each head, before RoPE: Qwen3, Gemma 3), "projection" (the whole q / k
+        projection before the heads split: OLMo 2), "rotated" (each head after RoPE: Llama 4). sinks: a learned
+        logit per head in the softmax denominator (GPT-OSS's `sinks`), passed to the attention function as
+        transformers' `s_aux`."""
         super().__init__()
+        if qk_norm_at not in QK_NORM_PLACES:
+            raise ValueError(f"qk_norm_at={qk_norm_at!r}; choose one of {list(QK_NORM_PLACES)}")
         self.config = config  # read for config._attn_implementation, at every call
         self.layer_idx = layer_idx
         self.num_heads, self.num_key_value_heads, self.head_dim = num_heads, num_key_value_heads, head_dim
@@ -311,16 +347,32 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(hidden_size, num_key_value_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(hidden_size, num_key_value_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=output_bias)
-        self.q_norm = RMSNorm(head_dim, **qk_norm) if qk_norm else None
-        self.k_norm = RMSNorm(head_dim, **qk_norm) if qk_norm else None
+        self.qk_norm_at = qk_norm_at
+        whole = qk_norm_at == "projection"
+        self.q_norm = RMSNorm(num_heads * head_dim if whole else head_dim, **qk_norm) if qk_norm else None
+        self.k_norm = RMSNorm(num_key_value_heads * head_dim if whole else head_dim, **qk_norm) if qk_norm else None
         self.sinks = nn.Parameter(torch.zeros(num_heads)) if sinks else None
 
     def _heads(self, states: torch.Tensor, norm: Optional[nn.Module] = None) -> torch.Tensor:
-        """[B, S, H * D] -> [B, H, S, D], with the per-head norm (q/k norm) when there is one."""
+        """[B, S, H * D] -> [B, H, S, D], with the q/k norm where it acts before RoPE: over the whole projection
+        or over each head."""
+        if norm is not None and self.qk_norm_at == "projection":
+            states = norm(states)
         states = states.unflatten(-1, (-1, self.head_dim))  # one call, so vLLM's fx trace passes through it
-        if norm is not None:
+        if norm is not None and self.qk_norm_at == "head":
             states = norm(states)
         return states.transpose(1, 2)
+
+    def _positioned(self, query: torch.Tensor, key: torch.Tensor, position_embeddings):
+        """Positions: RoPE's rotation by (cos, sin), or on Llama 4's NoPE layers its query temperature; then the
+        q/k norm of rotated heads (Llama 4)."""
+        if isinstance(position_embeddings, QueryTemperature):
+            query = position_embeddings.apply(query)
+        elif position_embeddings is not None:
+            query, key = apply_rotary(query, *position_embeddings), apply_rotary(key, *position_embeddings)
+        if self.q_norm is not None and self.qk_norm_at == "rotated":
+            query, key = self.q_norm(query), self.k_norm(key)
+        return query, key
 
     def _cross_attention_qkv(self, hidden_states, key_value_states: Optional[torch.Tensor], cache):
         """Queries of the decoder states; keys and values of the encoder states: projected at the first decoding
@@ -342,8 +394,9 @@ class Attention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None, *, cache=None,
                 key_value_states: Optional[torch.Tensor] = None, output_attentions: bool = False, **attention_kwargs):
-        """attention_mask: a step.AttentionMask; position_embeddings: (cos, sin); cache: a transformers Cache or
-        continuous batching's paged cache; attention_kwargs travel to the attention function."""
+        """attention_mask: a step.AttentionMask; position_embeddings: (cos, sin), a QueryTemperature or None;
+        cache: a transformers Cache or continuous batching's paged cache; attention_kwargs travel to the attention
+        function."""
         batch, length = hidden_states.shape[:2]
         if self.is_cross_attention:
             query, key, value = self._cross_attention_qkv(hidden_states, key_value_states, cache)
@@ -354,8 +407,7 @@ class Attention(nn.Module):
             key_states = self.k_proj(hidden_states)
             value_states = self.v_proj(hidden_states)
             query, key, value = self._heads(query_states, self.q_norm), self._heads(key_states, self.k_norm), self._heads(value_states)
-            if position_embeddings is not None:
-                query, key = apply_rotary(query, *position_embeddings), apply_rotary(key, *position_embeddings)
+            query, key = self._positioned(query, key, position_embeddings)
             if isinstance(cache, EncoderDecoderCache):
                 cache = cache.self_attention_cache
             if cache is not None:

@@ -34,7 +34,7 @@ from transformers.modeling_outputs import (
 
 from .chunked_loss import check_skip_logits, labels_ahead, linear_cross_entropy, use_chunked_loss
 from .configuration_causal import TinyCausalConfig, field_value
-from .layers import Attention, ClampedSwiGLUFeedForward, RotaryEmbedding, build_norm, feed_forward
+from .layers import Attention, ClampedSwiGLUFeedForward, RotaryEmbedding, build_norm, feed_forward, query_temperature
 from .mla import LatentAttention
 from .modeling_base import HfTinyPreTrainedModel
 from .moe import SparseMoeFeedForward, load_balancing_loss
@@ -60,16 +60,27 @@ def norm_of(config: TinyCausalConfig) -> nn.Module:
                       unit_offset=config.rms_norm_unit_offset, bias=config.norm_bias)
 
 
+def qk_norm_of(config: TinyCausalConfig, layer_idx: int) -> tuple[Optional[dict], str]:
+    """(the RMSNorm arguments of the layer's q/k norm or None, where Attention applies it): qk_norm_type "head"
+    and "projection" act before RoPE; Llama 4's "l2" has no weight and acts after RoPE, on rotary layers only."""
+    kind = field_value(config, "qk_norm_type")
+    if not config.qk_norm or (kind == "l2" and not config.uses_rope(layer_idx)):
+        return None, "head"
+    if kind == "l2":
+        return dict(eps=config.rms_norm_eps, elementwise_affine=False), "rotated"
+    return dict(eps=config.rms_norm_eps, unit_offset=config.rms_norm_unit_offset), kind
+
+
 def attention_of(config: TinyCausalConfig, layer_idx: int) -> nn.Module:
     if config.mla_spec() is not None:
         return LatentAttention(config, layer_idx)
-    qk_norm = dict(eps=config.rms_norm_eps, unit_offset=config.rms_norm_unit_offset) if config.qk_norm else None
+    qk_norm, qk_norm_at = qk_norm_of(config, layer_idx)
     output_bias = config.attention_bias if config.attention_output_bias is None else config.attention_output_bias
     return Attention(
         config, layer_idx, hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim, bias=config.attention_bias,
         output_bias=output_bias, scaling=config.attention_scale(), dropout=config.attention_dropout, is_causal=True,
-        qk_norm=qk_norm, sinks=field_value(config, "attention_sinks"),
+        qk_norm=qk_norm, qk_norm_at=qk_norm_at, sinks=field_value(config, "attention_sinks"),
     )
 
 
@@ -92,17 +103,19 @@ def feed_forward_of(config: TinyCausalConfig, layer_idx: int) -> nn.Module:
 
 class TinyCausalDecoderLayer(GradientCheckpointingLayer):
     """A pre-norm residual layer: h = x + attn(norm(x)); out = h + mlp(norm(h)). Gemma 3 also norms each sublayer's
-    output before the add (`attn_output_layernorm`, `mlp_output_layernorm`; identities elsewhere); GPT-2 and Phi-3
-    drop the sublayer outputs at hidden_dropout while training."""
+    output before the add (`attn_output_layernorm`, `mlp_output_layernorm`; identities elsewhere), OLMo 2 norms
+    only the outputs (`input_layernorm`, `post_attention_layernorm` identities: h = x + norm(attn(x))); GPT-2 and
+    Phi-3 drop the sublayer outputs at hidden_dropout while training."""
 
     residual_form = "pre-norm"  # runtime.py runs this form in place
 
     def __init__(self, config: TinyCausalConfig, layer_idx: int):
         super().__init__()
-        self.input_layernorm = norm_of(config)
+        pre_norms = field_value(config, "pre_norms")
+        self.input_layernorm = norm_of(config) if pre_norms else nn.Identity()
         self.self_attn = attention_of(config, layer_idx)
         self.attn_output_layernorm = norm_of(config) if config.sandwich_norms else nn.Identity()
-        self.post_attention_layernorm = norm_of(config)
+        self.post_attention_layernorm = norm_of(config) if pre_norms else nn.Identity()
         self.mlp = feed_forward_of(config, layer_idx)
         self.mlp_output_layernorm = norm_of(config) if config.sandwich_norms else nn.Identity()
         self.dropout = nn.Dropout(config.hidden_dropout)
@@ -145,6 +158,7 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         self.rotary_emb = RotaryEmbedding(config, full, head_dim=config.rotary_head_dim()) if rope else None
         own_sliding = rope and sliding != full
         self.sliding_rotary_emb = RotaryEmbedding(config, sliding, head_dim=config.rotary_head_dim()) if own_sliding else None
+        self.nope_layers = frozenset(field_value(config, "nope_layers"))
         self.is_moe = config.moe_spec() is not None
         self.cache_layout = config.cache_layout()  # (heads, key dimension) of what the KV cache holds per token
         self.gradient_checkpointing = False
@@ -174,6 +188,16 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
                 embeddings[layer_type] = (cos.unsqueeze(1), sin.unsqueeze(1))
         return embeddings
 
+    def layer_positions(self, hidden_states: torch.Tensor, step) -> list:
+        """What each layer's attention takes as positions: its layer type's rotary (cos, sin); on NoPE layers
+        nothing, or Llama 4's query temperature of each token's cache index."""
+        rotary = self.position_embeddings(hidden_states, step.position_ids)
+        nope = None
+        if self.nope_layers and field_value(self.config, "attn_temperature_tuning"):
+            nope = query_temperature(step.token_indices(), self.config.floor_scale, self.config.attn_scale)
+        return [nope if index in self.nope_layers else rotary[layer_type]
+                for index, layer_type in enumerate(self.config.layer_types)]
+
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 use_cache=None, output_attentions=None, output_hidden_states=None, return_dict=None,
                 output_router_logits=None, *, past_key_values=None, **kwargs):
@@ -187,11 +211,11 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         if self.embed_positions is not None:
             hidden_states = hidden_states + self.embed_positions(self._learned_positions(step.position_ids))
         hidden_states = self.embedding_dropout(hidden_states)
-        rotary = self.position_embeddings(hidden_states, step.position_ids)
+        positions = self.layer_positions(hidden_states, step)
         with self._collected_outputs(step.flags, output_router_logits) as collected:
-            for layer, layer_type in zip(self.layers, self.config.layer_types):
+            for layer, layer_type, layer_positions in zip(self.layers, self.config.layer_types, positions):
                 collected.add_hidden(hidden_states)
-                hidden_states = layer(hidden_states, step.masks[layer_type], rotary[layer_type], cache=step.cache,
+                hidden_states = layer(hidden_states, step.masks[layer_type], layer_positions, cache=step.cache,
                                       output_attentions=step.flags.attentions, **step.attention_kwargs)
             hidden_states = self.norm(hidden_states)
             collected.add_hidden(hidden_states)

@@ -12,6 +12,8 @@ checkpoints are options of one router:
   (`e_score_correction_bias`, adjusted outside backprop to balance load), and is restricted to the topk_group
   best of n_group expert groups (a group's score: the sum of its two best scores); the *weights* are the
   uncorrected scores of the chosen experts, renormalized when norm_topk_prob, times routed_scaling_factor.
+- Llama 4 ("topk_sigmoid"): the k largest logits choose, each weighed by its sigmoid; and the weight multiplies
+  the token going into the expert rather than what comes out (`weights_on_input`).
 
 The experts run in a plain loop over experts (each takes the tokens routed to it), which is what every official
 implementation's reference path does; `load_balancing_loss` is the Switch Transformer auxiliary loss as
@@ -27,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax")
+ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid")
 
 
 @dataclass(frozen=True)
@@ -37,7 +39,7 @@ class MoeSpec:
     num_experts: int
     top_k: int
     intermediate_size: int  # of each routed expert
-    scoring: str  # "softmax" | "sigmoid"
+    scoring: str  # one of ROUTER_SCORINGS
     norm_topk_prob: bool
     n_group: int = 1
     topk_group: int = 1
@@ -45,6 +47,7 @@ class MoeSpec:
     shared_intermediate_size: int = 0  # 0: no shared experts
     shared_expert_gate: bool = False  # Qwen2-MoE: shared output scaled by sigmoid(linear(x))
     jitter_noise: float = 0.0  # Mixtral: inputs multiplied by U(1 - j, 1 + j) while training
+    weights_on_input: bool = False  # Llama 4: expert(weight * x) instead of weight * expert(x)
     router_bias: bool = False  # GPT-OSS: the router's linear map has a bias
 
 
@@ -67,14 +70,7 @@ class TopKRouter(nn.Module):
         """tokens [T, hidden] -> (router_logits [T, E], top_k_index [T, k], top_k_weights [T, k]: fp32, in the
         logits' dtype for "topk_softmax")."""
         spec = self.spec
-        if spec.scoring == "sigmoid":  # DeepSeek-V3 routes in fp32 whatever the model's dtype
-            logits = F.linear(tokens.float(), self.weight.float(), None if self.bias is None else self.bias.float())
-            scores = logits.sigmoid()
-            choice_scores = scores + self.e_score_correction_bias
-        else:
-            logits = F.linear(tokens, self.weight, self.bias)
-            scores = logits.float().softmax(dim=-1) if spec.scoring == "softmax" else logits
-            choice_scores = scores
+        logits, scores, choice_scores = self._scores(tokens)
         if spec.n_group > 1:
             choice_scores = self._keep_best_groups(choice_scores)
         top_k_index = torch.topk(choice_scores, spec.top_k, dim=-1).indices
@@ -87,6 +83,19 @@ class TopKRouter(nn.Module):
         if spec.routed_scaling_factor != 1.0:
             top_k_weights = top_k_weights * spec.routed_scaling_factor
         return logits, top_k_index, top_k_weights
+
+    def _scores(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(router logits, the scores the weights are read from, the scores the choice ranks)."""
+        spec = self.spec
+        if spec.scoring == "sigmoid":  # DeepSeek-V3 routes in fp32 whatever the model's dtype
+            logits = F.linear(tokens.float(), self.weight.float(), None if self.bias is None else self.bias.float())
+            scores = logits.sigmoid()
+            return logits, scores, scores + self.e_score_correction_bias
+        logits = F.linear(tokens, self.weight, self.bias)
+        if spec.scoring == "topk_sigmoid":  # Llama 4: the logits choose, their sigmoid weighs
+            return logits, logits.float().sigmoid(), logits
+        scores = logits.float().softmax(dim=-1) if spec.scoring == "softmax" else logits
+        return logits, scores, scores
 
     def _keep_best_groups(self, choice_scores: torch.Tensor) -> torch.Tensor:
         """Experts outside the topk_group best groups get -inf, so top-k never picks them."""
@@ -129,7 +138,11 @@ class SparseMoeFeedForward(nn.Module):
             token_index, slot = torch.where(top_k_index == expert_index)
             if token_index.numel() == 0:
                 continue
-            expert_out = expert(tokens[token_index]) * top_k_weights[token_index, slot, None]
+            weights = top_k_weights[token_index, slot, None]
+            if self.spec.weights_on_input:  # Llama 4: the weight (in the model's dtype) scales the expert's input
+                expert_out = expert(tokens[token_index] * weights.to(tokens.dtype))
+            else:
+                expert_out = expert(tokens[token_index]) * weights
             output.index_add_(0, token_index, expert_out.to(output.dtype))
         if self.shared_experts is not None:
             shared = self.shared_experts(tokens)

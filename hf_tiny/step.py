@@ -480,6 +480,16 @@ def segment_ids_from_position_ids(position_ids: torch.Tensor) -> Optional[torch.
     return segment_ids
 
 
+def _split_at_chunks(segment_ids: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """[B, S] segment ids split further at every chunk_size-th token of each segment."""
+    index = torch.arange(segment_ids.shape[-1], device=segment_ids.device).expand_as(segment_ids)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    segment_start = torch.where(starts, index, 0).cummax(-1).values
+    chunk_starts = starts | ((index - segment_start) % chunk_size == 0)
+    return chunk_starts.long().cumsum(-1) - 1
+
+
 def segment_ids_from_cu_seq_lens(cu_seq_lens, *, batch_size: int, length: int, field: str = "cu_seq_lens_q") -> torch.Tensor:
     """[1, S] sequence index of each token from cumulative sequence lengths [0, l0, l0 + l1, ..., S] (the flash
     varlen convention that `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` produces)."""
@@ -507,8 +517,13 @@ def segment_ids_from_seq_idx(seq_idx, *, batch_size: int, length: int) -> torch.
     return seq_idx.expand(batch_size, -1)
 
 
-def packed_causal_mask(segment_ids: torch.Tensor, *, sliding_window: Optional[int] = None) -> AttentionMask:
-    """Causal attention inside each packed sequence and none across them: bool [B, 1, S, S]."""
+def packed_causal_mask(segment_ids: torch.Tensor, *, sliding_window: Optional[int] = None,
+                       chunk_size: Optional[int] = None) -> AttentionMask:
+    """Causal attention inside each packed sequence and none across them: bool [B, 1, S, S]. With chunk_size each
+    sequence's chunks (of its own positions 0, 1, ..) attend as sequences of their own, and are segments of their
+    own for the kernels that read segment ids."""
+    if chunk_size is not None:
+        segment_ids = _split_at_chunks(segment_ids, chunk_size)
     seq = segment_ids.shape[-1]
     mask = causal_bool_mask(seq, seq, segment_ids.device)
     if sliding_window is not None:
@@ -568,11 +583,20 @@ class CausalStep:
     flags: OutputFlags
     attention_kwargs: dict = field(default_factory=dict)
     paged: bool = False
+    past_length: object = 0  # tokens the cache held before this forward (int, or a 0-d tensor under torch.compile)
 
     @property
     def returned_cache(self):
         """The cache the output carries: the KV cache; never continuous batching's paged cache (the runner's)."""
         return None if self.paged else self.cache
+
+    def token_indices(self) -> torch.Tensor:
+        """[1, S]: each new token's index in its row of the cache, past_length + 0 .. S - 1, whatever the position
+        ids say (left padding counts); under continuous batching, each request's position ids."""
+        if self.paged:
+            return self.position_ids
+        length = self.position_ids.shape[-1]
+        return (torch.arange(length, device=self.position_ids.device) + self.past_length).unsqueeze(0)
 
 
 def prepare_causal_step(model, input_ids, inputs_embeds, attention_mask, position_ids, cache, past_key_values,
@@ -596,7 +620,8 @@ def prepare_causal_step(model, input_ids, inputs_embeds, attention_mask, positio
         segment_ids = packed_segments(position_ids, attention_mask, cache, shape, extras)
     if position_ids is None:
         position_ids = (torch.arange(query_length, device=device) + past_length).unsqueeze(0)
-    return CausalStep(cache, position_ids, causal_masks(model, attention_mask, cache, shape, segment_ids), flags)
+    masks = causal_masks(model, attention_mask, cache, shape, segment_ids)
+    return CausalStep(cache, position_ids, masks, flags, past_length=past_length)
 
 
 def _cache_to_fill(model, cache, use_cache: Optional[bool], batch_size: int):
@@ -668,11 +693,15 @@ def causal_masks(model, attention_mask, cache, shape: CausalShape, segment_ids) 
     masks = {}
     for layer_type in layer_types:
         window = config.sliding_window if layer_type == "sliding_attention" else None
+        chunk = config.attention_chunk_size if layer_type == "chunked_attention" else None
         if segment_ids is not None:
-            masks[layer_type] = packed_causal_mask(segment_ids, sliding_window=window)
+            masks[layer_type] = packed_causal_mask(segment_ids, sliding_window=window, chunk_size=chunk)
             continue
         given = attention_mask if by_type is None else by_type[layer_type]
-        masks[layer_type] = causal_mask(given, cache, shape, window, layer_idx=config.layer_types.index(layer_type))
+        layer_idx = config.layer_types.index(layer_type)
+        masks[layer_type] = causal_mask(given, cache, shape, window, layer_idx=layer_idx)
+        if chunk is not None and (given is None or given.dim() == 2):  # a 4-D mask is complete as given
+            masks[layer_type] = _chunked_layer_mask(masks[layer_type], given, cache, shape, chunk, layer_idx)
     if config.position_embedding_type == "alibi":
         dtype = model.get_input_embeddings().weight.dtype
         masks = {kind: _with_alibi(config, mask, cache, shape, kind, dtype) for kind, mask in masks.items()}
@@ -722,6 +751,37 @@ def causal_mask(attention_mask, cache, shape: CausalShape, window: Optional[int]
         return _self_attention(attention_mask, shape.batch_size, shape.query_length, key_length, True, window, shape.device)
     return static_cache_mask(attention_mask, shape.past_length, key_offset, key_length, shape.batch_size,
                              shape.query_length, window, shape.device)
+
+
+def _chunked_layer_mask(mask: AttentionMask, attention_mask, cache, shape: CausalShape, chunk_size: int,
+                        layer_idx: int) -> AttentionMask:
+    """The causal mask of chunked-attention layers: the new queries at past_length .. and the keys where the
+    layer's cache holds them (a chunked layer's cache keeps the last chunk_size - 1 keys, as a sliding one)."""
+    key_length, key_offset = key_layout(cache, shape, layer_idx)
+    queries = torch.arange(shape.query_length, device=shape.device) + shape.past_length
+    keys = torch.arange(key_length, device=shape.device) + key_offset
+    return within_chunks(mask, attention_mask, queries, keys, chunk_size)
+
+
+def within_chunks(mask: AttentionMask, attention_mask, queries: torch.Tensor, keys: torch.Tensor,
+                  chunk_size: int) -> AttentionMask:
+    """Chunked attention (Llama 4): the causal `mask` of queries at positions `queries` [Sq] over keys at `keys`
+    [Sk], restricted to the keys of each query's own chunk of chunk_size positions. Chunks count from each row's
+    first real token (the 2-D attention_mask's leading padding skipped), as transformers' chunked_overlay."""
+    if attention_mask is None:
+        first = torch.zeros(1, dtype=torch.long, device=queries.device)
+    else:
+        first = (attention_mask.cumsum(-1) == 0).sum(-1).to(queries.device)  # [B] leading padding tokens
+    query_chunk = (queries[None, :] - first[:, None]).div(chunk_size, rounding_mode="floor")
+    key_chunk = (keys[None, :] - first[:, None]).div(chunk_size, rounding_mode="floor")
+    same_chunk = query_chunk[:, :, None] == key_chunk[:, None, :]  # [B | 1, Sq, Sk]
+    if not is_compiling() and bool(same_chunk.all()):
+        return mask  # every key lies in its query's chunk: nothing to restrict (and the fast path stays)
+    base = mask.mask
+    if base is None:
+        sq, sk = len(queries), len(keys)
+        base = causal_bool_mask(sq, sk, queries.device) if mask.is_causal else torch.ones(sq, sk, dtype=torch.bool, device=queries.device)
+    return AttentionMask(base & same_chunk[:, None], mask.is_causal, mask.segment_ids)
 
 
 def refuse_alibi(config, where: str) -> None:

@@ -28,7 +28,7 @@ from hf_tiny.attention import (
     naive_attention,
     torch_attention,
 )
-from hf_tiny.step import cross_attention_mask, self_attention_mask, with_position_bias
+from hf_tiny.step import cross_attention_mask, self_attention_mask, with_position_bias, within_chunks
 
 CPU = torch.device("cpu")
 HAS_CUDA = torch.cuda.is_available()
@@ -87,8 +87,10 @@ KINDS = [
     "chunk",
     "additive",
     "raw_bool",
+    "local_chunks",
 ]
 FLASH_KINDS = {"none", "padding", "causal", "causal_padding", "cross", "decode", "chunk"}
+FLASH_KINDS |= {"local_chunks"}  # Llama 4's chunked attention: each (row, chunk) a varlen segment
 
 
 @dataclass
@@ -169,6 +171,8 @@ def attention_cases(draw, kinds=tuple(KINDS), dtype=torch.float32):
         mask, is_causal, _ = self_attention_mask(
             key_padding, batch_size=batch, query_length=sq, key_length=sk, causal=True, device=CPU
         )
+    elif kind == "local_chunks":
+        mask, is_causal, key_padding, sq, sk = draw(local_chunk_masks(batch, lengths, side))
     else:  # raw_bool: any pattern, including rows with no visible key
         sq, sk = draw(st.integers(1, 9)), draw(st.integers(1, 9))
         gen = torch.Generator().manual_seed(seed + 2)
@@ -182,6 +186,21 @@ def attention_cases(draw, kinds=tuple(KINDS), dtype=torch.float32):
     k = torch.randn(batch, kv_heads, sk, head_dim, generator=gen).to(dtype)
     v = torch.randn(batch, kv_heads, sk, head_dim, generator=gen).to(dtype)
     return Case(kind, q, k, v, mask, is_causal, head_dim**-0.5, key_padding)
+
+
+@st.composite
+def local_chunk_masks(draw, batch: int, lengths, side: str):
+    """(mask, is_causal, key padding, Sq, Sk) of Llama 4's chunked attention (step.within_chunks, as its layers
+    build it): a prefill or a step of Sq new queries after Sk - Sq cached keys, chunks of C counted from each
+    row's first real token, optionally padded (a mask of None: every key in its query's chunk, plain causal)."""
+    sk = draw(st.integers(2, 12))
+    sq = draw(st.sampled_from([sk, 1, draw(st.integers(1, sk))]))
+    chunk = draw(st.integers(1, 5))
+    key_padding = padding_mask(lengths(sk), sk, side) if draw(st.booleans()) else None
+    causal = self_attention_mask(key_padding, batch_size=batch, query_length=sq, key_length=sk, causal=True,
+                                 device=CPU)
+    built = within_chunks(causal, key_padding, torch.arange(sk - sq, sk), torch.arange(sk), chunk)
+    return built.mask, built.is_causal, key_padding, sq, sk
 
 
 def run_backend(fn, case: Case, *, grad: bool = False):
@@ -574,6 +593,30 @@ def test_padding_pattern_rejects_what_flash_cannot_express():
     checker = torch.tensor([[True, False, True], [False, True, False], [True, False, True]])
     with pytest.raises(ValueError, match="padding and causal masks only"):
         _pattern(checker, 1, 1, 3, 3, False)
+
+
+def test_flash_reads_chunked_attention_as_segments_and_refuses_a_leaking_key():
+    """A left-padded row of 7 real tokens in chunks of 3 (counted from its first real token) and a full row of 9:
+    segments of 3, 3, 3 and 3, 3, 1 tokens, each row's after an empty one (of the keys cached before its first
+    query's chunk: none in a prefill); one key seen across a chunk boundary is no pattern flash can express."""
+    padding = padding_mask([9, 7], 9, "left")
+    causal = self_attention_mask(padding, batch_size=2, query_length=9, key_length=9, causal=True, device=CPU)
+    mask = within_chunks(causal, padding, torch.arange(9), torch.arange(9), 3).mask
+    q = torch.zeros(2, 2, 9, 4)
+    chunks = attention._read_chunks(mask, q, 9)
+    assert chunks.q_lens.tolist() == chunks.k_lens.tolist() == [0, 3, 3, 3, 0, 3, 3, 1]  # each row: no cached keys
+    assert torch.equal(chunks.q_idx, padding.flatten().nonzero().squeeze(-1))
+    # a step of 2 queries after 5 cached keys, chunks of 3: query 5 sees keys 3-5, query 6 key 6; keys 0-2, which
+    # no query sees, are left out
+    step = self_attention_mask(None, batch_size=1, query_length=2, key_length=7, causal=True, device=CPU)
+    step_mask = within_chunks(step, None, torch.arange(5, 7), torch.arange(7), 3).mask
+    read = attention._read_chunks(step_mask, q[:1, :, :2], 7)
+    assert (read.q_lens.tolist(), read.k_lens.tolist()) == ([0, 1, 1], [0, 3, 1])
+    leaky = mask.clone()
+    leaky[0, 0, 3, 2] = True
+    assert attention._read_chunks(leaky, q, 9) is None
+    with pytest.raises(ValueError, match="padding and causal masks only.*sdpa.*eager"):
+        flash_attention(q, q[:, :1], q[:, :1], leaky, scale=0.5, is_causal=True)
 
 
 def _fake_flash_one(q, k, v, scale, causal):

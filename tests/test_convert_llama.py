@@ -504,8 +504,8 @@ def test_bad_config_is_a_clear_error(changes, message, tmp_path, existing_dst):
 def test_gemma3_layer_type_we_do_not_know_names_the_entry(tmp_path, existing_dst):
     family, overrides = VARIANTS["gemma3"]
     tiny_official(family, **overrides).save_pretrained(tmp_path / "src")
-    edit_config(tmp_path / "src", layer_types=["sliding_attention", "full_attention", "chunked_attention", "full_attention"])
-    with pytest.raises(ConversionError, match=r"layer_types\[2\]='chunked_attention' is not a layer type hf_tiny knows"):
+    edit_config(tmp_path / "src", layer_types=["sliding_attention", "full_attention", "linear_attention", "full_attention"])
+    with pytest.raises(ConversionError, match=r"layer_types\[2\]='linear_attention' is not a layer type hf_tiny knows"):
         llama.convert(tmp_path / "src", existing_dst, force=True)
     assert_untouched(existing_dst)
 

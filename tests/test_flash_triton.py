@@ -417,6 +417,39 @@ def test_backend_generate_matches_eager_tokens(kernel):
     assert torch.equal(tokens["eager"], tokens["hf_tiny_flash"])
 
 
+CHUNKED = dict(num_hidden_layers=2, layer_types=["chunked_attention", "full_attention"], attention_chunk_size=4,
+               nope_layers=[1])  # Llama 4's layout: chunked RoPE layers, full NoPE ones
+
+
+def test_backend_chunked_attention_matches_eager(kernel):
+    """Llama 4's chunked attention (chunks of 4 counted from each row's first real token): each (row, chunk) is a
+    varlen segment of the one kernel call, on a left-padded batch, on packed rows (chunks per sequence) and while
+    decoding with the cache across a chunk boundary (the chunked layer's cache keeps 3 keys)."""
+    _, device = kernel
+    model = _causal_model(device, torch.float32, **CHUNKED)
+    ids = torch.randint(1, 64, (2, 11), generator=torch.Generator().manual_seed(6)).to(device)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    position_ids = torch.tensor([[0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4]], device=device)
+    with torch.no_grad():
+        eager, ours = _logits_both(model, dict(input_ids=ids, attention_mask=mask))
+        eager_packed, ours_packed = _logits_both(model, dict(input_ids=ids[:1], position_ids=position_ids))
+    assert float((eager[mask.bool()] - ours[mask.bool()]).abs().max()) <= 1e-4
+    assert float((eager_packed - ours_packed).abs().max()) <= 1e-4
+    model.config.attention_chunk_size = 5  # negative control: other chunks, other logits
+    with torch.no_grad():
+        model.set_attn_implementation("hf_tiny_flash")
+        other = model(input_ids=ids, attention_mask=mask).logits.float()
+    assert float((eager[mask.bool()] - other[mask.bool()]).abs().max()) > 1e-2
+    model.config.attention_chunk_size = 4
+    tokens = {}
+    for backend in ("eager", "hf_tiny_flash"):
+        model.set_attn_implementation(backend)
+        tokens[backend] = model.generate(input_ids=ids[:, :6], attention_mask=mask[:, :6], max_new_tokens=3,
+                                         do_sample=False, pad_token_id=0)
+    assert torch.equal(tokens["eager"], tokens["hf_tiny_flash"])
+
+
 def test_backend_encoder_right_padding_matches_eager(kernel):
     from hf_tiny import TinyEncoderConfig, TinyEncoderModel
 

@@ -190,9 +190,14 @@ def test_flash_backend_runs_each_packed_sequence_alone(use_package):
     with pytest.MonkeyPatch.context() as patch:
         _flash_on_cpu(patch, package=package)
         produced, _ = flash_attention(q, k, v, mask.mask, scale=0.35, is_causal=True, segment_ids=segment_ids)
-        # negative control: without segment_ids flash cannot express the block-diagonal mask and says so
+        # without segment_ids flash reads the block-diagonal mask's segments itself (as chunked attention's)
+        read, _ = flash_attention(q, k, v, mask.mask, scale=0.35, is_causal=True)
+        # negative control: a key seen across a boundary is no pattern flash can express, and it says so
+        leaky = mask.mask.clone()
+        leaky[0, 0, 3, 2] = True
         with pytest.raises(ValueError, match="padding and causal masks only"):
-            flash_attention(q, k, v, mask.mask, scale=0.35, is_causal=True)
+            flash_attention(q, k, v, leaky, scale=0.35, is_causal=True)
     torch.testing.assert_close(produced, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(read, expected, atol=1e-5, rtol=0)
     if package is not None:
-        assert package.calls == ["varlen"]
+        assert package.calls == ["varlen", "varlen"]
