@@ -84,20 +84,37 @@ def _stored_key(name: str, tensors: Mapping, tied: Mapping[str, str], base_prefi
 def streaming(model: nn.Module, tensors: Mapping, names: Mapping[str, str], *, device: str,
               dtype: torch.dtype) -> Iterator[nn.Module]:
     """While open, each module reads its own parameters (and stored buffers) from `tensors` when it runs, on
-    `device`, floating ones in `dtype`, and lets them go when it returns."""
-    handles = []
+    `device`, floating ones in `dtype`, and lets them go when it returns. Modules of at most RESIDENT_ELEMENTS
+    (norms, biases, small tables a model may read without calling the module, as BERT-style token type embeddings)
+    are read once and held while the block is open."""
+    handles, resident = [], []
     for prefix, module in model.named_modules():
         own = {local: names[_join(prefix, local)] for local in [*module._parameters, *module._buffers]
                if _join(prefix, local) in names and _owned(module, local)}
-        if own:
-            loader = _ModuleWeights(own, tensors, device, dtype)
-            handles.append(module.register_forward_pre_hook(loader.load))
-            handles.append(module.register_forward_hook(loader.release))
+        if not own:
+            continue
+        loader = _ModuleWeights(own, tensors, device, dtype)
+        if sum(_size(module, local) for local in own) <= RESIDENT_ELEMENTS:
+            loader.load(module, ())
+            resident.append((loader, module))
+            continue
+        handles.append(module.register_forward_pre_hook(loader.load))
+        handles.append(module.register_forward_hook(loader.release))
     try:
         yield model
     finally:
         for handle in handles:
             handle.remove()
+        for loader, module in resident:
+            loader.release(module, (), None)
+
+
+RESIDENT_ELEMENTS = 1 << 16
+
+
+def _size(module: nn.Module, local: str) -> int:
+    value = module._parameters.get(local) if local in module._parameters else module._buffers.get(local)
+    return value.numel()
 
 
 def _owned(module: nn.Module, local: str) -> bool:
