@@ -26,6 +26,7 @@ from .lazy import LazyTensors, TensorInfo
 from .mxfp4 import dequantize_mxfp4
 
 MODEL_TYPE = "gpt_oss"
+CONFIG_CLASS = "GptOssConfig"
 OFFICIAL_CLASSES = {
     "TinyCausalForCausalLM": "GptOssForCausalLM",
     "TinyCausalForSequenceClassification": "GptOssForSequenceClassification",
@@ -89,8 +90,14 @@ def sparse_rules(config, layer: str) -> list:
     return rules
 
 
-def attention_rules(layer: str) -> list:
-    return [(f"{layer}self_attn.sinks",) * 2]
+def claims(config) -> bool:
+    from hf_tiny.configuration_causal import field_value
+
+    return bool(field_value(config, "attention_sinks"))
+
+
+def adapt_layer_rules(config, layer: str, rules: list) -> list:
+    return [*rules, (f"{layer}self_attn.sinks",) * 2]
 
 
 def fields_from_official(official, *, src) -> dict:

@@ -26,19 +26,20 @@ from pathlib import Path
 
 from hf_tiny.configuration_causal import field_value
 
-from . import deepseek, gpt_oss
+from . import deepseek, gpt_oss, olmo2
 from .causal import IGNORED_BUFFERS, OUR_CLASSES, CausalFamily, check_layer_types, detect_source
 from .errors import ConversionError
 from .keymap import KeyMap, Rule
-from .llama_configs import causal_config_from_official, official_config_from_causal, official_family
+from .llama_configs import VARIANT_BY_TYPE, VARIANTS, causal_config_from_official, official_config_from_causal
+from .llama_configs import official_family, variant_of
 from .meta_llama import meta_config, meta_key_map, meta_official_model, read_meta_source
 from .moe import MOE_MODEL_TYPES, OFFICIAL_PREFIXES, moe_rules
 from .pipeline import Plan, ReversePlan, Source, entry_points
 from .readers import official_config
 from .writer import drop_tied_copies
 
-HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text") + MOE_MODEL_TYPES + (deepseek.MODEL_TYPE,
-                                                                                   gpt_oss.MODEL_TYPE)
+HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text") + MOE_MODEL_TYPES + (deepseek.MODEL_TYPE,) + tuple(
+    VARIANT_BY_TYPE)
 # GGUF general.architecture values read (transformers' GGUF loader turns "gemma3" into model_type gemma3_text)
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 # official model type -> {hf_tiny class: official class}
@@ -53,7 +54,7 @@ OFFICIAL_CLASSES = {
         (deepseek.MODEL_TYPE, "DeepseekV3"),
     )
 }
-OFFICIAL_CLASSES[gpt_oss.MODEL_TYPE] = gpt_oss.OFFICIAL_CLASSES
+OFFICIAL_CLASSES.update({variant.MODEL_TYPE: variant.OFFICIAL_CLASSES for variant in VARIANTS})
 OFFICIAL_CLASSES["gemma3_text"] = {  # Gemma3Model is the multimodal one
     "TinyCausalForCausalLM": "Gemma3ForCausalLM",
     "TinyCausalForSequenceClassification": "Gemma3TextForSequenceClassification",
@@ -126,27 +127,35 @@ def _layer_rules(config, layer: str, mlp_kind: str, rope_interleave: bool) -> li
         rules.append((f"{layer}self_attn.o_proj.weight",) * 2)
         if out_bias:
             rules.append((f"{layer}self_attn.o_proj.bias",) * 2)
-        if field_value(config, "attention_sinks"):
-            rules += gpt_oss.attention_rules(layer)
-    if mlp_kind == "sparse":
-        family = official_family(config)
-        if family == deepseek.MODEL_TYPE:
-            rules += deepseek.sparse_rules(config, layer)
-        elif family == gpt_oss.MODEL_TYPE:
-            rules += gpt_oss.sparse_rules(config, layer)
-        else:
-            rules += moe_rules(config, family, layer)
-    else:
+    if mlp_kind != "sparse":
         for name in MLP_PROJECTIONS:
             rules.append((f"{layer}mlp.{name}.weight",) * 2)
             if config.mlp_bias:
                 rules.append((f"{layer}mlp.{name}.bias",) * 2)
-    norms = GEMMA3_NORMS if config.sandwich_norms else {name: name for name in LAYER_NORMS}
-    for official_name, our_name in norms.items():
+    for official_name, our_name in _norm_names(config).items():
         rules.append((f"{layer}{official_name}.weight", f"{layer}{our_name}.weight"))
-    if config.qk_norm:
+    if config.qk_norm and field_value(config, "qk_norm_type") != "l2":  # L2 q/k norms have no weights
         rules += [(f"{layer}self_attn.q_norm.weight",) * 2, (f"{layer}self_attn.k_norm.weight",) * 2]
-    return rules
+    variant = variant_of(config)
+    if variant is not None and hasattr(variant, "adapt_layer_rules"):
+        rules = variant.adapt_layer_rules(config, layer, rules)
+    return rules + (_sparse_rules(config, layer) if mlp_kind == "sparse" else [])
+
+
+def _norm_names(config) -> dict[str, str]:
+    """Official layer norm name -> ours: Llama's two pre-norms, Gemma 3's four, OLMo 2's two post-norms."""
+    if field_value(config, "pre_norms") is False:
+        return olmo2.NORMS
+    return GEMMA3_NORMS if config.sandwich_norms else {name: name for name in LAYER_NORMS}
+
+
+def _sparse_rules(config, layer: str) -> list:
+    family = official_family(config)
+    if family == deepseek.MODEL_TYPE:
+        return deepseek.sparse_rules(config, layer)
+    if family in VARIANT_BY_TYPE:
+        return VARIANT_BY_TYPE[family].sparse_rules(config, layer)
+    return moe_rules(config, family, layer)
 
 
 def _mtp_rules(config, k: int, rope_interleave: bool) -> list:

@@ -3,14 +3,17 @@ types, DeepSeek-V3), and which official type can hold an hf_tiny causal config."
 
 from __future__ import annotations
 
-from hf_tiny.configuration_causal import field_value
-
-from . import deepseek, gpt_oss
+from . import deepseek, gpt_oss, llama4, olmo2, smollm3
 from .causal import build_causal_config, plain_dict
 from .errors import ConversionError
 from .moe import MOE_MODEL_TYPES, OFFICIAL_PREFIXES, moe_fields_from_official, official_moe_config_fields
 from .moe import official_moe_family
 from .phi3 import needs_phi3
+
+# The 2025 families: tables beside the Llama block (a model type, its classes and config class, claims(config),
+# check_holds, the config fields both ways, adapt_layer_rules / sparse_rules); the first that claims a config holds it.
+VARIANTS = (llama4, gpt_oss, olmo2, smollm3)
+VARIANT_BY_TYPE = {variant.MODEL_TYPE: variant for variant in VARIANTS}
 
 # Fields with the same name and meaning in TinyCausalConfig and every official config of the family.
 SHARED_FIELDS = (
@@ -20,7 +23,7 @@ SHARED_FIELDS = (
 )
 CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                   "gemma3_text": "Gemma3TextConfig", deepseek.MODEL_TYPE: "DeepseekV3Config",
-                  gpt_oss.MODEL_TYPE: "GptOssConfig",
+                  **{variant.MODEL_TYPE: variant.CONFIG_CLASS for variant in (gpt_oss, llama4, olmo2, smollm3)},
                   **{family: f"{prefix}Config" for family, prefix in OFFICIAL_PREFIXES.items()}}
 
 
@@ -43,8 +46,8 @@ def causal_config_from_official(official, *, src):
         values.update(_gemma3_fields(official, src=src))
     elif model_type == deepseek.MODEL_TYPE:
         values.update(deepseek.fields_from_official(official, src=src))
-    elif model_type == gpt_oss.MODEL_TYPE:
-        values.update(gpt_oss.fields_from_official(official, src=src))
+    elif model_type in VARIANT_BY_TYPE:
+        values.update(VARIANT_BY_TYPE[model_type].fields_from_official(official, src=src))
     elif model_type in MOE_MODEL_TYPES:
         values.update(moe_fields_from_official(official, src=src))
         if model_type == "qwen2_moe":  # biases on q/k/v (qkv_bias), none on o_proj
@@ -106,8 +109,8 @@ def _official_fields(config, family: str) -> dict:
     """What each official type holds beyond SHARED_FIELDS."""
     if family == deepseek.MODEL_TYPE:
         return deepseek.official_fields(config)
-    if family == gpt_oss.MODEL_TYPE:
-        return gpt_oss.official_fields(config)
+    if family in VARIANT_BY_TYPE:
+        return VARIANT_BY_TYPE[family].official_fields(config)
     if family in MOE_MODEL_TYPES:
         values = official_moe_config_fields(config, family)
         if family == "mixtral":  # Mixtral's experts are intermediate_size wide; it has no dense layers
@@ -163,12 +166,18 @@ def official_family(config) -> str:
     if config.mla_spec() is not None:
         deepseek.check_holds(config)
         return deepseek.MODEL_TYPE
-    if field_value(config, "attention_sinks"):
-        gpt_oss.check_holds(config)
-        return gpt_oss.MODEL_TYPE
+    variant = variant_of(config)
+    if variant is not None:
+        variant.check_holds(config)
+        return variant.MODEL_TYPE
     if config.moe_spec() is not None:
         return official_moe_family(config)
     return _dense_family(config)
+
+
+def variant_of(config):
+    """The 2025 family table that claims this config, or None."""
+    return next((variant for variant in VARIANTS if variant.claims(config)), None)
 
 
 def _dense_family(config) -> str:
