@@ -7,8 +7,8 @@ time, so making it needs little memory), cached in $HF_TINY_BENCH_CACHE or ~/.ca
 command runs in its own process; its peak RSS is the kernel's (wait4's ru_maxrss). Measured per model:
 - `cp -r SRC` (the floor: reading and writing every byte once),
 - `python -m conversion llama SRC DST` (writing the folder and measuring parity, both streamed),
-- loading the result: hf_tiny's folder with AutoModelForCausalLM(trust_remote_code) and the official folder with
-  transformers, each in bf16 (transformers' loader: same for both sides).
+- loading the result and one 8-token forward (every weight read): hf_tiny's folder with
+  AutoModelForCausalLM(trust_remote_code) and the official folder with transformers, each in bf16.
 A model whose checkpoint does not fit the free disk (source, copy and result) is skipped with the reason.
 """
 
@@ -40,11 +40,13 @@ SHAPES = {
 }
 SHARD_SIZE = "5GB"  # as the Hub's Llama checkpoints are sharded
 TARGETS = {"tinyllama": 0.5, "llama3_8b": 0.25}  # peak RSS / checkpoint size (issue 35)
+# Loading, then one 8-token forward (every weight read once: memory-mapped weights count once they are touched).
 LOAD_SCRIPT = """
 import sys, torch, transformers
 kwargs = {"trust_remote_code": True} if sys.argv[2] == "hf_tiny" else {}
 model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16, **kwargs)
-print(sum(p.numel() for p in model.parameters()))
+with torch.no_grad():
+    print(model(torch.arange(8)[None] + 10).logits.float().abs().max().item())
 """
 
 
