@@ -21,6 +21,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .runtime import plain_linear
+from .step import check_skip_logits
 
 # Logits elements per chunk (fp32: 32 MiB): large enough that each chunk's matrix product runs at full speed.
 CHUNK_LOGIT_ELEMENTS = 1 << 23
@@ -110,11 +111,6 @@ def linear_cross_entropy(
         divisor = torch.as_tensor(num_items_in_batch, device=hidden.device).to(torch.float32)
     chunk = chunk_tokens or chunk_tokens_for(weight.shape[0])
     return _LinearCrossEntropy.apply(hidden, weight, bias, targets, divisor, ignore_index, softcap, chunk)
-
-
-def check_skip_logits(skip_logits: Optional[bool], labels) -> None:
-    if skip_logits and labels is None:
-        raise ValueError("skip_logits=True needs labels: without them there is no loss and the logits are the output")
 
 
 def use_chunked_loss(skip_logits: Optional[bool], labels, *, training: bool, head) -> bool:

@@ -32,7 +32,7 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutputWithPast,
 )
 
-from .chunked_loss import check_skip_logits, labels_ahead, linear_cross_entropy, use_chunked_loss
+from .chunked_loss import labels_ahead, linear_cross_entropy, use_chunked_loss
 from .configuration_causal import TinyCausalConfig, field_value
 from .layers import Attention, ClampedSwiGLUFeedForward, RotaryEmbedding, build_norm, feed_forward, query_temperature
 from .mla import LatentAttention
@@ -40,8 +40,8 @@ from .modeling_base import HfTinyPreTrainedModel
 from .moe import SparseMoeFeedForward, load_balancing_loss
 from .mtp import MtpLayer, generate_with_mtp, mtp_loss
 from .step import (
-    LayerOutputs, check_extra_kwargs, format_output, output_flags, prepare_causal_step, cache_of, with_cache,
-    PACKING_KWARGS,
+    LayerOutputs, check_extra_kwargs, check_skip_logits, format_output, output_flags, prepare_causal_step, cache_of,
+    with_cache, PACKING_KWARGS,
 )
 from .transformers_api import check_cached_generation
 from .validation import check_labels, check_sequence_labels, is_compiling

@@ -287,6 +287,11 @@ def check_positions(position_ids, batch_size: int, query_length: int) -> torch.T
     return position_ids
 
 
+def check_skip_logits(skip_logits: Optional[bool], labels) -> None:
+    if skip_logits and labels is None:
+        raise ValueError("skip_logits=True needs labels: without them there is no loss and the logits are the output")
+
+
 def check_extra_kwargs(owner: str, kwargs: dict, allowed: tuple, ignored: tuple = ()) -> dict:
     """The keyword arguments a forward takes besides its named ones; anything else is an error (silently ignoring,
     say, packed-sequence boundaries would attend across sequences)."""
