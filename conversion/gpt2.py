@@ -138,6 +138,7 @@ def causal_config_from_gpt2(official, *, src):
         query_pre_attn_scalar=None if official.scale_attn_weights else 1.0,
         tie_word_embeddings=official.tie_word_embeddings,
         pad_token_id=official.pad_token_id,
+        use_padding_idx=False,  # official GPT-2 / MPT embeddings have no padding row
         bos_token_id=official.bos_token_id,
         eos_token_id=official.eos_token_id,
     )

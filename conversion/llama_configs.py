@@ -61,8 +61,9 @@ def causal_config_from_official(official, *, src):
         else:
             values["attention_bias"] = official.attention_bias  # Qwen3: on q/k/v/o alike
             values["qk_norm"] = True
-    if values.get("pad_token_id") is not None and not 0 <= values["pad_token_id"] < values["vocab_size"]:
-        values["pad_token_id"] = None  # some checkpoints store pad_token_id=-1 for "none"
+    pad = values.get("pad_token_id")
+    if pad is not None and pad != -1 and not 0 <= pad < values["vocab_size"]:
+        values["pad_token_id"] = None  # -1 (old LLaMA configs) stays: official reads it as the last row, so do we
     return build_causal_config(values, official, src=src)
 
 

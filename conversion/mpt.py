@@ -117,6 +117,7 @@ def causal_config_from_mpt(official, *, src):
         attention_dropout=attn.attn_pdrop,
         hidden_dropout=attn.attn_pdrop,
         pad_token_id=official.pad_token_id,
+        use_padding_idx=False,  # official GPT-2 / MPT embeddings have no padding row
         bos_token_id=official.bos_token_id,
         eos_token_id=official.eos_token_id,
     )

@@ -163,7 +163,7 @@ def _random_padded(config, lengths: list[int], length: int, side: str, seed: int
         attention_mask[row, :real] = 1
     if side == "left":
         attention_mask = attention_mask.flip(-1)
-    pad = config.pad_token_id if config.pad_token_id is not None else 0
+    pad = config.pad_token_id if config.pad_token_id is not None and config.pad_token_id >= 0 else 0  # -1: old LLaMA
     batch = {"input_ids": input_ids.masked_fill(attention_mask == 0, pad), "attention_mask": attention_mask}
     if side == "right" and getattr(config, "type_vocab_size", 0):
         batch["token_type_ids"] = torch.randint(0, config.type_vocab_size, input_ids.shape, generator=generator)

@@ -180,6 +180,7 @@ OPTIONAL_FIELDS = {
     "sinks": dict(attention_sinks=False),
     "moe_biases": dict(router_bias=False, expert_bias=False),
     "clamped_swiglu": dict(swiglu_limit=None, swiglu_alpha=1.702),
+    "use_padding_idx": dict(use_padding_idx=True),
 }
 
 
@@ -193,6 +194,7 @@ def _uses(group: str, values: dict) -> bool:
         "router_input_weights": values["apply_router_weight_on_input"] is not False,
         "sinks": bool(values["attention_sinks"]), "clamped_swiglu": values["swiglu_limit"] is not None,
         "moe_biases": bool(values["router_bias"] or values["expert_bias"]),
+        "use_padding_idx": values["use_padding_idx"] is not True,
     }[group]
 
 
@@ -329,7 +331,8 @@ def _check_layer_variants(owner: str, values: dict) -> None:
     """The switches of the 2025 decoders: q/k norm placement, post-sublayer norms, chunked attention, Llama 4's
     query temperature on NoPE layers and its router weights on expert inputs."""
     check_choice(owner, "qk_norm_type", values["qk_norm_type"], QK_NORM_TYPES)
-    check_bool(owner, pre_norms=values["pre_norms"], attn_temperature_tuning=values["attn_temperature_tuning"],
+    check_bool(owner, pre_norms=values["pre_norms"], use_padding_idx=values["use_padding_idx"],
+               attn_temperature_tuning=values["attn_temperature_tuning"],
                apply_router_weight_on_input=values["apply_router_weight_on_input"])
     needs = {
         "qk_norm_type": (values["qk_norm_type"] != "head", "qk_norm=True", values["qk_norm"]),
@@ -477,6 +480,9 @@ class TinyCausalConfig(PretrainedConfig):
     - qk_norm_type: where qk_norm acts: "head" (each head before RoPE, weights of head_dim: Qwen3, Gemma 3),
       "projection" (the whole q / k projection before the heads split, weights of heads * head_dim: OLMo 2),
       "l2" (each head after RoPE, no weight, on rotary layers only: Llama 4's use_qk_norm).
+    - use_padding_idx=False: the token embedding has no padding row (pad_token_id's row trains like any other), as
+      official GPT-2 and MPT; True (Llama and most others; the seq2seq config's field of the same name):
+      nn.Embedding(padding_idx=pad_token_id).
     - pre_norms=False: no norm before each sublayer; with sandwich_norms the layer is OLMo 2's
       h = x + norm(attn(x)), out = h + norm(mlp(h)).
     - layer_types "chunked_attention" with attention_chunk_size C (Llama 4's local layers): a query sees the keys

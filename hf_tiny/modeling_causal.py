@@ -143,7 +143,7 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
 
     def __init__(self, config: TinyCausalConfig):
         super().__init__(config)
-        self.padding_idx = config.pad_token_id
+        self.padding_idx = config.pad_token_id if field_value(config, "use_padding_idx") else None
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         learned = config.position_embedding_type == "learned"

@@ -256,3 +256,25 @@ def test_nanogpt_checkpoint_without_model_args_is_a_clear_error(tmp_path):
     torch.save(checkpoint, tmp_path / "ckpt.pt")
     with pytest.raises(ConversionError, match=r"model_args lacks \['n_head'\]"):
         gpt2.convert(tmp_path / "ckpt.pt", tmp_path / "ours")
+
+
+def test_pad_token_row_trains_as_in_official_gpt2(tmp_path):
+    """Official GPT-2's embedding has no padding row: with pad = a token that also occurs as a real one (GPT-2's
+    usual pad = eos), that row gets its gradient. The converted model does the same (use_padding_idx=False);
+    negative control: the same weights with a padding row give it no gradient."""
+    official = tiny_gpt2(tie_word_embeddings=False)
+    dst, _ = convert(official, tmp_path)
+    ours = AutoModelForCausalLM.from_pretrained(dst).eval()  # eval: no dropout; gradients are still recorded
+    assert ours.config.use_padding_idx is False
+    ids = torch.tensor([[0, 5, 7, 0, 9, 3, 0, 11]])  # token 0 (the pad id) as a real token
+
+    def embedding_gradient(model, table):
+        model.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+        return table.weight.grad[0].clone()
+
+    expected = embedding_gradient(official, official.transformer.wte)
+    assert expected.abs().max() > 1e-3
+    torch.testing.assert_close(embedding_gradient(ours, ours.model.embed_tokens), expected, rtol=1e-4, atol=1e-6)
+    padded = AutoModelForCausalLM.from_pretrained(dst, use_padding_idx=True).eval()
+    assert torch.count_nonzero(embedding_gradient(padded, padded.model.embed_tokens)) == 0

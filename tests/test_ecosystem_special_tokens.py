@@ -85,3 +85,13 @@ def test_pad_token_id_minus_one_is_accepted_as_official_llama_accepts_it():
         assert float(grad[ids[0, 0]].abs().max()) > 0  # negative control: other input rows do get gradient
     with pytest.raises(ValueError, match=r"pad_token_id must be None or a token id in \[0, 97\), got 97"):
         hf_tiny.TinyCausalConfig(**{**fields, "pad_token_id": 97})
+
+
+def test_pad_token_id_minus_one_survives_conversion(tmp_path):
+    """A Llama checkpoint with pad_token_id=-1 converts keeping it: the same padding row (the last) as official."""
+    from conversion import llama
+
+    tiny_official("llama", pad_token_id=-1).save_pretrained(tmp_path / "src")
+    llama.convert(tmp_path / "src", tmp_path / "ours")
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "ours")
+    assert ours.config.pad_token_id == -1 and ours.model.embed_tokens.padding_idx == 96
