@@ -81,8 +81,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_loss):
         grads = list(ctx.saved_tensors)
-        if grad_loss.item() != 1.0:  # 1.0 unless the loss was scaled (gradient accumulation, a loss weight)
-            grads = [None if g is None else g * grad_loss.to(g.dtype) for g in grads]
+        # grad_loss is 1.0 unless the loss was scaled (gradient accumulation, a loss weight); multiplying by 1.0 is
+        # exact, and not branching on its value keeps the backward free of a host sync (torch.compile, export)
+        grads = [None if g is None else g * grad_loss.to(g.dtype) for g in grads]
         return (*grads, None, None, None, None, None)
 
 
