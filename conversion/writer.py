@@ -279,6 +279,8 @@ def write_generation_config(tmp: Path, config, official_config=None) -> None:
     for field in ("decoder_start_token_id", "pad_token_id", "eos_token_id", "bos_token_id"):
         if getattr(generation, field, None) is None and getattr(config, field, None) is not None:
             setattr(generation, field, getattr(config, field))
+    if isinstance(generation.pad_token_id, int) and generation.pad_token_id < 0:
+        generation.pad_token_id = None  # old LLaMA's -1: generation configs refuse it (transformers 5.16 on save)
     generation.save_pretrained(tmp)
 
 

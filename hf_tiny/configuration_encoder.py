@@ -5,7 +5,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from .configuration_causal import LAYER_TYPES, check_layer_types
+from .configuration_causal import check_layer_types
 from .rope import rotary_dim, standardize_rope_parameters
 from .validation import check_bool, check_choice, check_divisible, check_finite_fields, check_positive, check_positive_number
 from .validation import check_non_negative, check_probability, check_token_ids, check_unsupported_field, init_arguments
@@ -23,6 +23,9 @@ OPTIONAL_FIELDS = dict(
 POSITION_EMBEDDING_TYPES = ("absolute", "rope")
 NORM_PLACEMENTS = ("post", "pre")
 CLASSIFIER_POOLINGS = ("cls", "mean")
+
+# The encoder's layer types (ModernBERT's global and local layers); the causal family also has chunked ones.
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 class TinyEncoderConfig(PretrainedConfig):
@@ -205,6 +208,9 @@ def _check_optional_fields(owner: str, values: dict) -> None:
     if values["layer_types"] is not None or values["sliding_window"] is not None:
         values["layer_types"] = check_layer_types(owner, values["layer_types"], values["num_hidden_layers"],
                                                   values["sliding_window"])
+        other = sorted(set(values["layer_types"]) - set(LAYER_TYPES))
+        if other:
+            raise ValueError(f"{owner}: the encoder's layer_types are {list(LAYER_TYPES)}; got {other}")
     if values["position_embedding_type"] == "rope" and (values["positions_from_padding"] or values["sinusoidal_positions"]):
         raise ValueError(
             f"{owner}: position_embedding_type='rope' has no position table, so positions_from_padding="
