@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 
 import contextlib
+import copy
 import json
 import os
 import shutil
@@ -279,9 +280,15 @@ def write_generation_config(tmp: Path, config, official_config=None) -> None:
     for field in ("decoder_start_token_id", "pad_token_id", "eos_token_id", "bos_token_id"):
         if getattr(generation, field, None) is None and getattr(config, field, None) is not None:
             setattr(generation, field, getattr(config, field))
+    _without_negative_pad(generation).save_pretrained(tmp)
+
+
+def _without_negative_pad(generation):
+    """Old LLaMA's pad_token_id=-1 is left out of generation_config.json (transformers 5.16 refuses to save it)."""
     if isinstance(generation.pad_token_id, int) and generation.pad_token_id < 0:
-        generation.pad_token_id = None  # old LLaMA's -1: generation configs refuse it (transformers 5.16 on save)
-    generation.save_pretrained(tmp)
+        generation = copy.deepcopy(generation)
+        generation.pad_token_id = None
+    return generation
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -357,4 +364,4 @@ def write_model_files(tmp: Path, model, config, *, stored_dtype: torch.dtype, au
         config.auto_map = auto_map
     config.save_pretrained(tmp)
     if model.can_generate():
-        model.generation_config.save_pretrained(tmp)
+        _without_negative_pad(model.generation_config).save_pretrained(tmp)

@@ -91,7 +91,10 @@ def test_pad_token_id_minus_one_survives_conversion(tmp_path):
     """A Llama checkpoint with pad_token_id=-1 converts keeping it: the same padding row (the last) as official."""
     from conversion import llama
 
-    tiny_official("llama", pad_token_id=-1).save_pretrained(tmp_path / "src")
+    tiny_official("llama").save_pretrained(tmp_path / "src")  # transformers 5.16 refuses to save pad -1 itself
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    (tmp_path / "src" / "config.json").write_text(json.dumps({**config, "pad_token_id": -1}))
+    (tmp_path / "src" / "generation_config.json").unlink(missing_ok=True)
     llama.convert(tmp_path / "src", tmp_path / "ours")
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "ours")
     assert ours.config.pad_token_id == -1 and ours.model.embed_tokens.padding_idx == 96
