@@ -9,7 +9,7 @@ table (one theta for global layers, one for local ones), pre-norm layers (x = x 
 norm is the first layer's, a final `norm` follows the last layer), local layers attending within a sliding
 window, a gated feed-forward, no biases, and the MLM head's dense -> act -> norm in front of every task head.
 
-Parameter names follow Llama habits (DESIGN.md) so PEFT target_modules and device maps work as usual:
+Parameter names follow Llama habits so PEFT target_modules and device maps work as usual:
 model.layers.N.self_attn.{q,k,v,o}_proj, model.layers.N.mlp.{up,down}_proj, model.layers.N.input_layernorm (the
 norm after attention in post-LN) and model.layers.N.post_attention_layernorm (the norm after the feed-forward).
 """
@@ -134,9 +134,14 @@ class TinyEncoderPreNormLayer(GradientCheckpointingLayer):
 class TinyEncoderPreTrainedModel(HfTinyPreTrainedModel):
     config_class = TinyEncoderConfig
     base_model_prefix = "model"
-    _no_split_modules = ["TinyEncoderLayer", "TinyEncoderPreNormLayer"]
-    # The heads compute a mean loss themselves: Trainer must not pass num_items_in_batch (see HF_V5_NOTES.md).
+    _no_split_modules = ["TinyEncoderLayer"]
+    # The heads compute a mean loss themselves: Trainer must not pass num_items_in_batch.
     accepts_loss_kwargs = False
+
+    def __init__(self, config: TinyEncoderConfig, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        # the block this config builds, which device_map="auto" must keep whole (ModernBERT's is the pre-norm one)
+        self._no_split_modules = ["TinyEncoderPreNormLayer" if config.norm_placement == "pre" else "TinyEncoderLayer"]
 
     def _format_output(self, output: ModelOutput, return_dict: Optional[bool]) -> Union[ModelOutput, tuple]:
         """The output as a ModelOutput, or as a tuple when return_dict (default: config.return_dict) is False."""

@@ -129,7 +129,10 @@ def test_decode_step_profile_in_the_report(threads):
     threads(2)
     model = weight_first_model()
     shape = Shape(batch=1, seq=5, new_tokens=4)
-    steps = run.profile_decode_step({"official": model, "hf_tiny": model}, shape, torch.device("cpu"))
+    for _ in range(3):  # a group's time is a long run's minus a short run's: machine noise can cancel it once
+        steps = run.profile_decode_step({"official": model, "hf_tiny": model}, shape, torch.device("cpu"))
+        if all(step["weight matmuls"] > 0 and step["attention kernel"] > 0 for step in steps.values()):
+            break
     for step in steps.values():
         assert step["weight matmuls"] > 0 and step["attention kernel"] > 0 and step["wall"] > step["weight matmuls"]
     arch = roofline.Arch.from_config(model.config, "causal")
