@@ -10,7 +10,7 @@
     mlp.experts.{e}.down_proj.bias                  mlp.experts.down_proj_bias [E, H]
 
 The released checkpoints store the experts' weights in MXFP4 (`*_blocks` uint8 + `*_scales` exponents): they are
-dequantised (hf_tiny/mxfp4.py, transformers' own arithmetic) into the same per-expert tensors, in bf16, and the
+dequantised (conversion/mxfp4.py, transformers' own arithmetic) into the same per-expert tensors, in bf16, and the
 card says so; converting back writes the fused bf16 layout above.
 """
 
