@@ -3,6 +3,8 @@ a swapped norm or a dropped bias shows in the logits, and left-padded batches.""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import transformers
 
@@ -97,3 +99,17 @@ def small_paged_cache():
     from transformers import ContinuousBatchingConfig
 
     return ContinuousBatchingConfig(num_blocks=16, max_batch_tokens=256)
+
+
+def transformers_warnings(action) -> tuple[object, list[str]]:
+    """action()'s result and the warnings transformers logged meanwhile (its logger does not propagate to caplog)."""
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("transformers")
+    logger.addHandler(handler)
+    try:
+        result = action()
+    finally:
+        logger.removeHandler(handler)
+    return result, [r.getMessage() for r in records]

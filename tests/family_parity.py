@@ -99,24 +99,13 @@ def gradient_errors(official, ours, rename) -> tuple[float, float]:
 
 
 def assert_runtime_bit_identical(model, monkeypatch) -> None:
-    """hf_tiny/runtime.py's promise on this family (tests/test_runtime.py's check): logits of a left-padded
-    80-token batch and a training step's loss and gradients are bit-identical with the runtime on and off, and
-    the in-place path really ran."""
+    """hf_tiny/runtime.py's promise on this family (tests/test_runtime.py's check) on a tiny model run in place as a
+    large prefill is."""
     from hf_tiny import runtime
-    from test_runtime import batch, logits, ops_of, training_step
+    from test_runtime import assert_bit_identical_on_and_off
 
-    monkeypatch.setattr(runtime, "MIN_ELEMENTS", 1)  # tiny models run in place as a large prefill does
-    inputs = batch(model)
-    on_ops = ops_of(lambda: logits(model, inputs))
-    on_logits, on_step = logits(model, inputs), training_step(model, inputs)
-    with runtime.disabled():
-        off_ops = ops_of(lambda: logits(model, inputs))
-        off_logits, off_step = logits(model, inputs), training_step(model, inputs)
-    assert torch.equal(on_logits, off_logits)
-    assert on_step.keys() == off_step.keys() and len(on_step) > 10
-    different = [name for name in on_step if not torch.equal(on_step[name], off_step[name])]
-    assert not different, different
-    assert "add_" in on_ops and "add_" not in off_ops
+    monkeypatch.setattr(runtime, "MIN_ELEMENTS", 1)
+    assert_bit_identical_on_and_off(model)
 
 
 def main() -> None:

@@ -9,7 +9,6 @@ hf_tiny on CPU); see README "Compatibility". Such rows are checked only for bein
 
 from __future__ import annotations
 
-import logging
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ import test_convert_llama
 import test_convert_phi3
 import test_deepseek
 import test_gpt_oss
-from causal_helpers import tiny_official
+from causal_helpers import tiny_official, transformers_warnings
 from conversion import gpt2, llama, mpt, phi3
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -121,17 +120,9 @@ def test_logits_at_every_position_equal_official_left_and_right_padded(family, c
 
 
 def generate_with_warnings(model, batch: dict) -> tuple[torch.Tensor, list[str]]:
-    """Greedy tokens and the warnings transformers logged meanwhile (its logger does not propagate to caplog)."""
-    records = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append
-    logger = logging.getLogger("transformers")
-    logger.addHandler(handler)
-    try:
-        tokens = model.generate(**batch, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
-    finally:
-        logger.removeHandler(handler)
-    return tokens, [r.getMessage() for r in records]
+    """Greedy tokens and the warnings transformers logged meanwhile."""
+    return transformers_warnings(
+        lambda: model.generate(**batch, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None))
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt2"])

@@ -5,7 +5,6 @@ official's warning, the converted folder loads with it and generates as official
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 import torch
@@ -14,25 +13,12 @@ from transformers import AutoModelForCausalLM
 import hf_tiny
 from conversion.__main__ import main
 from conversion.cards import special_token_note
-from causal_helpers import tiny_official
+from causal_helpers import tiny_official, transformers_warnings
 from test_convert_gpt2 import tiny_gpt2
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 WARNING = "bos_token_id must be `None` or an integer within the vocabulary (between 0 and 96), got 50256"
-
-
-def transformers_warnings(action) -> tuple[object, list[str]]:
-    records = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append
-    logger = logging.getLogger("transformers")
-    logger.addHandler(handler)
-    try:
-        result = action()
-    finally:
-        logger.removeHandler(handler)
-    return result, [r.getMessage() for r in records]
 
 
 def test_gpt2_with_bos_eos_outside_a_small_vocabulary_converts_with_officials_warning(tmp_path):
