@@ -45,7 +45,7 @@ class ShardWriter:
 
     infos: {name: TensorInfo}, in the order save_pretrained would see the state dict."""
 
-    def __init__(self, folder: Path, infos: Mapping[str, TensorInfo], *, max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    def __init__(self, folder: Path, infos: Mapping[str, TensorInfo], *, max_shard_size: int | str | None = None,
                  metadata: Mapping[str, str] | None = None, total_parameters: int | None = None):
         from huggingface_hub import split_torch_state_dict_into_shards
 

@@ -174,7 +174,7 @@ def stream_official_folder(tmp: Path, official_class, official_config, state, sr
     tensor read)."""
     from tqdm.auto import tqdm
 
-    from .shards import DEFAULT_MAX_SHARD_SIZE, ShardWriter
+    from .shards import ShardWriter
 
     with torch.device("meta"):
         reference = official_class(official_config)
@@ -192,7 +192,7 @@ def stream_official_folder(tmp: Path, official_class, official_config, state, sr
     order = [key for key in expected if key in state] + [key for key in state if key not in expected]
     official_config.save_pretrained(str(tmp))
     writer = ShardWriter(tmp, {key: state.info(key) for key in order},
-                         max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE)
+                         max_shard_size=max_shard_size)
     try:
         for key in tqdm(order, desc="writing tensors", unit="tensor", disable=not progress, file=sys.stderr, leave=False):
             writer.write(key, state[key])
@@ -318,7 +318,7 @@ def stream_hf_tiny_folder(tmp: Path, model_class, config, state, key_map, num_la
     once, as save_pretrained stores them. Returns the written tensors, lazily (lazy.read_safetensors)."""
     from tqdm.auto import tqdm
 
-    from .shards import DEFAULT_MAX_SHARD_SIZE, ShardWriter
+    from .shards import ShardWriter
     from .tensors import cast_tensor
 
     with torch.device("meta"):
@@ -329,7 +329,7 @@ def stream_hf_tiny_folder(tmp: Path, model_class, config, state, key_map, num_la
     check_shapes({key: info.meta() for key, info in planned.items()}, expected)
     copies = set(model.get_expanded_tied_weights_keys(all_submodels=True))
     stored = {key: info for key, info in planned.items() if key not in copies}
-    writer = ShardWriter(tmp, stored, max_shard_size=max_shard_size or DEFAULT_MAX_SHARD_SIZE,
+    writer = ShardWriter(tmp, stored, max_shard_size=max_shard_size,
                          total_parameters=model.num_parameters())
     try:
         bar = tqdm(total=sum(info.nbytes for info in stored.values()), desc="writing tensors", unit="B",
