@@ -20,6 +20,8 @@ import inspect
 
 import torch
 
+from hf_tiny.configuration_causal import field_value
+
 from .errors import ConversionError
 from .keymap import Rule, Transform
 from .lazy import LazyTensors, TensorInfo
@@ -91,8 +93,6 @@ def sparse_rules(config, layer: str) -> list:
 
 
 def claims(config) -> bool:
-    from hf_tiny.configuration_causal import field_value
-
     return bool(field_value(config, "attention_sinks"))
 
 
@@ -112,8 +112,6 @@ def fields_from_official(official, *, src) -> dict:
 def check_holds(config) -> None:
     """GPT-OSS holds a config with sinks, biased router and experts, clamped SwiGLU, every layer sparse, softmax over
     the top-k logits; anything else is an error naming the fields."""
-    from hf_tiny.configuration_causal import field_value
-
     wanted = {**FIXED, "mlp_layer_types": ["sparse"] * config.num_hidden_layers, "shared_expert_intermediate_size": 0,
               "qk_norm": False, "sandwich_norms": False, "mlp_bias": False}
     got = {name: field_value(config, name) for name in wanted}
@@ -127,8 +125,6 @@ def check_holds(config) -> None:
 def official_fields(config) -> dict:
     """The official GptOssConfig's fields beyond the Llama ones, for an hf_tiny config check_holds accepted."""
     import transformers
-
-    from hf_tiny.configuration_causal import field_value
 
     values = {name: field_value(config, name) for name in MOE_FIELDS}
     values.update(head_dim=config.head_dim, sliding_window=config.sliding_window, layer_types=list(config.layer_types),
