@@ -55,11 +55,16 @@ class TensorInfo:
 
 
 class LazyTensors(Mapping):
-    """name -> tensor, read when asked. infos: {name: TensorInfo}; read(name) -> tensor."""
+    """name -> tensor, read when asked. infos: {name: TensorInfo}; read(name) -> tensor. rows(name, start, stop,
+    out) -> rows start:stop of the tensor's first dimension, written into `out` when given (default: read the
+    tensor, then slice). files: the safetensors files read (their page-cache policy, `drop_pages_after_reading`)."""
 
-    def __init__(self, infos: Mapping[str, TensorInfo], read: Callable[[str], torch.Tensor]):
+    def __init__(self, infos: Mapping[str, TensorInfo], read: Callable[[str], torch.Tensor], *,
+                 rows: Callable | None = None, files: tuple = ()):
         self._infos = dict(infos)
         self._read = read
+        self._rows = rows
+        self._files = files
 
     @classmethod
     def of(cls, tensors: Mapping[str, torch.Tensor]) -> "LazyTensors":
@@ -68,6 +73,17 @@ class LazyTensors(Mapping):
             return tensors
         tensors = dict(tensors)
         return cls({k: TensorInfo(tuple(v.shape), v.dtype) for k, v in tensors.items()}, tensors.__getitem__)
+
+    @classmethod
+    def joined(cls, owners: Mapping[str, "LazyTensors"]) -> "LazyTensors":
+        """{name: the LazyTensors holding it} as one (the shards of a checkpoint)."""
+        parts = list({id(part): part for part in owners.values()}.values())
+        return cls({key: part.info(key) for key, part in owners.items()}, lambda key: owners[key][key],
+                   rows=lambda key, start, stop, out: owners[key].rows(key, start, stop, out),
+                   files=tuple(file for part in parts for file in part._files))
+
+    def _view(self, infos: Mapping[str, TensorInfo], read: Callable, rows: Callable | None) -> "LazyTensors":
+        return LazyTensors(infos, read, rows=rows, files=self._files)
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in self._infos:
@@ -86,13 +102,31 @@ class LazyTensors(Mapping):
     def info(self, key: str) -> TensorInfo:
         return self._infos[key]
 
+    def rows(self, key: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows start:stop (first dimension) of a tensor, read alone where the storage allows it."""
+        if key not in self._infos:
+            raise KeyError(key)
+        rows = self._infos[key].shape[0] if self._infos[key].shape else 0
+        if not 0 <= start <= stop <= rows:
+            raise ValueError(f"{key}: rows {start}:{stop} are outside its {rows} rows")
+        if self._rows is not None:
+            return self._rows(key, start, stop, out)
+        value = self._read(key)[start:stop]
+        return value if out is None else out.copy_(value)
+
+    def drop_pages_after_reading(self) -> None:
+        """Each safetensors read from now on gives its file pages back to the kernel's page cache (a checkpoint
+        read once should not push out what is read again, as the converted files are by the parity runs)."""
+        for file in self._files:
+            file.drop_pages = True
+
     @property
     def nbytes(self) -> int:
         return sum(info.nbytes for info in self._infos.values())
 
     def without(self, keys: Iterable[str]) -> "LazyTensors":
         dropped = set(keys)
-        return LazyTensors({k: v for k, v in self._infos.items() if k not in dropped}, self._read)
+        return self._view({k: v for k, v in self._infos.items() if k not in dropped}, self._read, self._rows)
 
     def renamed(self, rename: Callable[[str], str | None]) -> "LazyTensors":
         """The same tensors under rename(name); a name renamed to None is left out."""
@@ -103,14 +137,22 @@ class LazyTensors(Mapping):
                 if new in original:
                     raise ConversionError(f"{original[new]!r} and {key!r} would both be read as {new!r}")
                 original[new] = key
-        return LazyTensors({new: self._infos[old] for new, old in original.items()},
-                           lambda key: self._read(original[key]))
+        rows = None if self._rows is None else (lambda key, *args: self._rows(original[key], *args))
+        return self._view({new: self._infos[old] for new, old in original.items()},
+                          lambda key: self._read(original[key]), rows)
 
     def with_tensors(self, extra: Mapping[str, tuple[TensorInfo, Callable[[], torch.Tensor]]]) -> "LazyTensors":
         """These tensors added (or replacing ones of the same name): {name: (info, make)}."""
         infos = {**self._infos, **{k: info for k, (info, _) in extra.items()}}
         makers = {k: make for k, (_, make) in extra.items()}
-        return LazyTensors(infos, lambda key: makers[key]() if key in makers else self._read(key))
+
+        def rows(key, start, stop, out):
+            if key in makers or self._rows is None:
+                value = (makers[key]() if key in makers else self._read(key))[start:stop]
+                return value if out is None else out.copy_(value)
+            return self._rows(key, start, stop, out)
+
+        return self._view(infos, lambda key: makers[key]() if key in makers else self._read(key), rows)
 
     def aliased(self, aliases: Mapping[str, str]) -> "LazyTensors":
         """{new name: existing name}: the existing tensors also read under the new names."""
@@ -151,30 +193,74 @@ def safetensors_header(path: Path) -> tuple[int, dict]:
     return data_start, header
 
 
+class _SafetensorsFile:
+    """One file's tensors: each read with positioned reads straight into a fresh (not zero-filled) buffer or the
+    caller's, optionally giving the file's pages back to the page cache afterwards."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.data_start, self.header = safetensors_header(path)
+        self.drop_pages = False
+
+    def read(self, name: str, info: TensorInfo, start: int, stop: int, out: torch.Tensor | None) -> torch.Tensor:
+        row_bytes = info.nbytes // info.shape[0] if info.shape and info.shape[0] else info.nbytes
+        count = (stop - start) * row_bytes if info.shape else info.nbytes
+        shape = ((stop - start), *info.shape[1:]) if info.shape else ()
+        if out is None:
+            out = torch.empty(shape, dtype=info.dtype)
+        elif tuple(out.shape) != tuple(shape) or out.dtype != info.dtype or not out.is_contiguous():
+            raise ValueError(f"{name}: rows {start}:{stop} are {shape} {info.dtype}, got a buffer "
+                             f"{tuple(out.shape)} {out.dtype}")
+        if count == 0:
+            return out
+        offset = self.data_start + self.header[name]["data_offsets"][0] + start * row_bytes
+        buffer, done = memoryview(out.view(-1).view(torch.uint8).numpy()), 0
+        descriptor = os.open(self.path, os.O_RDONLY)
+        try:
+            while done < count:
+                got = os.preadv(descriptor, [buffer[done:count]], offset + done)
+                if got == 0:
+                    raise ConversionError(f"{self.path}: tensor {name!r} is cut short (truncated file?)")
+                done += got
+            if self.drop_pages and hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(descriptor, offset, count, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(descriptor)
+        return out
+
+
 def read_safetensors(paths: Iterable[Path]) -> LazyTensors:
     """The tensors of one or more safetensors files (a name in two files is an error)."""
-    infos, places = {}, {}
+    infos, places, files = {}, {}, []
     for path in paths:
-        data_start, header = safetensors_header(path)
-        for name, entry in header.items():
+        file = _SafetensorsFile(path)
+        files.append(file)
+        for name, entry in file.header.items():
             if name in infos:
-                raise ConversionError(f"tensor {name!r} is stored twice: in {places[name][0]} and {path}")
+                raise ConversionError(f"tensor {name!r} is stored twice: in {places[name].path} and {path}")
             infos[name] = TensorInfo(tuple(entry["shape"]), SAFETENSORS_DTYPES[entry["dtype"]])
-            places[name] = (path, data_start + entry["data_offsets"][0])
+            places[name] = file
+
+    def rows(name: str, start: int, stop: int, out: torch.Tensor | None = None) -> torch.Tensor:
+        return places[name].read(name, infos[name], start, stop, out)
 
     def read(name: str) -> torch.Tensor:
-        path, offset = places[name]
         info = infos[name]
-        buffer = bytearray(info.nbytes)
-        if info.nbytes:
-            with open(path, "rb") as handle:
-                handle.seek(offset)
-                if handle.readinto(buffer) != info.nbytes:
-                    raise ConversionError(f"{path}: tensor {name!r} is cut short (truncated file?)")
-            return torch.frombuffer(buffer, dtype=info.dtype).reshape(info.shape)
-        return torch.empty(info.shape, dtype=info.dtype)
+        return rows(name, 0, info.shape[0] if info.shape else 1)
 
-    return LazyTensors(infos, read)
+    return LazyTensors(infos, read, rows=rows, files=tuple(files))
+
+
+def available_memory() -> int | None:
+    """Bytes the kernel could give without swapping (MemAvailable: free memory and reclaimable page cache), or
+    None where /proc/meminfo does not say."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 # ---- torch zip files --------------------------------------------------------------------------------------------

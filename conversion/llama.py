@@ -36,6 +36,7 @@ from .meta_llama import meta_config, meta_key_map, meta_official_model, read_met
 from .moe import MOE_MODEL_TYPES, OFFICIAL_PREFIXES, moe_rules
 from .pipeline import Plan, ReversePlan, Source, entry_points
 from .readers import official_config
+from .streamed import Streamed
 from .writer import drop_tied_copies
 
 HF_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text") + MOE_MODEL_TYPES + (deepseek.MODEL_TYPE,) + tuple(
@@ -261,6 +262,15 @@ class LlamaFamily(CausalFamily):
         note = f"The official side is {OFFICIAL_NOTES[source.kind]}."
         return Plan(config, class_name, official_class, mapping, layer_counts(config), state,
                     notes=[note, *([] if source.kind == "meta" else notes)], tags=(official_family(config),))
+
+    def official_stream(self, source: Source, plan: Plan):
+        if source.kind != "meta":
+            return super().official_stream(source, plan)
+        import transformers
+
+        official_class = getattr(transformers, plan.official_class)
+        tensors = plan.key_map.lazy_view(plan.state, num_layers=plan.num_layers)  # Llama's names are hf_tiny's
+        return Streamed(official_class, official_config_from_causal(plan.config, plan.official_class), tensors)
 
     def official_model(self, source: Source, plan: Plan):
         if source.kind != "meta":

@@ -2,7 +2,7 @@
 
 Meta's q/k rows interleave the two halves of each rotary pair; transformers' Llama expects them split into halves
 (rotate_half), hence the RoPE permutation (the `permute` of transformers' convert_llama_weights_to_hf.py) and its
-inverse. The shards are merged in memory (Meta checkpoints are read whole).
+inverse. The model-parallel shards are read lazily and merged one tensor at a time, as it is asked for.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import torch
 from .errors import ConversionError
 from .keymap import KeyMap, Rule, Transform
 from .pipeline import Plan, Source
-from .readers import load_checkpoint
+from .lazy import LazyTensors, TensorInfo
+from .readers import open_checkpoint
 
 # Meta layout: tensors split across model-parallel shards along this dimension (None = replicated).
 META_SHARD_DIMS = {
@@ -82,7 +83,7 @@ def meta_key_map(config) -> KeyMap:
     return KeyMap(rules, ignore=META_IGNORED)
 
 
-def meta_config(params: dict, state: dict, *, src):
+def meta_config(params: dict, state: LazyTensors, *, src):
     """TinyCausalConfig of a Meta checkpoint: params.json for the architecture, the tensors for the sizes."""
     from hf_tiny import TinyCausalConfig
 
@@ -93,7 +94,7 @@ def meta_config(params: dict, state: dict, *, src):
     for key in ("tok_embeddings.weight", "layers.0.feed_forward.w1.weight"):
         if key not in state:
             raise ConversionError(f"{src}: consolidated checkpoint lacks the tensor {key!r}")
-    vocab_size = state["tok_embeddings.weight"].shape[0]
+    vocab_size = state.info("tok_embeddings.weight").shape[0]
     theta = float(params.get("rope_theta", 10000.0))
     if params.get("use_scaled_rope"):
         # Llama 3.1's apply_scaling(): low/high frequency factors 1 and 4 around an 8192-token original context.
@@ -115,7 +116,7 @@ def meta_config(params: dict, state: dict, *, src):
         return TinyCausalConfig(
             vocab_size=vocab_size,
             hidden_size=params["dim"],
-            intermediate_size=state["layers.0.feed_forward.w1.weight"].shape[0],
+            intermediate_size=state.info("layers.0.feed_forward.w1.weight").shape[0],
             num_hidden_layers=params["n_layers"],
             num_attention_heads=params["n_heads"],
             num_key_value_heads=params.get("n_kv_heads") or params["n_heads"],
@@ -130,10 +131,12 @@ def meta_config(params: dict, state: dict, *, src):
         raise ConversionError(f"{src}/params.json describes no valid model: {error}") from error
 
 
-def merge_meta_shards(shards: list[dict], params: dict, *, src) -> dict:
-    """One state dict from Meta's model-parallel shards (each holds a slice of every split tensor)."""
+def merge_meta_shards(shards: list[LazyTensors], params: dict, *, src) -> LazyTensors:
+    """One lazy state from Meta's model-parallel shards (each holds a slice of every split tensor): names and the
+    merged shapes are checked now, each tensor is joined from its slices when it is read (a replicated one is
+    checked to be equal in every shard then)."""
     if len(shards) == 1:
-        return dict(shards[0])
+        return shards[0]
     keys = set(shards[0])
     for number, shard in enumerate(shards[1:], start=1):
         if set(shard) != keys:
@@ -141,46 +144,68 @@ def merge_meta_shards(shards: list[dict], params: dict, *, src) -> dict:
                 f"{src}: consolidated.{number:02d}.pth holds different tensor names than consolidated.00.pth"
             )
     dim = params.get("model", params).get("dim")
-    merged = {}
+    infos, axes = {}, {}
     for key in sorted(keys):
-        pieces = [shard[key] for shard in shards]
-        suffix = re.sub(r"^layers\.\d+\.", "", key)
-        if key == "tok_embeddings.weight":
-            _check_shard_ranks(pieces, key, 2, src)
-            # Llama 1/2 split the embedding width across shards, Llama 3 the vocabulary.
-            merged[key] = _concatenate_shards(pieces, 0 if pieces[0].shape[1] == dim else 1, key, src)
-        elif suffix in META_SHARD_DIMS and META_SHARD_DIMS[suffix] is not None:
-            _check_shard_ranks(pieces, key, META_SHARD_DIMS[suffix] + 1, src)
-            merged[key] = _concatenate_shards(pieces, META_SHARD_DIMS[suffix], key, src)
-        else:
-            for number, piece in enumerate(pieces[1:], start=1):
-                if piece.shape != pieces[0].shape or not torch.equal(piece, pieces[0]):
+        pieces = [shard.info(key) for shard in shards]
+        axes[key] = _split_axis(key, pieces, dim, src)
+        infos[key] = _merged_info(pieces, axes[key], key, src)
+
+    def read(key: str) -> torch.Tensor:
+        if axes[key] is None:
+            first = shards[0][key]
+            for number, shard in enumerate(shards[1:], start=1):
+                if not torch.equal(shard[key], first):
                     raise ConversionError(f"{src}: replicated tensor {key!r} differs between shard 00 and shard {number:02d}")
-            merged[key] = pieces[0]
-    return merged
+            return first
+        return torch.cat([shard[key] for shard in shards], dim=axes[key])
+
+    return LazyTensors(infos, read)
 
 
-def _shapes(pieces) -> str:
+def _split_axis(key: str, pieces: list[TensorInfo], dim, src) -> int | None:
+    """The dimension Meta split `key` along across shards, None for a replicated tensor."""
+    suffix = re.sub(r"^layers\.\d+\.", "", key)
+    if key == "tok_embeddings.weight":
+        _check_shard_ranks(pieces, key, 2, src)
+        # Llama 1/2 split the embedding width across shards, Llama 3 the vocabulary.
+        return 0 if pieces[0].shape[1] == dim else 1
+    if META_SHARD_DIMS.get(suffix) is not None:
+        _check_shard_ranks(pieces, key, META_SHARD_DIMS[suffix] + 1, src)
+        return META_SHARD_DIMS[suffix]
+    return None
+
+
+def _shapes(pieces: list[TensorInfo]) -> str:
     return ", ".join(f"shard {number:02d}: {tuple(piece.shape)}" for number, piece in enumerate(pieces))
 
 
-def _check_shard_ranks(pieces: list, key: str, min_dims: int, src) -> None:
+def _check_shard_ranks(pieces: list[TensorInfo], key: str, min_dims: int, src) -> None:
     for number, piece in enumerate(pieces):
-        if piece.dim() < min_dims:
+        if len(piece.shape) < min_dims:
             raise ConversionError(
-                f"{src}: tensor {key!r} in consolidated.{number:02d}.pth is {piece.dim()}-D with shape "
+                f"{src}: tensor {key!r} in consolidated.{number:02d}.pth is {len(piece.shape)}-D with shape "
                 f"{tuple(piece.shape)}; a model-parallel shard of it needs at least {min_dims} dimensions"
             )
 
 
-def _concatenate_shards(pieces: list, dim: int, key: str, src) -> torch.Tensor:
-    """Joins the slices of a split tensor along dim; every other dimension must agree."""
-    others = {tuple(size for axis, size in enumerate(piece.shape) if axis != dim) for piece in pieces}
-    if len({piece.dim() for piece in pieces}) != 1 or len(others) != 1:
+def _merged_info(pieces: list[TensorInfo], axis: int | None, key: str, src) -> TensorInfo:
+    """The joined tensor's shape and dtype: slices concatenate along axis (every other dimension agrees), a
+    replicated tensor has one shape in every shard."""
+    if len({piece.dtype for piece in pieces}) != 1:
+        raise ConversionError(f"{src}: the shards of tensor {key!r} differ in dtype "
+                              f"({', '.join(str(piece.dtype) for piece in pieces)})")
+    if axis is None:
+        if len({piece.shape for piece in pieces}) != 1:
+            raise ConversionError(f"{src}: replicated tensor {key!r} differs in shape between shards ({_shapes(pieces)})")
+        return pieces[0]
+    others = {tuple(size for number, size in enumerate(piece.shape) if number != axis) for piece in pieces}
+    if len({len(piece.shape) for piece in pieces}) != 1 or len(others) != 1:
         raise ConversionError(
-            f"{src}: the shards of tensor {key!r} do not concatenate along dimension {dim} ({_shapes(pieces)})"
+            f"{src}: the shards of tensor {key!r} do not concatenate along dimension {axis} ({_shapes(pieces)})"
         )
-    return torch.cat(pieces, dim=dim)
+    shape = list(pieces[0].shape)
+    shape[axis] = sum(piece.shape[axis] for piece in pieces)
+    return TensorInfo(tuple(shape), pieces[0].dtype)
 
 
 def _read_params(src: Path) -> dict:
@@ -197,7 +222,7 @@ def _read_params(src: Path) -> dict:
 def read_meta_source(path: Path) -> Source:
     params = _read_params(path)
     files = sorted(path.glob("consolidated.*.pth"))
-    state = merge_meta_shards([load_checkpoint(f) for f in files], params, src=path)
+    state = merge_meta_shards([open_checkpoint(f) for f in files], params, src=path)
     return Source(path, path, "meta", params, state, f"the Meta consolidated checkpoint ({len(files)} shard(s))")
 
 

@@ -253,37 +253,75 @@ def measure(official, ours, batch: ParityBatch, dtype: torch.dtype, *,
     """max |ours - official| per (device, dtype, backend) of parity_plans(dtype) whose backend is in `backends`,
     and per layer. official / ours: runners (in_memory, or streamed.streamed_runner). The reference is official in
     float32 with eager attention, once per device. A backend this machine cannot run off the CPU (e.g. flash on
-    an old GPU) is reported on stderr and skipped."""
-    rows, layers, skipped, reference_device, reference, scale = [], {}, [], None, None, 1.0
+    an old GPU) is reported on stderr and skipped. Two streamed runners run each device's runs side by side
+    (streamed.run_in_lockstep: every layer's weights read from the disk once for all of them); runners over
+    models in memory run one after the other."""
+    rows, layers, skipped = [], {}, []
     # Full-precision rows first: moving an in-memory model to a half dtype rounds its float buffers too (RoPE's
     # inv_freq), and a later .to(float32) does not undo that (measured on an H100: fp32 CUDA rows 0.0055 off).
-    plans = sorted(parity_plans(dtype), key=lambda plan: plan[1] in (torch.float16, torch.bfloat16))
-    for device, run_dtype, backend in plans:
-        if backend not in backends:
+    plans = [plan for plan in sorted(parity_plans(dtype), key=lambda plan: plan[1] in (torch.float16, torch.bfloat16))
+             if plan[2] in backends]
+    streams = hasattr(official, "prepare") and hasattr(ours, "prepare")
+    for (device, run_dtype, backend), (output, reference_layers), result in (
+            _in_lockstep(official, ours, batch.inputs, plans) if streams else _in_order(official, ours, batch.inputs, plans)):
+        reference = compared_outputs(output, batch.real_tokens)
+        scale = max(1.0, max(float(t.abs().max()) for t in reference if t.numel()))
+        if isinstance(result, BaseException):
+            if device == "cpu" or not isinstance(result, ValueError):
+                raise result
+            skipped.append(f"{backend} {str(run_dtype).removeprefix('torch.')} on {device}: {result}")
             continue
-        if device != reference_device:
-            output, reference_layers = official(batch.inputs, device, torch.float32, "eager")
-            reference = compared_outputs(output, batch.real_tokens)
-            scale = max(1.0, max(float(t.abs().max()) for t in reference if t.numel()))
-            reference_device = device
-        try:
-            output, our_layers = ours(batch.inputs, device, run_dtype, backend)
-        except ValueError as error:
-            if device == "cpu":
-                raise
-            skipped.append(f"{backend} {str(run_dtype).removeprefix('torch.')} on {device}: {error}")
-            continue
-        produced = compared_outputs(output, batch.real_tokens)
+        produced = compared_outputs(result[0], batch.real_tokens)
         diff = max(max_abs_diff(a, b) for a, b in zip(produced, reference, strict=True))
         rows.append(parity_row(backend, run_dtype, device, diff, scale))
         run_name = f"{device} {str(run_dtype).removeprefix('torch.')} {backend}"
-        layers[run_name] = layer_differences(reference_layers, our_layers, batch.real_tokens)
+        layers[run_name] = layer_differences(reference_layers, result[1], batch.real_tokens)
     for runner in (official, ours):
         if hasattr(runner, "restore"):
             runner.restore(torch.float32 if runner is official else dtype)
     if skipped:
         print("parity rows not measured: " + "; ".join(skipped), file=sys.stderr)
     return ParityResult(rows, layers)
+
+
+def _in_order(official, ours, inputs, plans):
+    """(plan, reference (output, layers), ours' (output, layers) or the exception it raised), one run at a time;
+    the reference once per device."""
+    reference_device, reference = None, None
+    for device, run_dtype, backend in plans:
+        if device != reference_device:
+            reference, reference_device = official(inputs, device, torch.float32, "eager"), device
+        try:
+            result = ours(inputs, device, run_dtype, backend)
+        except ValueError as error:
+            result = error
+        yield (device, run_dtype, backend), reference, result
+
+
+def _raising(error: BaseException):
+    def job(_gate):
+        raise error
+
+    return job
+
+
+def _in_lockstep(official, ours, inputs, plans):
+    """As _in_order, each device's reference and runs side by side."""
+    from .streamed import run_in_lockstep
+
+    for device in dict.fromkeys(plan[0] for plan in plans):
+        group = [plan for plan in plans if plan[0] == device]
+        jobs = [official.prepare(inputs, device, torch.float32, "eager")]
+        for plan in group:
+            try:
+                jobs.append(ours.prepare(inputs, *plan))
+            except ValueError as error:  # a backend this device cannot run
+                jobs.append(_raising(error))
+        reference, *results = run_in_lockstep(jobs)
+        if isinstance(reference, BaseException):
+            raise reference
+        for plan, result in zip(group, results):
+            yield plan, reference, result
 
 
 def layer_differences(official: Mapping[str, torch.Tensor], ours: Mapping[str, torch.Tensor],

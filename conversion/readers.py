@@ -133,16 +133,15 @@ def _open_sharded(index_path: Path) -> LazyTensors:
             f"shard index {index_path} points at missing shard file(s): "
             + ", ".join(f"{index_path.parent / shard} ({len(by_shard[shard])} tensors)" for shard in sorted(missing))
         )
-    infos, readers = {}, {}
+    owners = {}
     for shard, keys in by_shard.items():
         path = index_path.parent / shard
         tensors = read_safetensors([path]) if shard.endswith(".safetensors") else read_torch_files([path], _mapped_state_dict)
         absent = [key for key in keys if key not in tensors]
         if absent:
             raise ConversionError(f"shard {path} lacks tensors that its index assigns to it: {list_names(absent)}")
-        for key in keys:
-            infos[key], readers[key] = tensors.info(key), tensors
-    return LazyTensors(infos, lambda key: readers[key][key])
+        owners.update(dict.fromkeys(keys, tensors))
+    return LazyTensors.joined(owners)
 
 
 def load_config_json(src: str | os.PathLike) -> dict:

@@ -10,6 +10,8 @@ decoder/encoder layers record each layer's output, so the card can say where a m
 from __future__ import annotations
 
 import contextlib
+import copy
+import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -38,7 +40,7 @@ class Streamed:
         torch.set_default_dtype(dtype if dtype.is_floating_point else previous)
         try:
             with init_empty_weights(include_buffers=False):
-                model = self.model_class(self.config, **self.kwargs)
+                model = self.model_class(copy.deepcopy(self.config), **self.kwargs)  # each its own backend
         finally:
             torch.set_default_dtype(previous)
         return model.eval()
@@ -84,22 +86,29 @@ def _stored_key(name: str, tensors: Mapping, tied: Mapping[str, str], base_prefi
 def streaming(model: nn.Module, tensors: Mapping, names: Mapping[str, str], *, device: str,
               dtype: torch.dtype) -> Iterator[nn.Module]:
     """While open, each module reads its own parameters (and stored buffers) from `tensors` when it runs, on
-    `device`, floating ones in `dtype`, and lets them go when it returns. Modules of at most RESIDENT_ELEMENTS
-    (norms, biases, small tables a model may read without calling the module, as BERT-style token type embeddings)
-    are read once and held while the block is open."""
-    handles, resident = [], []
+    `device`, floating ones in `dtype`, and lets them go when it returns; the output head (an nn.Linear) reads its
+    weight in blocks of vocabulary rows, each product written into its columns of the logits, and the input
+    embedding reads only the rows of the ids it is given. Modules of at most
+    RESIDENT_ELEMENTS (norms, biases, small tables a model may read without calling the module, as BERT-style token
+    type embeddings) are read once and held while the block is open."""
+    handles, resident, pool = [], [], _Buffers()
+    head, embedding = _output_head(model, names), _input_embedding(model, names)
     for prefix, module in model.named_modules():
         own = {local: names[_join(prefix, local)] for local in [*module._parameters, *module._buffers]
                if _join(prefix, local) in names and _owned(module, local)}
         if not own:
             continue
-        loader = _ModuleWeights(own, tensors, device, dtype)
-        if sum(_size(module, local) for local in own) <= RESIDENT_ELEMENTS:
+        loader = _ModuleWeights(own, tensors, device, dtype, pool)
+        if module is head:
+            handles.append(_head_in_blocks(module, loader))
+        elif module is embedding:
+            handles += _rows_of_the_ids(module, loader)
+        elif sum(_size(module, local) for local in own) <= RESIDENT_ELEMENTS:
             loader.load(module, ())
             resident.append((loader, module))
-            continue
-        handles.append(module.register_forward_pre_hook(loader.load))
-        handles.append(module.register_forward_hook(loader.release))
+        else:
+            handles.append(module.register_forward_pre_hook(loader.load))
+            handles.append(module.register_forward_hook(loader.release))
     try:
         yield model
     finally:
@@ -110,6 +119,89 @@ def streaming(model: nn.Module, tensors: Mapping, names: Mapping[str, str], *, d
 
 
 RESIDENT_ELEMENTS = 1 << 16
+# Rows of a weight read and converted at once (a bf16 checkpoint run in float32 never holds a whole bf16 copy
+# beside the float32 one), and rows of the output head multiplied at once.
+BLOCK_BYTES = 64 << 20
+HEAD_BLOCK_ROWS = 8192
+
+
+def _output_head(model: nn.Module, names: Mapping[str, str]) -> nn.Module | None:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if type(head) is not nn.Linear or head.weight.dim() != 2:
+        return None
+    prefix = next((name for name, module in model.named_modules() if module is head), None)
+    return head if prefix is not None and _join(prefix, "weight") in names else None
+
+
+def _input_embedding(model: nn.Module, names: Mapping[str, str]) -> nn.Module | None:
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    if not isinstance(embedding, nn.Embedding) or embedding.max_norm is not None:
+        return None
+    prefix = next((name for name, module in model.named_modules() if module is embedding), None)
+    return embedding if prefix is not None and _join(prefix, "weight") in names else None
+
+
+def _rows_of_the_ids(embedding: nn.Embedding, loader: "_ModuleWeights") -> list:
+    """Gives `embedding`, for each call, only the rows of the ids it is called with, the ids renumbered into them
+    (a lookup reads rows: the output is the same numbers); a vocabulary of 128k rows is never read whole. Between
+    calls its weight is a placeholder of the full shape on the run's device and dtype (one row, expanded: no
+    memory), for models that read the weight's device or dtype before the lookup. padding_idx (which only shapes
+    gradients) is set aside for the call. Returns handles that undo all of it."""
+    meta = embedding._parameters["weight"]
+    placeholder = torch.empty(1, meta.shape[1], device=loader.device, dtype=loader.dtype).expand(meta.shape)
+    embedding._parameters["weight"] = nn.Parameter(placeholder, requires_grad=False)
+    padding_idx = embedding.padding_idx
+
+    def before(module, args, kwargs):
+        ids = args[0] if args else kwargs["input"]
+        used, renumbered = torch.unique(ids, return_inverse=True)
+        rows = [loader.rows("weight", index, index + 1) for index in used.tolist()]
+        module._parameters["weight"] = nn.Parameter(torch.cat(rows), requires_grad=False)
+        module.padding_idx = None
+        loader.give(*rows)
+        return ((renumbered, *args[1:]), kwargs) if args else (args, {**kwargs, "input": renumbered})
+
+    def after(module, _args, _kwargs, _output):
+        module._parameters["weight"], module.padding_idx = nn.Parameter(placeholder, requires_grad=False), padding_idx
+
+    def undo():
+        embedding._parameters["weight"], embedding.padding_idx = meta, padding_idx
+
+    return [embedding.register_forward_pre_hook(before, with_kwargs=True),
+            embedding.register_forward_hook(after, with_kwargs=True, always_call=True), _Undo(undo)]
+
+
+class _Undo:
+    def __init__(self, undo):
+        self.remove = undo
+
+
+def _head_in_blocks(head: nn.Linear, loader: "_ModuleWeights"):
+    """Gives `head` (for the block) a forward that reads HEAD_BLOCK_ROWS rows of its weight (and bias) at a time:
+    each output column is the same dot product as in one nn.Linear call. Returns a handle that restores it."""
+    own_forward = vars(head).get("forward")
+    rows = head.weight.shape[0]
+
+    def forward(hidden: torch.Tensor) -> torch.Tensor:
+        out = None
+        for start in range(0, rows, HEAD_BLOCK_ROWS):
+            stop = min(rows, start + HEAD_BLOCK_ROWS)
+            weight = loader.rows("weight", start, stop)
+            bias = loader.rows("bias", start, stop) if "bias" in loader.keys else None
+            block = torch.nn.functional.linear(hidden, weight, bias)
+            out = block.new_empty((*block.shape[:-1], rows)) if out is None else out
+            out[..., start:stop] = block
+            loader.give(weight, bias)
+        return out
+
+    def undo():
+        if own_forward is None:
+            del head.forward
+        else:
+            head.forward = own_forward
+
+    head.forward = forward
+    return _Undo(undo)
 
 
 def _size(module: nn.Module, local: str) -> int:
@@ -126,18 +218,43 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
+class _Buffers:
+    """Spare CPU tensors by shape and dtype: each layer's weights reuse the memory of the layer before. A fresh
+    tensor of this size is mapped from the OS and faulted in page by page, and given back when freed: for a large
+    checkpoint that costs as much as reading it. Tensors over MAX_POOLED_BYTES (embeddings) are not kept."""
+
+    MAX_POOLED_BYTES = 1 << 30
+
+    def __init__(self):
+        self.spare: dict[tuple, list[torch.Tensor]] = {}
+
+    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        spare = self.spare.get((tuple(shape), dtype))
+        return spare.pop() if spare else torch.empty(shape, dtype=dtype)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type == "cpu" and tensor.nbytes <= self.MAX_POOLED_BYTES:
+            self.spare.setdefault((tuple(tensor.shape), tensor.dtype), []).append(tensor)
+
+
+def _storages(output) -> set[int]:
+    values = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else [output]
+    return {value.untyped_storage().data_ptr() for value in values if isinstance(value, torch.Tensor)}
+
+
 class _ModuleWeights:
     """One module's tensors: read before its forward, given back (to what it held before) after."""
 
-    def __init__(self, keys: Mapping[str, str], tensors: Mapping, device: str, dtype: torch.dtype):
-        self.keys, self.tensors, self.device, self.dtype = dict(keys), tensors, device, dtype
+    def __init__(self, keys: Mapping[str, str], tensors: Mapping, device: str, dtype: torch.dtype,
+                 pool: _Buffers):
+        self.keys, self.tensors, self.device, self.dtype, self.pool = dict(keys), tensors, device, dtype, pool
         self.held: dict = {}
+        self.loaded: list[torch.Tensor] = []
 
     def load(self, module: nn.Module, _args) -> None:
         for local, key in self.keys.items():
-            value = self.tensors[key].to(self.device)
-            if value.is_floating_point():
-                value = value.to(self.dtype)
+            value = self.read(key)
+            self.loaded.append(value)
             if local in module._parameters:
                 self.held[local] = module._parameters[local]
                 module._parameters[local] = nn.Parameter(value, requires_grad=False)
@@ -152,6 +269,43 @@ class _ModuleWeights:
             else:
                 module._buffers[local] = original
         self.held = {}
+        kept = _storages(_output)  # an output that is a view of a weight keeps that weight's memory
+        self.give(*(tensor for tensor in self.loaded if tensor.untyped_storage().data_ptr() not in kept))
+        self.loaded = []
+
+    def give(self, *tensors) -> None:
+        for tensor in tensors:
+            if tensor is not None:
+                self.pool.give(tensor)
+
+    def read(self, key: str) -> torch.Tensor:
+        info = self.tensors.info(key) if isinstance(self.tensors, LazyTensors) else None
+        if info is None or not info.shape or self.device != "cpu":
+            value = self.tensors[key].to(self.device)
+            return value.to(self.dtype) if value.is_floating_point() else value
+        return self._rows(key, info, 0, info.shape[0])
+
+    def rows(self, local: str, start: int, stop: int) -> torch.Tensor:
+        """Rows start:stop of the module's tensor `local`, on the device, in the run's dtype."""
+        key = self.keys[local]
+        info = self.tensors.info(key) if isinstance(self.tensors, LazyTensors) else None
+        if info is None or self.device != "cpu":
+            value = self.tensors[key][start:stop].to(self.device)
+            return value.to(self.dtype) if value.is_floating_point() else value
+        return self._rows(key, info, start, stop)
+
+    def _rows(self, key: str, info, start: int, stop: int) -> torch.Tensor:
+        dtype = self.dtype if info.dtype.is_floating_point else info.dtype
+        out = self.pool.take((stop - start, *info.shape[1:]), dtype)
+        if dtype == info.dtype:
+            return self.tensors.rows(key, start, stop, out)
+        step = max(1, BLOCK_BYTES // max(1, info.nbytes // max(1, info.shape[0])))
+        for first in range(start, stop, step):
+            last = min(stop, first + step)
+            raw = self.tensors.rows(key, first, last, self.pool.take((last - first, *info.shape[1:]), info.dtype))
+            out[first - start:last - start].copy_(raw)
+            self.pool.give(raw)
+        return out
 
 
 # ---- layer outputs ------------------------------------------------------------------------------------------------
@@ -199,19 +353,90 @@ def _recorder(outputs: dict, name: str, on_layer):
 
 
 def streamed_runner(spec: Streamed, *, base_prefix: str = "", on_layer=None):
-    """A parity runner (parity.measure) building spec's model for each run and streaming its weights."""
+    """A parity runner (parity.measure) building spec's model for each run and streaming its weights.
+    run.prepare(...) builds the model now and returns its forward, forward(gate), which run_in_lockstep paces with
+    other runs' (the build sets torch's process-wide default dtype, so it must not overlap another)."""
 
-    def run(inputs, device: str, dtype: torch.dtype, backend: str):
+    def prepare(inputs, device: str, dtype: torch.dtype, backend: str):
         model = spec.build(dtype)
         model.set_attn_implementation(backend)
         names = stored_names(model, spec.tensors, base_prefix=base_prefix)
         moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-        with torch.no_grad(), streaming(model, spec.tensors, names, device=device, dtype=dtype), \
-                recording_layers(model, on_layer) as layers:
-            output = model(**moved)
-        return output, layers
 
+        def forward(gate=None):
+            with torch.no_grad(), streaming(model, spec.tensors, names, device=device, dtype=dtype), \
+                    recording_layers(model, on_layer) as layers, paced(model, gate):
+                output = model(**moved)
+            return output, layers
+
+        return forward
+
+    def run(inputs, device: str, dtype: torch.dtype, backend: str):
+        return prepare(inputs, device, dtype, backend)()
+
+    run.prepare = prepare
     return run
+
+
+@contextlib.contextmanager
+def paced(model: nn.Module, gate) -> Iterator[None]:
+    """While open, each of the model's layers waits at its start for the gate (None: no pacing)."""
+    handles = [] if gate is None else [
+        layer.register_forward_pre_hook(lambda _module, _args: gate())
+        for _, layers in layer_lists(model) for layer in layers
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class _Lockstep:
+    """Runs that start their n-th layer only once every other unfinished run has started its (n-1)-th: no run is
+    more than a layer ahead, so what one reads from the disk the others find in the page cache."""
+
+    def __init__(self, runs: int):
+        self.started = [0] * runs
+        self.finished = [False] * runs
+        self.condition = threading.Condition()
+
+    def gate(self, run: int):
+        def wait() -> None:
+            with self.condition:
+                self.condition.wait_for(lambda: all(
+                    self.finished[other] or self.started[other] >= self.started[run]
+                    for other in range(len(self.started)) if other != run))
+                self.started[run] += 1
+                self.condition.notify_all()
+
+        return wait
+
+    def finish(self, run: int) -> None:
+        with self.condition:
+            self.finished[run] = True
+            self.condition.notify_all()
+
+
+def run_in_lockstep(jobs) -> list:
+    """Each job(gate) in its own thread, paced by one _Lockstep; their results (or the exception each raised), in
+    order. The outputs equal those of one run after the other: each run is its own model and its own tensors."""
+    lockstep, results = _Lockstep(len(jobs)), [None] * len(jobs)
+
+    def work(index: int) -> None:
+        try:
+            results[index] = jobs[index](lockstep.gate(index))
+        except BaseException as error:  # handed to the caller, which raises it
+            results[index] = error
+        finally:
+            lockstep.finish(index)
+
+    threads = [threading.Thread(target=work, args=(index,), name=f"parity-run-{index}") for index in range(len(jobs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
 
 
 def can_stream(spec: Streamed, *, base_prefix: str = "") -> str | None:

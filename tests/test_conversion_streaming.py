@@ -12,10 +12,12 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import hf_tiny  # noqa: F401
 from causal_helpers import left_padded_batch, max_diff, real_logits, tiny_official
-from conversion import llama
+from conversion import llama, streamed
 from conversion.__main__ import main
+from conversion.lazy import LazyTensors
 from conversion.parity import in_memory, measure, parity_batch
 from conversion.readers import open_checkpoint
+from conversion.streamed import Streamed, run_in_lockstep, streamed_runner
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +106,130 @@ def test_source_is_read_lazily(official_folder, monkeypatch):
     assert state.info("model.embed_tokens.weight").shape == (97, 32) and reads == []
     first = state["model.norm.weight"]
     assert reads == ["model.norm.weight"] and torch.equal(state["model.norm.weight"], first)
+
+
+def test_rows_are_read_alone_and_equal_the_slice(official_folder, tmp_path):
+    """A weight's rows read by themselves (the streamed head and the dtype conversion read blocks of rows) equal
+    the slice of the whole tensor, from one file and from an index of shards; a buffer of the wrong shape is
+    refused naming the tensor; giving the pages back to the page cache changes nothing read."""
+    LlamaForCausalLM.from_pretrained(official_folder).save_pretrained(tmp_path / "shards", max_shard_size="20KB")
+    key = "model.embed_tokens.weight"
+    for state in (open_checkpoint(official_folder), open_checkpoint(tmp_path / "shards")):
+        whole = state[key]
+        assert torch.equal(state.rows(key, 10, 20), whole[10:20])
+        out = torch.empty(5, 32, dtype=whole.dtype)
+        assert state.rows(key, 90, 95, out) is out and torch.equal(out, whole[90:95])
+        with pytest.raises(ValueError, match=r"model.embed_tokens.weight: rows 0:5 are \(5, 32\)"):
+            state.rows(key, 0, 5, torch.empty(4, 32, dtype=whole.dtype))
+        state.drop_pages_after_reading()
+        assert torch.equal(state[key], whole) and torch.equal(state.rows(key, 96, 97), whole[96:])
+    renamed = open_checkpoint(official_folder).renamed(lambda name: "x." + name)
+    assert torch.equal(renamed.rows("x." + key, 3, 4), whole[3:4])
+
+
+@pytest.fixture()
+def small_blocks(monkeypatch):
+    """Blocks of 10 rows for the head (97 rows: ten blocks, the last one of 7) and of 256 bytes when converting."""
+    monkeypatch.setattr(streamed, "HEAD_BLOCK_ROWS", 10)
+    monkeypatch.setattr(streamed, "BLOCK_BYTES", 256)
+
+
+def test_streamed_head_in_vocabulary_blocks_gives_the_logits_in_memory(official_folder, small_blocks):
+    """The streamed model (head in blocks of rows, weights read in blocks) gives the logits of the model in memory:
+    every layer bit for bit, the head's columns up to the order of additions the matrix kernel picks for a block of
+    10 rows (at real sizes, blocks of HEAD_BLOCK_ROWS, the TinyLlama-shaped card is unchanged to the last digit).
+    Negative control: one spoiled row of the head's last block shows in that token's logits only."""
+    official = LlamaForCausalLM.from_pretrained(official_folder, attn_implementation="eager").eval()
+    batch = parity_batch("causal", official.config)
+    real = batch.real_tokens
+    with torch.no_grad():
+        expected = official(**batch.inputs).logits[real]
+    tensors = open_checkpoint(official_folder)
+    run = streamed_runner(Streamed(LlamaForCausalLM, official.config, tensors), base_prefix="model")
+    output, layers = run(batch.inputs, "cpu", torch.float32, "eager")
+    with torch.no_grad(), streamed.recording_layers(official) as in_memory_layers:
+        official(**batch.inputs)
+    assert all(torch.equal(layers[name][real], in_memory_layers[name][real]) for name in in_memory_layers)
+    assert (output.logits[real] - expected).abs().max() <= 1e-5
+
+    head = "lm_head.weight" if "lm_head.weight" in tensors else "model.embed_tokens.weight"
+    spoiled_weight = tensors[head].clone()
+    spoiled_weight[95] += 1.0
+    spoiled = tensors.with_tensors({"lm_head.weight": (tensors.info(head), lambda: spoiled_weight)})
+    run = streamed_runner(Streamed(LlamaForCausalLM, official.config, spoiled), base_prefix="model")
+    difference = (run(batch.inputs, "cpu", torch.float32, "eager")[0].logits[real] - expected).abs()
+    assert difference[..., 95].max() > 1e-3 and difference[..., :95].max() <= 1e-5
+
+
+def test_parity_runs_in_lockstep_measure_what_they_measure_one_after_another(official_folder, tmp_path):
+    """The conversion's parity runs (official reference, ours in eager and sdpa) run side by side, each its own
+    model and backend: rows and per-layer differences equal those of the same runs one after the other."""
+    from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM
+
+    result = llama.convert(official_folder, tmp_path / "out", dtype="bfloat16")
+    official = streamed_runner(Streamed(LlamaForCausalLM, LlamaForCausalLM.config_class.from_pretrained(
+        official_folder), open_checkpoint(official_folder)), base_prefix="model")
+    config = TinyCausalConfig.from_pretrained(tmp_path / "out")
+    ours = streamed_runner(Streamed(TinyCausalForCausalLM, config, open_checkpoint(tmp_path / "out")))
+    batch = parity_batch("causal", config, tmp_path / "out")
+    one_after_another = measure(lambda *args: official(*args), lambda *args: ours(*args), batch, torch.bfloat16)
+    assert [row["max_abs_diff"] for row in result["parity"]] == [row["max_abs_diff"] for row in one_after_another.rows]
+    assert result["parity_layers"] == one_after_another.layers
+    eager, sdpa = (row["max_abs_diff"] for row in result["parity"])
+    assert eager != sdpa  # each run kept its own backend (they once shared one config object)
+
+
+def test_lockstep_keeps_every_run_within_a_layer_of_the_others():
+    """Three runs of 6, 6 and 4 layers, the first slow: at every layer start, no run has started more than one
+    layer more than any unfinished other."""
+    import threading
+    import time
+
+    starts, lock = [], threading.Lock()
+
+    def job(index: int, layers: int, pause: float):
+        def run(gate):
+            for _ in range(layers):
+                gate()
+                with lock:
+                    starts.append(index)
+                time.sleep(pause)
+            return index
+
+        return run
+
+    assert run_in_lockstep([job(0, 6, 0.01), job(1, 6, 0.0), job(2, 4, 0.0)]) == [0, 1, 2]
+    counts = [0, 0, 0]
+    for index in starts:
+        counts[index] += 1
+        unfinished = [count for other, count in enumerate(counts) if count < (4 if other == 2 else 6)]
+        assert max(counts) - min(unfinished or [max(counts)]) <= 1, (starts, counts)
+    assert counts == [6, 6, 4]
+
+
+def test_an_output_that_is_a_weight_keeps_its_memory():
+    """A module whose output is a view of its weight: the weight's buffer is not reused by the next module."""
+    from torch import nn
+
+    class Table(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.empty(300, 300))
+
+        def forward(self, x):
+            return self.weight[: x.shape[0]]
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first, self.second = Table(), Table()
+
+        def forward(self, x):
+            return self.first(x), self.second(x)
+
+    values = {"first.weight": torch.full((300, 300), 1.0), "second.weight": torch.full((300, 300), 2.0)}
+    tensors = LazyTensors.of(values)
+    model = Model()
+    with streamed.streaming(model, tensors, {k: k for k in values}, device="cpu", dtype=torch.float32):
+        first, second = model(torch.zeros(2))
+    assert bool((first == 1.0).all()) and bool((second == 2.0).all())

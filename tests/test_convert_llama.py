@@ -380,6 +380,32 @@ def test_meta_layout_round_trip(shards, tmp_path):
     assert all(torch.equal(back.state_dict()[key], original[key]) for key in original)
 
 
+def test_meta_shards_are_merged_lazily_and_both_sides_stream(tmp_path, monkeypatch):
+    """Opening Meta's two model-parallel shards reads no tensor (merged shapes come from the headers); a split
+    tensor is joined when asked; the official reference streams the merged tensors (the whole-model loader, which
+    would hold the checkpoint in float32, is not called)."""
+    official = tiny_official("llama", num_key_value_heads=2)
+    write_meta_checkpoint(official, tmp_path / "meta", shards=2)
+    monkeypatch.setattr(torch, "cat", _refuse("torch.cat while opening"))
+    source = meta_llama.read_meta_source(tmp_path / "meta")
+    monkeypatch.undo()
+    hidden = official.config.hidden_size
+    assert source.state.info("layers.0.feed_forward.w2.weight").shape == (hidden, official.config.intermediate_size)
+    shards = [torch.load(tmp_path / "meta" / f"consolidated.0{n}.pth", weights_only=True) for n in range(2)]
+    key = "layers.1.feed_forward.w2.weight"  # split along dimension 1
+    assert torch.equal(source.state[key], torch.cat([shard[key] for shard in shards], dim=1))
+    monkeypatch.setattr(llama, "meta_official_model", _refuse("the whole official model"))
+    result = llama.convert(tmp_path / "meta", tmp_path / "ours")
+    assert all(row["max_abs_diff"] <= row["tolerance"] for row in result["parity"])
+
+
+def _refuse(what: str):
+    def refused(*args, **kwargs):
+        raise AssertionError(f"{what} was called")
+
+    return refused
+
+
 @pytest.mark.parametrize(
     "key, spoil, fragments",
     [
