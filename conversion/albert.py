@@ -47,12 +47,8 @@ def shared_layer_pairs(config) -> list[tuple[str, str]]:
 ALBERT = EncoderVariant(
     model_type="albert",
     class_prefix="Albert",
-    base_prefix="albert",
-    masked_lm=MaskedLMNames(
-        {"predictions.dense": "lm_head.dense", "predictions.LayerNorm": "lm_head.layer_norm"},
-        decoder="predictions.decoder",
-        bias="predictions.bias",
-    ),
+    masked_lm=MaskedLMNames("predictions.dense", "predictions.LayerNorm", decoder="predictions.decoder",
+                            bias="predictions.bias"),
     parts={"pooler": {"pooler": "pooler.dense"}, "next_sentence": {"sop_classifier.classifier": "next_sentence"}, **TASK_PARTS},
     class_parts=BERT.class_parts,
     fixed_config={"project_embeddings": True},
@@ -64,15 +60,6 @@ ALBERT = EncoderVariant(
 )
 
 
-class AlbertFamily(EncoderFamily):
-    name = "albert"
-    model_types = ("albert",)
-    variant = ALBERT
-    classes = ALBERT.family_classes()
-    card_family = "hf_tiny_encoder (BERT-style encoder, ALBERT sharing)"
-    tags = ("albert", "encoder")
-    tensor_markers = ("albert.embeddings.word_embeddings.weight", "encoder.embedding_hidden_mapping_in.weight")
-
-
-FAMILY = AlbertFamily()
+FAMILY = EncoderFamily(ALBERT, "hf_tiny_encoder (BERT-style encoder, ALBERT sharing)",
+                       markers=("encoder.embedding_hidden_mapping_in.weight",))
 convert, convert_back = entry_points(FAMILY)

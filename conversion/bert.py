@@ -84,24 +84,35 @@ UNTIED_HINT = "; set tie_word_embeddings=false in config.json if the checkpoint 
 
 @dataclass(frozen=True)
 class MaskedLMNames:
-    """Official names of an MLM head: its transform modules, the decoder (tied to the word embeddings) and the
-    output bias, which official code ties to `decoder.bias` (a stored copy is dropped on reading)."""
+    """Official names of an MLM head: its transform (dense, then norm), the decoder (tied to the word embeddings)
+    and the output bias, which official code ties to `decoder.bias` (a stored copy is dropped on reading); a head
+    whose decoder holds the bias itself (DistilBERT, ELECTRA, ModernBERT) names no other."""
 
-    modules: dict[str, str]
+    dense: str
+    norm: str
     decoder: str
-    bias: str
+    bias: str = ""  # default: the decoder's own bias
+
+    def __post_init__(self):
+        if not self.bias:
+            object.__setattr__(self, "bias", self.decoder + ".bias")
+
+    @property
+    def modules(self) -> dict[str, str]:
+        """The transform's official module -> hf_tiny module."""
+        return {self.dense: "lm_head.dense", self.norm: "lm_head.layer_norm"}
 
 
 @dataclass(frozen=True)
 class EncoderVariant:
     model_type: str
     class_prefix: str  # "Bert": BertModel, BertForMaskedLM, ...
-    base_prefix: str  # the encoder's tensor prefix in head checkpoints
     masked_lm: MaskedLMNames
     # part -> {official module: hf_tiny module}; "pooler" lives inside the encoder (under base_prefix), the
     # others at the top level of the checkpoint
     parts: dict[str, dict[str, str]]
     class_parts: dict[str, tuple[str, ...]]  # official class suffix -> parts it holds besides the encoder
+    base_prefix: str = ""  # the encoder's tensor prefix in head checkpoints (default: model_type)
     fixed_config: dict = field(default_factory=dict)  # hf_tiny config fields the variant implies
     # the encoder's own names (BERT's unless a variant renames them)
     config_fields: dict[str, str] = field(default_factory=lambda: CONFIG_FIELDS)
@@ -119,6 +130,10 @@ class EncoderVariant:
     # own_key_map(variant, suffix, config) -> KeyMap: the key map of a variant whose tensors do not map 1:1 by the
     # tables above (ModernBERT's fused projections, biases the config turns off); None: key_map() below
     own_key_map: Optional[Callable] = None
+
+    def __post_init__(self):
+        if not self.base_prefix:
+            object.__setattr__(self, "base_prefix", self.model_type)
 
     def hf_tiny_class(self, suffix: str) -> tuple[str, str, str]:
         """(hf_tiny class, Auto class, pipeline tag) of an official class suffix."""
@@ -159,12 +174,8 @@ def class_parts(*, base_pooler: bool, pretraining: tuple[str, ...] = (), sequenc
 BERT = EncoderVariant(
     model_type="bert",
     class_prefix="Bert",
-    base_prefix="bert",
-    masked_lm=MaskedLMNames(
-        {"cls.predictions.transform.dense": "lm_head.dense", "cls.predictions.transform.LayerNorm": "lm_head.layer_norm"},
-        decoder="cls.predictions.decoder",
-        bias="cls.predictions.bias",
-    ),
+    masked_lm=MaskedLMNames("cls.predictions.transform.dense", "cls.predictions.transform.LayerNorm",
+                            decoder="cls.predictions.decoder", bias="cls.predictions.bias"),
     parts={"pooler": {"pooler.dense": "pooler.dense"}, "next_sentence": {"cls.seq_relationship": "next_sentence"}, **TASK_PARTS},
     class_parts=class_parts(base_pooler=True, pretraining=("pooler", "masked_lm", "next_sentence")),
 )
@@ -318,13 +329,21 @@ def official_config_from_encoder(variant: EncoderVariant, config, official_class
 
 
 class EncoderFamily(Family):
-    """A BERT-style encoder variant; subclasses set `variant` and the descriptive attributes."""
+    """The family of a BERT-style encoder variant: its name, model type, classes, tags and the marker tensor of its
+    head checkpoints follow from the variant; `markers` adds tensors only its bare checkpoints hold."""
 
-    variant: EncoderVariant = BERT
     config_class = "TinyEncoderConfig"
-    classes = BERT.family_classes()
     default_class = "TinyEncoderModel"
     modality = "encoder"
+
+    def __init__(self, variant: EncoderVariant, card_family: str, *, markers: tuple[str, ...] = ()):
+        self.variant = variant
+        self.name = variant.model_type
+        self.model_types = (variant.model_type,)
+        self.classes = variant.family_classes()
+        self.card_family = card_family
+        self.tags = (variant.model_type, "encoder")
+        self.tensor_markers = (f"{variant.base_prefix}.{variant.word_embeddings}", *markers)
 
     def read(self, src: Path) -> Source:
         return self.read_hf_folder(src, allow_missing_model_type=True)
@@ -368,14 +387,5 @@ class EncoderFamily(Family):
         return state
 
 
-class BertFamily(EncoderFamily):
-    name = "bert"
-    model_types = ("bert",)
-    variant = BERT
-    card_family = "hf_tiny_encoder (BERT-style encoder)"
-    tags = ("bert", "encoder")
-    tensor_markers = ("bert.embeddings.word_embeddings.weight",)
-
-
-FAMILY = BertFamily()
+FAMILY = EncoderFamily(BERT, "hf_tiny_encoder (BERT-style encoder)")
 convert, convert_back = entry_points(FAMILY)

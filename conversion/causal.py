@@ -1,17 +1,21 @@
 """What the families converting to hf_tiny's causal LM share (Llama, Phi-3, GPT-2, MPT): our classes, building
-the config, finding the class a checkpoint names, the kind of source, and GGUF sources (read with transformers'
-dequantization, the official side loaded with `gguf_file=`, the tokenizer rebuilt from it)."""
+the config, finding the class a checkpoint names, the kind of source, GGUF sources (read with transformers'
+dequantization, the official side loaded with `gguf_file=`, the tokenizer rebuilt from it), and the reading,
+planning and reverse plan of a family of one official model type."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from .errors import ConversionError
 from .gguf_files import gguf_special_token_ids, load_gguf
-from .pipeline import Family, Plan, Source
-from .readers import require_model_type
+from .keymap import KeyMap, Rule
+from .pipeline import Family, Plan, ReversePlan, Source
+from .readers import official_config, require_model_type
+from .writer import drop_tied_copies
 
 # hf_tiny class -> (Auto class, pipeline tag, prefix of the base model's tensors)
 OUR_CLASSES = {
@@ -26,6 +30,13 @@ IGNORED_BUFFERS = (r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"
 
 
 LABEL_FIELDS = ("id2label", "label2id", "problem_type")
+# Fields with the same name and meaning in TinyCausalConfig and every Llama-style official config (the Llama
+# family's types, Phi-3).
+SHARED_FIELDS = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "max_position_embeddings", "initializer_range", "rms_norm_eps", "attention_dropout",
+    "tie_word_embeddings", "pad_token_id", "bos_token_id", "eos_token_id",
+)
 
 
 def build_causal_config(values: dict, official, *, src):
@@ -41,6 +52,14 @@ def build_causal_config(values: dict, official, *, src):
         return TinyCausalConfig(**values)
     except (TypeError, ValueError) as error:
         raise ConversionError(f"{src}: this {official.model_type} config has no hf_tiny equivalent: {error}") from error
+
+
+def official_label_fields(config, official_class: str) -> dict:
+    """The label fields of an hf_tiny config for an official sequence classifier (none for the other classes, or
+    when the config has no labels)."""
+    if config.id2label is None or not official_class.endswith("ForSequenceClassification"):
+        return {}
+    return {name: getattr(config, name) for name in LABEL_FIELDS}
 
 
 def check_layer_types(raw: dict, *, src) -> None:
@@ -82,6 +101,28 @@ def detect_source(src: Path) -> tuple[str, Path]:
         f"{src} is not a Llama checkpoint: expected config.json (Hugging Face), params.json + consolidated.*.pth "
         "(Meta), or a .gguf file"
     )
+
+
+def require_class(class_name: str, official_classes: dict) -> None:
+    """An hf_tiny class the family converts (official_classes: hf_tiny class -> its official class)."""
+    if class_name not in official_classes:
+        raise ConversionError(f"unsupported hf_tiny class {class_name!r}; supported: {', '.join(official_classes)}")
+
+
+def embedding_rule(config, class_name: str, official: str) -> Rule:
+    """The official word embeddings (`official`) -> ours, and the LM head too where it is tied to them."""
+    ours = f"{OUR_CLASSES[class_name][2]}embed_tokens.weight"
+    tied = class_name == "TinyCausalForCausalLM" and config.tie_word_embeddings
+    return Rule(official, (ours, "lm_head.weight") if tied else ours)
+
+
+def head_rules(config, class_name: str) -> list:
+    """The untied LM head's rule or the sequence classifier's (none for the base model and a tied head)."""
+    if class_name == "TinyCausalForCausalLM" and not config.tie_word_embeddings:
+        return [("lm_head.weight", "lm_head.weight")]
+    if class_name == "TinyCausalForSequenceClassification":
+        return [("score.weight", "score.weight")]
+    return []
 
 
 def class_for_architecture(architectures, official_classes: dict[str, str], default: str, *, src) -> str:
@@ -133,3 +174,57 @@ class CausalFamily(Family):
             tokenizer.pad_token = tokenizer.convert_ids_to_tokens(padding)
         tokenizer.save_pretrained(str(tmp))
         return "rebuilt from the GGUF metadata"
+
+
+class SingleTypeFamily(CausalFamily):
+    """A causal family of one official model type (GPT-2, MPT, Phi-3) whose classes match ours one to one. Its
+    module names the official classes, the tensor a tied head copies, the config both ways and the key map;
+    reading, planning and the reverse plan are the same for each."""
+
+    official_classes: dict[str, str] = {}  # hf_tiny class -> official class
+    word_embeddings = ""  # the official tensor a tied LM head copies
+    config_from_official: Callable  # (official config, *, src) -> TinyCausalConfig
+    official_config_of: Callable  # (hf_tiny config, official class) -> the transformers config
+    key_map: Callable[..., KeyMap]  # (hf_tiny config, hf_tiny class) -> KeyMap
+
+    def __init__(self, model_type: str, title: str, card_family: str, *, gguf: bool, tags=(), markers=()):
+        """title: the family in an error message, with its article ("a GPT-2"); gguf: the family reads GGUF files
+        of general.architecture model_type; tags: the card's tags between the model type and causal-lm."""
+        self.name, self.model_types, self.title = model_type, (model_type,), title
+        self.gguf_architectures = (model_type,) if gguf else ()
+        self.card_family = card_family
+        self.tags = (model_type, *tags, "causal-lm", "text-generation")
+        self.tensor_markers = markers
+
+    def read(self, src: Path, *, allow_missing_model_type: bool = False) -> Source:
+        """A Hugging Face folder of the model type, or a GGUF file where the family reads GGUF."""
+        kind, path = detect_source(src)
+        if kind == "gguf" and self.gguf_architectures:
+            return self.read_gguf(path)
+        if kind != "hf":
+            gguf = f" or a {self.name} GGUF" if self.gguf_architectures else ""
+            raise ConversionError(f"{src} is not {self.title} checkpoint: expected a Hugging Face folder{gguf}")
+        source = self.read_hf_folder(path, allow_missing_model_type=allow_missing_model_type)
+        source.description = f"the Hugging Face {self.name} folder `{path.resolve().name}`"
+        return source
+
+    def plan_notes(self, source: Source, official) -> list[str]:
+        """Card lines beside the source's own notes (default: none)."""
+        return []
+
+    def plan(self, source: Source) -> Plan:
+        official = official_config(source.raw_config, src=source.path)
+        config = self.config_from_official(official, src=source.path)
+        class_name = "TinyCausalForCausalLM" if source.kind == "gguf" else class_for_architecture(
+            source.raw_config.get("architectures"), self.official_classes,
+            self.official_classes["TinyCausalForCausalLM"], src=source.path)
+        state = source.state
+        if class_name == "TinyCausalForCausalLM" and config.tie_word_embeddings:
+            state = drop_tied_copies(state, self.word_embeddings, ["lm_head.weight"], src=source.path)
+        return Plan(config, class_name, self.official_classes[class_name], self.key_map(config, class_name),
+                    config.num_hidden_layers, state, notes=[*source.notes, *self.plan_notes(source, official)])
+
+    def reverse(self, config, our_class: str, src: Path) -> ReversePlan:
+        official_class = self.official_classes[our_class]
+        return ReversePlan(official_class, self.official_config_of(config, official_class),
+                           self.key_map(config, our_class), config.num_hidden_layers)

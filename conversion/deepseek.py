@@ -18,6 +18,8 @@ from .keymap import Rule, Transform
 from .moe import EXPERT_PROJECTIONS
 
 MODEL_TYPE = "deepseek_v3"
+# The MLA fields, named alike in DeepseekV3Config and TinyCausalConfig
+MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "attention_bias")
 
 
 def _interleaved_to_halves(rows: torch.Tensor) -> torch.Tensor:
@@ -94,16 +96,11 @@ def fields_from_official(official, *, src) -> dict:
     layers = official.num_hidden_layers
     dense = min(official.first_k_dense_replace or 0, layers) if experts else layers
     shared = (official.n_shared_experts or 0) * official.moe_intermediate_size
-    values = dict(
+    values = {name: getattr(official, name) for name in MLA_FIELDS}
+    values.update(
         head_dim=None,  # official stores qk_rope_head_dim there; ours is the query/key head width
         num_key_value_heads=official.num_attention_heads,  # unused by official MLA (its default is 128)
         num_nextn_predict_layers=getattr(official, "num_nextn_predict_layers", 0) or 0,
-        attention_bias=official.attention_bias,
-        kv_lora_rank=official.kv_lora_rank,
-        q_lora_rank=official.q_lora_rank,
-        qk_nope_head_dim=official.qk_nope_head_dim,
-        qk_rope_head_dim=official.qk_rope_head_dim,
-        v_head_dim=official.v_head_dim,
         sliding_window=None,
     )
     if experts:
@@ -152,13 +149,8 @@ def official_fields(config) -> dict:
     """The DeepseekV3Config fields of an hf_tiny MLA config (checked by check_holds)."""
     check_holds(config)
     experts = getattr(config, "num_local_experts", 0)
-    values = dict(
-        kv_lora_rank=config.kv_lora_rank,
-        q_lora_rank=config.q_lora_rank,
-        qk_nope_head_dim=config.qk_nope_head_dim,
-        qk_rope_head_dim=config.qk_rope_head_dim,
-        v_head_dim=config.v_head_dim,
-        attention_bias=config.attention_bias,
+    values = {name: getattr(config, name) for name in MLA_FIELDS}
+    values.update(
         rope_interleave=True,  # DeepSeek's layout: attention_rules interleave the rotary rows back
         num_nextn_predict_layers=config.mtp_depth(),
     )

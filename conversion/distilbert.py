@@ -48,12 +48,7 @@ LAYER_MODULES = {
 DISTILBERT = EncoderVariant(
     model_type="distilbert",
     class_prefix="DistilBert",
-    base_prefix="distilbert",
-    masked_lm=MaskedLMNames(
-        {"vocab_transform": "lm_head.dense", "vocab_layer_norm": "lm_head.layer_norm"},
-        decoder="vocab_projector",
-        bias="vocab_projector.bias",
-    ),
+    masked_lm=MaskedLMNames("vocab_transform", "vocab_layer_norm", decoder="vocab_projector"),
     parts={"classification_head": {"pre_classifier": "model.pooler.dense", "classifier": "classifier"}, **TASK_PARTS},
     class_parts=class_parts(base_pooler=False, sequence=("classification_head",)),
     fixed_config={
@@ -67,15 +62,6 @@ DISTILBERT = EncoderVariant(
 )
 
 
-class DistilBertFamily(EncoderFamily):
-    name = "distilbert"
-    model_types = ("distilbert",)
-    variant = DISTILBERT
-    classes = DISTILBERT.family_classes()
-    card_family = "hf_tiny_encoder (BERT-style encoder, DistilBERT layout)"
-    tags = ("distilbert", "encoder")
-    tensor_markers = ("distilbert.embeddings.word_embeddings.weight", "transformer.layer.0.attention.q_lin.weight")
-
-
-FAMILY = DistilBertFamily()
+FAMILY = EncoderFamily(DISTILBERT, "hf_tiny_encoder (BERT-style encoder, DistilBERT layout)",
+                       markers=("transformer.layer.0.attention.q_lin.weight",))
 convert, convert_back = entry_points(FAMILY)

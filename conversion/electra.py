@@ -23,12 +23,7 @@ from .pipeline import Plan, Source, entry_points
 ELECTRA = EncoderVariant(
     model_type="electra",
     class_prefix="Electra",
-    base_prefix="electra",
-    masked_lm=MaskedLMNames(
-        {"generator_predictions.dense": "lm_head.dense", "generator_predictions.LayerNorm": "lm_head.layer_norm"},
-        decoder="generator_lm_head",
-        bias="generator_lm_head.bias",
-    ),
+    masked_lm=MaskedLMNames("generator_predictions.dense", "generator_predictions.LayerNorm", decoder="generator_lm_head"),
     parts={
         "discriminator": {
             "discriminator_predictions.dense": "discriminator.dense",
@@ -46,14 +41,6 @@ ELECTRA = EncoderVariant(
 
 
 class ElectraFamily(EncoderFamily):
-    name = "electra"
-    model_types = ("electra",)
-    variant = ELECTRA
-    classes = ELECTRA.family_classes()
-    card_family = "hf_tiny_encoder (BERT-style encoder, ELECTRA layout)"
-    tags = ("electra", "encoder")
-    tensor_markers = ("electra.embeddings.word_embeddings.weight",)
-
     def plan(self, source: Source) -> Plan:
         plan = super().plan(source)
         if plan.our_class == "TinyEncoderForMaskedLM" and plan.config.hidden_act != "gelu":
@@ -65,5 +52,5 @@ class ElectraFamily(EncoderFamily):
         return plan
 
 
-FAMILY = ElectraFamily()
+FAMILY = ElectraFamily(ELECTRA, "hf_tiny_encoder (BERT-style encoder, ELECTRA layout)")
 convert, convert_back = entry_points(FAMILY)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 
 class ConversionError(Exception):
@@ -19,3 +19,11 @@ def list_names(names: Iterable[str], limit: int = MAX_LISTED) -> str:
     if len(names) > limit:
         shown += f", ... ({len(names) - limit} more)"
     return shown
+
+
+def raise_problems(problems: Mapping[str, str]) -> None:
+    """One ConversionError naming every problem found, `what: which` (an empty `which`: none found), joined by
+    '; '; nothing when none was found."""
+    found = [f"{what}: {which}" for what, which in problems.items() if which]
+    if found:
+        raise ConversionError("; ".join(found))

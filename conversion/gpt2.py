@@ -23,8 +23,10 @@ import torch
 
 from .errors import ConversionError
 from .keymap import KeyMap, Rule, Transform
-from .causal import OUR_CLASSES, CausalFamily, build_causal_config, class_for_architecture, detect_source
-from .pipeline import Plan, ReversePlan, Source, entry_points
+from .causal import (
+    OUR_CLASSES, SingleTypeFamily, build_causal_config, embedding_rule, head_rules, official_label_fields, require_class,
+)
+from .pipeline import Plan, Source, entry_points
 from .readers import official_config, torch_load_weights_only
 from .writer import drop_tied_copies
 
@@ -74,16 +76,13 @@ def _check_fused_width(width: int, hidden: int, name: str, shape: tuple) -> None
 
 
 def key_map(config, class_name: str = "TinyCausalForCausalLM") -> KeyMap:
-    if class_name not in OFFICIAL_CLASSES:
-        raise ConversionError(f"unsupported hf_tiny class {class_name!r}; supported: {', '.join(OFFICIAL_CLASSES)}")
+    require_class(class_name, OFFICIAL_CLASSES)
     official_prefix = OFFICIAL_CLASSES[class_name][1]
     ours = OUR_CLASSES[class_name][2]
     source, target = f"{official_prefix}h.{{i}}.", f"{ours}layers.{{i}}."
     hidden = config.hidden_size
-    embed = f"{ours}embed_tokens.weight"
-    tied = class_name == "TinyCausalForCausalLM" and config.tie_word_embeddings
     rules: list = [
-        Rule(f"{official_prefix}wte.weight", (embed, "lm_head.weight") if tied else embed),
+        embedding_rule(config, class_name, f"{official_prefix}wte.weight"),
         (f"{official_prefix}wpe.weight", f"{ours}embed_positions.weight"),
         Rule(f"{source}attn.c_attn.weight", tuple(f"{target}{name}.weight" for name in QKV), fused_qkv_weight(hidden)),
         Rule(f"{source}attn.c_attn.bias", tuple(f"{target}{name}.bias" for name in QKV), fused_qkv_bias(hidden)),
@@ -94,11 +93,7 @@ def key_map(config, class_name: str = "TinyCausalForCausalLM") -> KeyMap:
     for official, our_name in {**{f"{source}{k}": f"{target}{v}" for k, v in LAYER_NORMS.items()},
                                f"{official_prefix}ln_f": f"{ours}norm"}.items():
         rules += [(f"{official}.weight", f"{our_name}.weight"), (f"{official}.bias", f"{our_name}.bias")]
-    if class_name == "TinyCausalForCausalLM" and not config.tie_word_embeddings:
-        rules.append(("lm_head.weight", "lm_head.weight"))
-    if class_name == "TinyCausalForSequenceClassification":
-        rules.append(("score.weight", "score.weight"))
-    return KeyMap(rules, ignore=IGNORED_BUFFERS)
+    return KeyMap(rules + head_rules(config, class_name), ignore=IGNORED_BUFFERS)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -165,10 +160,8 @@ def gpt2_config_from_causal(config, official_class: str):
         resid_pdrop=config.hidden_dropout, embd_pdrop=config.embedding_dropout,
         scale_attn_weights=config.query_pre_attn_scalar is None, tie_word_embeddings=config.tie_word_embeddings,
         pad_token_id=config.pad_token_id, bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-        architectures=[official_class],
+        architectures=[official_class], **official_label_fields(config, official_class),
     )
-    if config.id2label is not None and official_class == "GPT2ForSequenceClassification":
-        values.update(id2label=config.id2label, label2id=config.label2id, problem_type=config.problem_type)
     return transformers.GPT2Config(**values)
 
 
@@ -234,44 +227,25 @@ def nanogpt_to_gpt2_layout(state: dict, num_layers: int, bias: bool, *, src) -> 
     return out
 
 
-class Gpt2Family(CausalFamily):
-    name = "gpt2"
-    model_types = ("gpt2",)
-    gguf_architectures = ("gpt2",)
-    card_family = "hf_tiny_causal (decoder block with GPT-2's parts: learned positions, LayerNorm, GELU MLP)"
-    tags = ("gpt2", "causal-lm", "text-generation")
-    tensor_markers = ("transformer.h.0.attn.c_attn.weight", "h.0.attn.c_attn.weight")
+class Gpt2Family(SingleTypeFamily):
+    official_classes = {ours: official for ours, (official, _prefix) in OFFICIAL_CLASSES.items()}
+    word_embeddings = "transformer.wte.weight"
+    config_from_official = staticmethod(causal_config_from_gpt2)
+    official_config_of = staticmethod(gpt2_config_from_causal)
+    key_map = staticmethod(key_map)
 
     def read(self, src: Path) -> Source:
         nanogpt = nanogpt_checkpoint(src)
         if nanogpt is not None:
             raw, state = read_nanogpt(nanogpt)
             return Source(nanogpt, nanogpt.parent, "nanogpt", raw, state, f"the nanoGPT checkpoint `{nanogpt.name}`")
-        kind, path = detect_source(src)
-        if kind == "gguf":
-            return self.read_gguf(path)
-        if kind != "hf":
-            raise ConversionError(f"{src} is not a GPT-2 checkpoint: expected a Hugging Face folder or a gpt2 GGUF")
-        source = self.read_hf_folder(path, allow_missing_model_type=True)
-        source.description = f"the Hugging Face gpt2 folder `{path.resolve().name}`"
-        return source
+        return super().read(src, allow_missing_model_type=True)
 
-    def plan(self, source: Source) -> Plan:
-        official = official_config(source.raw_config, src=source.path)
-        config = causal_config_from_gpt2(official, src=source.path)
-        official_names = {ours: official for ours, (official, _prefix) in OFFICIAL_CLASSES.items()}
-        class_name = "TinyCausalForCausalLM" if source.kind == "gguf" else class_for_architecture(
-            source.raw_config.get("architectures"), official_names, "GPT2LMHeadModel", src=source.path)
-        state = source.state
-        if class_name == "TinyCausalForCausalLM" and config.tie_word_embeddings:
-            state = drop_tied_copies(state, "transformer.wte.weight", ["lm_head.weight"], src=source.path)
-        official_class = OFFICIAL_CLASSES[class_name][0]
-        notes = list(source.notes)
-        if source.kind == "nanogpt":
-            notes.append("The official side is `GPT2LMHeadModel` (exact GELU) holding the nanoGPT weights in GPT-2's "
-                         "layout (Linear weights transposed to Conv1D; a bias=False model gets zero biases).")
-        return Plan(config, class_name, official_class, key_map(config, class_name), config.num_hidden_layers, state,
-                    notes=notes)
+    def plan_notes(self, source: Source, official) -> list[str]:
+        if source.kind != "nanogpt":
+            return []
+        return ["The official side is `GPT2LMHeadModel` (exact GELU) holding the nanoGPT weights in GPT-2's layout "
+                "(Linear weights transposed to Conv1D; a bias=False model gets zero biases)."]
 
     def official_model(self, source: Source, plan: Plan):
         if source.kind == "nanogpt":
@@ -291,11 +265,8 @@ class Gpt2Family(CausalFamily):
             return "none (nanoGPT checkpoints carry no tokenizer; GPT-2's BPE is the usual one)"
         return super().write_side_files(source, plan, tmp)
 
-    def reverse(self, config, our_class: str, src: Path) -> ReversePlan:
-        official_class = OFFICIAL_CLASSES[our_class][0]
-        return ReversePlan(official_class, gpt2_config_from_causal(config, official_class), key_map(config, our_class),
-                           config.num_hidden_layers)
 
-
-FAMILY = Gpt2Family()
+FAMILY = Gpt2Family(
+    "gpt2", "a GPT-2", "hf_tiny_causal (decoder block with GPT-2's parts: learned positions, LayerNorm, GELU MLP)",
+    gguf=True, markers=("transformer.h.0.attn.c_attn.weight", "h.0.attn.c_attn.weight"))
 convert, convert_back = entry_points(FAMILY)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ConversionError, list_names
+from .errors import ConversionError, list_names, raise_problems
 
 @dataclass(frozen=True)
 class Transform:
@@ -186,13 +186,10 @@ class KeyMap:
                 function = rule.transform.forward if forward else rule.transform.backward
             steps.append(MapStep(inputs, outputs, function, rule.transform.name if rule.transform else None))
         unknown = [k for k in keys if k not in used and not any(p.fullmatch(k) for p in ignore)]
-        problems = []
-        if missing:
-            problems.append(f"missing {direction} tensors: {list_names(missing)}")
-        if unknown:
-            problems.append(f"unexpected {direction} tensors (not mapped, not ignored): {list_names(sorted(unknown))}")
-        if problems:
-            raise ConversionError("; ".join(problems))
+        raise_problems({
+            f"missing {direction} tensors": list_names(missing),
+            f"unexpected {direction} tensors (not mapped, not ignored)": list_names(unknown),
+        })
         return steps
 
     def iterate(self, state_dict: Mapping[str, torch.Tensor], *, num_layers, forward: bool = True,
@@ -294,17 +291,12 @@ def check_shapes(state_dict: Mapping[str, torch.Tensor], expected: Mapping[str, 
         for k in expected
         if k in state_dict and not state_dict[k].is_floating_point()
     ]
-    problems = []
-    if not_floating:
-        problems.append(f"tensors that must hold floating-point weights: {list_names(sorted(not_floating))}")
-    if wrong:
-        problems.append(f"wrong shapes: {', '.join(sorted(wrong))}")
-    if missing:
-        problems.append(f"missing tensors: {list_names(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors: {list_names(unexpected)}")
-    if problems:
-        raise ConversionError("; ".join(problems))
+    raise_problems({
+        "tensors that must hold floating-point weights": list_names(not_floating),
+        "wrong shapes": ", ".join(sorted(wrong)),
+        "missing tensors": list_names(missing),
+        "unexpected tensors": list_names(unexpected),
+    })
 
 
 def expected_shapes(module: torch.nn.Module) -> dict[str, torch.Size]:

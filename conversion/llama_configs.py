@@ -4,7 +4,7 @@ types, DeepSeek-V3), and which official type can hold an hf_tiny causal config."
 from __future__ import annotations
 
 from . import deepseek, gpt_oss, llama4, olmo2, smollm3
-from .causal import build_causal_config, plain_dict
+from .causal import SHARED_FIELDS, build_causal_config, official_label_fields, plain_dict
 from .errors import ConversionError
 from .moe import MOE_MODEL_TYPES, OFFICIAL_PREFIXES, moe_fields_from_official, official_moe_config_fields
 from .moe import official_moe_family
@@ -15,12 +15,6 @@ from .phi3 import needs_phi3
 VARIANTS = (llama4, gpt_oss, olmo2, smollm3)
 VARIANT_BY_TYPE = {variant.MODEL_TYPE: variant for variant in VARIANTS}
 
-# Fields with the same name and meaning in TinyCausalConfig and every official config of the family.
-SHARED_FIELDS = (
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "max_position_embeddings", "initializer_range", "rms_norm_eps", "attention_dropout",
-    "tie_word_embeddings", "pad_token_id", "bos_token_id", "eos_token_id",
-)
 CONFIG_CLASSES = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
                   "gemma3_text": "Gemma3TextConfig", deepseek.MODEL_TYPE: "DeepseekV3Config",
                   **{variant.MODEL_TYPE: variant.CONFIG_CLASS for variant in (gpt_oss, llama4, olmo2, smollm3)},
@@ -97,9 +91,7 @@ def official_config_from_causal(config, official_class: str):
     family = official_family(config)
     values = {name: getattr(config, name) for name in SHARED_FIELDS}
     values.update(hidden_act=config.hidden_act, rope_parameters=plain_dict(config.rope_parameters),
-                  architectures=[official_class])
-    if config.id2label is not None and official_class.endswith("ForSequenceClassification"):
-        values.update(id2label=config.id2label, label2id=config.label2id, problem_type=config.problem_type)
+                  architectures=[official_class], **official_label_fields(config, official_class))
     values.update(_official_fields(config, family))
     if family == "gemma3_text":
         values["hidden_activation"] = values.pop("hidden_act")  # Gemma's name

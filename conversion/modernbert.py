@@ -133,7 +133,7 @@ MODERNBERT = EncoderVariant(
     model_type="modernbert",
     class_prefix="ModernBert",
     base_prefix="model",
-    masked_lm=MaskedLMNames(head("lm_head"), decoder="decoder", bias="decoder.bias"),
+    masked_lm=MaskedLMNames("head.dense", "head.norm", decoder="decoder"),
     parts={
         "classification_head": {**head("model.pooler"), "classifier": "classifier"},
         "token_head": {**head("head"), "classifier": "classifier"},
@@ -166,14 +166,6 @@ def refuse_unsupported(raw_config: dict, *, src) -> None:
 
 
 class ModernBertFamily(EncoderFamily):
-    name = "modernbert"
-    model_types = ("modernbert",)
-    variant = MODERNBERT
-    classes = MODERNBERT.family_classes()
-    card_family = "hf_tiny_encoder (ModernBERT: pre-norm, rotary positions, local / global attention, GeGLU)"
-    tags = ("modernbert", "encoder")
-    tensor_markers = ("model.embeddings.tok_embeddings.weight",)
-
     def plan(self, source: Source) -> Plan:
         refuse_unsupported(source.raw_config, src=source.path)
         return super().plan(source)
@@ -191,5 +183,6 @@ class ModernBertFamily(EncoderFamily):
         return super().reverse(config, our_class, src)
 
 
-FAMILY = ModernBertFamily()
+FAMILY = ModernBertFamily(
+    MODERNBERT, "hf_tiny_encoder (ModernBERT: pre-norm, rotary positions, local / global attention, GeGLU)")
 convert, convert_back = entry_points(FAMILY)

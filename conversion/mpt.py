@@ -12,18 +12,16 @@ projection (split / joined by a transform).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from hf_tiny.configuration_causal import field_value
 
 from .errors import ConversionError
 from .keymap import KeyMap, Rule, Transform
-from .causal import OUR_CLASSES, CausalFamily, build_causal_config, class_for_architecture, detect_source
-from .pipeline import Plan, ReversePlan, Source, entry_points
-from .readers import official_config
-from .writer import drop_tied_copies
+from .causal import (
+    OUR_CLASSES, SingleTypeFamily, build_causal_config, embedding_rule, head_rules, official_label_fields, require_class,
+)
+from .pipeline import entry_points
 
 # hf_tiny class -> (official class, prefix of the official base model's tensors)
 OFFICIAL_CLASSES = {
@@ -60,22 +58,18 @@ def fused_qkv(hidden: int) -> Transform:
 
 
 def key_map(config, class_name: str = "TinyCausalForCausalLM") -> KeyMap:
-    if class_name not in OFFICIAL_CLASSES:
-        raise ConversionError(f"unsupported hf_tiny class {class_name!r}; supported: {', '.join(OFFICIAL_CLASSES)}")
+    """MPT's head is always tied (an untied config is refused both ways before a key map is made)."""
+    require_class(class_name, OFFICIAL_CLASSES)
     official_prefix = OFFICIAL_CLASSES[class_name][1]
     ours = OUR_CLASSES[class_name][2]
     source, target = f"{official_prefix}blocks.{{i}}.", f"{ours}layers.{{i}}."
-    embed = f"{ours}embed_tokens.weight"
-    tied = class_name == "TinyCausalForCausalLM"
     rules: list = [
-        Rule(f"{official_prefix}wte.weight", (embed, "lm_head.weight") if tied else embed),
+        embedding_rule(config, class_name, f"{official_prefix}wte.weight"),
         Rule(f"{source}attn.Wqkv.weight", tuple(f"{target}{name}.weight" for name in QKV), fused_qkv(config.hidden_size)),
         (f"{official_prefix}norm_f.weight", f"{ours}norm.weight"),
     ]
     rules += [(f"{source}{official}.weight", f"{target}{mine}.weight") for official, mine in LAYER_MODULES.items()]
-    if class_name == "TinyCausalForSequenceClassification":
-        rules.append(("score.weight", "score.weight"))
-    return KeyMap(rules)
+    return KeyMap(rules + head_rules(config, class_name))
 
 
 def causal_config_from_mpt(official, *, src):
@@ -146,44 +140,19 @@ def mpt_config_from_causal(config, official_class: str):
         layer_norm_epsilon=config.layer_norm_eps, attn_config={"alibi": True, "attn_pdrop": config.attention_dropout},
         no_bias=True, tie_word_embeddings=True, pad_token_id=config.pad_token_id, bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id, architectures=[official_class],
+        **official_label_fields(config, official_class),
     )
-    if config.id2label is not None and official_class == "MptForSequenceClassification":
-        values.update(id2label=config.id2label, label2id=config.label2id, problem_type=config.problem_type)
     return transformers.MptConfig(**values)
 
 
-class MptFamily(CausalFamily):
-    name = "mpt"
-    model_types = ("mpt",)
-    gguf_architectures = ()
-    card_family = "hf_tiny_causal (decoder block with MPT's parts: ALiBi, bias-free LayerNorm, GELU MLP)"
-    tags = ("mpt", "alibi", "causal-lm", "text-generation")
-    tensor_markers = ("transformer.blocks.0.attn.Wqkv.weight",)
-
-    def read(self, src: Path) -> Source:
-        kind, path = detect_source(src)
-        if kind != "hf":
-            raise ConversionError(f"{src} is not an MPT checkpoint: expected a Hugging Face folder")
-        source = self.read_hf_folder(path)
-        source.description = f"the Hugging Face mpt folder `{path.resolve().name}`"
-        return source
-
-    def plan(self, source: Source) -> Plan:
-        config = causal_config_from_mpt(official_config(source.raw_config, src=source.path), src=source.path)
-        official_names = {ours: official for ours, (official, _prefix) in OFFICIAL_CLASSES.items()}
-        class_name = class_for_architecture(
-            source.raw_config.get("architectures"), official_names, "MptForCausalLM", src=source.path)
-        state = source.state
-        if class_name == "TinyCausalForCausalLM":
-            state = drop_tied_copies(state, "transformer.wte.weight", ["lm_head.weight"], src=source.path)
-        return Plan(config, class_name, OFFICIAL_CLASSES[class_name][0], key_map(config, class_name),
-                    config.num_hidden_layers, state, notes=list(source.notes))
-
-    def reverse(self, config, our_class: str, src: Path) -> ReversePlan:
-        official_class = OFFICIAL_CLASSES[our_class][0]
-        return ReversePlan(official_class, mpt_config_from_causal(config, official_class), key_map(config, our_class),
-                           config.num_hidden_layers)
+class MptFamily(SingleTypeFamily):
+    official_classes = {ours: official for ours, (official, _prefix) in OFFICIAL_CLASSES.items()}
+    word_embeddings = "transformer.wte.weight"
+    config_from_official = staticmethod(causal_config_from_mpt)
+    official_config_of = staticmethod(mpt_config_from_causal)
+    key_map = staticmethod(key_map)
 
 
-FAMILY = MptFamily()
+FAMILY = MptFamily("mpt", "an MPT", "hf_tiny_causal (decoder block with MPT's parts: ALiBi, bias-free LayerNorm, GELU MLP)",
+                   gguf=False, tags=("alibi",), markers=("transformer.blocks.0.attn.Wqkv.weight",))
 convert, convert_back = entry_points(FAMILY)

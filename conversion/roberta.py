@@ -17,27 +17,12 @@ from .pipeline import entry_points
 ROBERTA = EncoderVariant(
     model_type="roberta",
     class_prefix="Roberta",
-    base_prefix="roberta",
-    masked_lm=MaskedLMNames(
-        {"lm_head.dense": "lm_head.dense", "lm_head.layer_norm": "lm_head.layer_norm"},
-        decoder="lm_head.decoder",
-        bias="lm_head.bias",
-    ),
+    masked_lm=MaskedLMNames("lm_head.dense", "lm_head.layer_norm", decoder="lm_head.decoder", bias="lm_head.bias"),
     parts={"pooler": {"pooler.dense": "pooler.dense"}, "classification_head": CLASSIFICATION_HEAD, **TASK_PARTS},
     class_parts=class_parts(base_pooler=True, sequence=("classification_head",)),
     fixed_config={"positions_from_padding": True, "dropout_before_pooler": True},
 )
 
 
-class RobertaFamily(EncoderFamily):
-    name = "roberta"
-    model_types = ("roberta",)
-    variant = ROBERTA
-    classes = ROBERTA.family_classes()
-    card_family = "hf_tiny_encoder (BERT-style encoder, RoBERTa positions)"
-    tags = ("roberta", "encoder")
-    tensor_markers = ("roberta.embeddings.word_embeddings.weight",)
-
-
-FAMILY = RobertaFamily()
+FAMILY = EncoderFamily(ROBERTA, "hf_tiny_encoder (BERT-style encoder, RoBERTa positions)")
 convert, convert_back = entry_points(FAMILY)

@@ -23,6 +23,21 @@ from .seq2seq_common import Seq2SeqFamily, require_style, stack_depths, styled_c
 from .writer import drop_tied_copies, stores_tied_copy
 
 ATTENTION = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
+# T5Config field -> TinySeq2SeqConfig field: read one way, written the other
+CONFIG_FIELDS = {
+    "vocab_size": "vocab_size",
+    "d_model": "hidden_size",
+    "num_heads": "num_attention_heads",
+    "d_kv": "head_dim",
+    "d_ff": "intermediate_size",
+    "num_layers": "num_hidden_layers",
+    "num_decoder_layers": "num_decoder_layers",
+    "layer_norm_epsilon": "layer_norm_eps",
+    "relative_attention_num_buckets": "relative_attention_num_buckets",
+    "relative_attention_max_distance": "relative_attention_max_distance",
+    "pad_token_id": "pad_token_id",
+    "eos_token_id": "eos_token_id",
+}
 
 
 def _feed_forward(gated: bool) -> dict[str, str]:
@@ -72,28 +87,17 @@ def config_from_official(official, *, src, tied_head: bool):
     return styled_config(
         "t5",
         src,
-        vocab_size=official.vocab_size,
-        hidden_size=official.d_model,
-        num_attention_heads=official.num_heads,
-        head_dim=official.d_kv,
-        intermediate_size=official.d_ff,
-        num_hidden_layers=official.num_layers,
-        num_decoder_layers=official.num_decoder_layers,
+        **{ours: getattr(official, name) for name, ours in CONFIG_FIELDS.items()},
         hidden_act=official.dense_act_fn,
         max_position_embeddings=512,  # T5 has no position table; kept for tools that read the field
-        layer_norm_eps=official.layer_norm_epsilon,
         initializer_range=float(official.initializer_factor) * official.d_model**-0.5,
         attention_dropout=dropout,
         hidden_dropout=dropout,
         activation_dropout=dropout,
-        relative_attention_num_buckets=official.relative_attention_num_buckets,
-        relative_attention_max_distance=official.relative_attention_max_distance,
         mlp_gated=bool(official.is_gated_act),
         tie_word_embeddings=tied_head,
         scale_decoder_outputs=bool(official.scale_decoder_outputs),
-        pad_token_id=official.pad_token_id,
         bos_token_id=None,
-        eos_token_id=official.eos_token_id,
         # T5 starts decoding with the pad token
         decoder_start_token_id=start if start is not None else official.pad_token_id,
     )
@@ -112,20 +116,9 @@ def official_config_from_ours(config, *, src):
     else:
         feed_forward = act
     official = T5Config(
-        vocab_size=config.vocab_size,
-        d_model=config.hidden_size,
-        d_kv=config.head_dim,
-        d_ff=config.intermediate_size,
-        num_layers=config.num_hidden_layers,
-        num_decoder_layers=config.num_decoder_layers,
-        num_heads=config.num_attention_heads,
-        relative_attention_num_buckets=config.relative_attention_num_buckets,
-        relative_attention_max_distance=config.relative_attention_max_distance,
+        **{name: getattr(config, ours) for name, ours in CONFIG_FIELDS.items()},
         dropout_rate=config.hidden_dropout,
-        layer_norm_epsilon=config.layer_norm_eps,
         feed_forward_proj=feed_forward,
-        pad_token_id=config.pad_token_id,
-        eos_token_id=config.eos_token_id,
         decoder_start_token_id=config.decoder_start_token_id,
         # T5Config turns this into scale_decoder_outputs; the head's tying follows the stored tensors
         tie_word_embeddings=config.scale_decoder_outputs,
