@@ -241,7 +241,7 @@ def guess_suffix(variant: EncoderVariant, present: set[str], *, prefixed: bool, 
     if not prefixed:
         return "Model"
     for suffix in ("ForPreTraining", "ForMaskedLM", "ForQuestionAnswering", "ForSequenceClassification", "ForTokenClassification"):
-        if set(variant.class_parts[suffix]) <= present:
+        if suffix in variant.class_parts and set(variant.class_parts[suffix]) <= present:
             return suffix
     raise ConversionError(
         f"{src}: cannot tell which {variant.class_prefix} class the checkpoint holds (no `architectures` in "
@@ -309,23 +309,36 @@ def official_config_from_encoder(variant: EncoderVariant, config, official_class
 
     from transformers import AutoConfig
 
+    missing = [ours for ours in variant.config_fields.values() if not hasattr(config, ours)]
+    if missing:
+        raise ConversionError(f"this hf_tiny encoder is not {_an(variant.model_type)} model: its config has no "
+                              f"{', '.join(missing)}")
     values = {name: getattr(config, ours) for name, ours in variant.config_fields.items()}
     if values["id2label"] is None:
         values.pop("id2label")
         values.pop("label2id")
-    official = AutoConfig.for_model(variant.model_type, **values, architectures=[official_class])
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        official = AutoConfig.for_model(variant.model_type, **values, architectures=[official_class])
+    except (TypeError, ValueError, StrictDataclassError) as error:  # a value the official config refuses
+        raise ConversionError(f"this hf_tiny encoder is not {_an(variant.model_type)} model: {error}") from error
     try:
         again = encoder_config_from_official(variant, official.to_dict(), src=f"the {variant.model_type} config")
     except ConversionError as error:
-        raise ConversionError(f"this hf_tiny encoder is not a {variant.model_type} model ({error})") from error
+        raise ConversionError(f"this hf_tiny encoder is not {_an(variant.model_type)} model ({error})") from error
     fields = [name for name in inspect.signature(type(config).__init__).parameters if name not in ("self", "kwargs")]
     lost = [f"{name}={getattr(config, name)!r}" for name in fields if getattr(config, name) != getattr(again, name)]
     if lost:
         raise ConversionError(
-            f"this hf_tiny encoder is not a {variant.model_type} model: {', '.join(lost)} (a {variant.model_type} "
-            "config has no place for it)"
+            f"this hf_tiny encoder is not {_an(variant.model_type)} model: {', '.join(lost)} "
+            f"({_an(variant.model_type)} config has no place for it)"
         )
     return official
+
+
+def _an(word: str) -> str:
+    return f"{'an' if word[0] in 'aeiou' else 'a'} {word}"
 
 
 class EncoderFamily(Family):

@@ -384,6 +384,32 @@ def test_bert_reverse_refuses_a_roberta_style_encoder(tmp_path):
         bert_conversion.convert_back(tmp_path / "ours", tmp_path / "back")
 
 
+def test_roberta_head_checkpoint_without_architectures_is_read_by_its_head_tensors(tmp_path):
+    """RoBERTa has no pretraining class: a config.json without `architectures` is matched against the classes the
+    variant has (it once asked for RobertaForPreTraining and failed with a KeyError)."""
+    official = official_roberta("RobertaForMaskedLM")
+    result = roberta_conversion.convert(save(official, tmp_path / "src", architectures=None), tmp_path / "ours")
+    assert result["architecture"] == "RobertaForMaskedLM"
+    assert_parity(official, AutoModelForMaskedLM.from_pretrained(tmp_path / "ours").eval(), padded_batch(token_types=False))
+
+
+@pytest.mark.parametrize("family, message", [
+    ("distilbert", "not a distilbert model: .*seq_classif_dropout"),
+    ("albert", "not an albert model: .*classifier_dropout_prob"),
+    ("modernbert", "not a modernbert model: its config has no rope_parameters"),
+])
+def test_reverse_with_another_encoder_family_names_the_family(family, message, tmp_path):
+    """A BERT-style hf_tiny folder converted back by another encoder family: a ConversionError naming the family
+    and the field, not the official config class's own exception."""
+    import importlib
+
+    no_dropout = {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}  # ModernBERT refuses dropout first
+    bert_conversion.convert(save(official_bert("BertModel", **no_dropout), tmp_path / "src"), tmp_path / "ours")
+    with pytest.raises(ConversionError, match=message):
+        importlib.import_module(f"conversion.{family}").convert_back(tmp_path / "ours", tmp_path / "back")
+    assert not (tmp_path / "back").exists()
+
+
 def test_roberta_position_table_without_room_for_the_offset_fails_at_config_construction():
     with pytest.raises(ValueError, match=r"pad_token_id \+ 1 = 2, so max_position_embeddings=2 leaves no room"):
         hf_tiny.TinyEncoderConfig(vocab_size=10, hidden_size=8, num_hidden_layers=1, num_attention_heads=2,
@@ -689,7 +715,7 @@ def test_reverse_refuses_what_the_official_config_cannot_hold(tmp_path):
     config = json.loads((tmp_path / "ours" / "config.json").read_text())
     config["next_sentence_dropout"] = 0.3  # ALBERT reads it from classifier_dropout_prob (0.1 here)
     (tmp_path / "ours" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ConversionError, match=r"not a albert model: next_sentence_dropout=0.3"):
+    with pytest.raises(ConversionError, match=r"not an albert model: next_sentence_dropout=0.3"):
         albert_conversion.convert_back(tmp_path / "ours", tmp_path / "back")
     with pytest.raises(ConversionError, match="not a bert model: .*project_embeddings=True"):
         bert_conversion.convert_back(tmp_path / "ours", tmp_path / "back2")
