@@ -58,26 +58,31 @@ def repeat_kv(hidden: torch.Tensor, n_rep: int) -> torch.Tensor:
     return hidden.reshape(batch, kv_heads * n_rep, seq, dim)
 
 
-def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: Optional[str] = None,
-                  sinks: Optional[torch.Tensor] = None) -> int:
-    """The heads' repeat factor of GQA. Values may be narrower or wider than keys (MLA's v_head_dim), except in
-    the flash kernels (`backend` names one), which need one head_dim for q, k and v. sinks: one logit per query head."""
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: Optional[torch.Tensor] = None) -> int:
+    """The heads' repeat factor of GQA. Values may be narrower or wider than keys (MLA's v_head_dim) except in the
+    flash kernels (_check_flash_shapes). sinks: one logit per query head."""
     shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"attention expects 4-D q, k, v [batch, heads, seq, head_dim]; got {shapes}")
     if k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"k and v must have the same [batch, heads, seq] and q, k the same head_dim; got {shapes}")
-    if backend is not None and v.shape[-1] != q.shape[-1]:
-        raise ValueError(
-            f"attn_implementation={backend!r} needs one head_dim for queries, keys and values; got {shapes} (MLA's "
-            "v_head_dim); use attn_implementation='sdpa' or 'eager'"
-        )
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (q.shape[1],)):
         found = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
         raise ValueError(f"attention sinks (s_aux) hold one logit per query head, shape ({q.shape[1]},); got {found}")
     return q.shape[1] // k.shape[1]
+
+
+def _check_flash_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str, sinks=None) -> None:
+    """_check_shapes, and one head_dim for q, k and v: the flash kernels take no narrower or wider values."""
+    _check_shapes(q, k, v, sinks=sinks)
+    if v.shape[-1] != q.shape[-1]:
+        raise ValueError(
+            f"attn_implementation={backend!r} needs one head_dim for queries, keys and values; got q "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (MLA's v_head_dim); use "
+            "attn_implementation='sdpa' or 'eager'"
+        )
 
 
 def causal_bool_mask(query_length: int, key_length: int, device: torch.device, window: Optional[int] = None) -> torch.Tensor:
@@ -474,12 +479,8 @@ def flash_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0,
     our Triton kernel (hf_tiny_flash_attention, one varlen call; with attention dropout, which it lacks, PyTorch's
     flash kernel one sequence at a time), and on CPU PyTorch's FLASH_ATTENTION SDPA kernel (one sequence at a time
     for padded batches). Attention sinks, which the flash-attn package lacks, run on our Triton kernel on CUDA."""
-    if output_attentions:
-        raise ValueError(
-            "output_attentions=True needs the attention weights, which 'flash_attention_2' does not compute; "
-            "use attn_implementation='eager'"
-        )
-    _check_shapes(q, k, v, backend="flash_attention_2", sinks=sinks)
+    _no_weights(output_attentions, "flash_attention_2")
+    _check_flash_shapes(q, k, v, backend="flash_attention_2", sinks=sinks)
     check_flash_can_run(q.device, q.dtype)
     package = flash_attn_package_available(q.device)
     if q.device.type == "cuda" and (not package or sinks is not None) and dropout_p == 0.0:
@@ -698,17 +699,13 @@ def hf_tiny_flash_attention(q, k, v, mask=None, *, scale: float, dropout_p: floa
     """hf_tiny's own FlashAttention kernel in Triton (hf_tiny/flash_triton.py): padded and packed batches in one
     varlen call, GQA without repeated K/V, causal and sliding-window masks, attention sinks, fp16/bf16/fp32. Runs on
     CUDA, and on CPU under Triton's interpreter (TRITON_INTERPRET=1)."""
-    if output_attentions:
-        raise ValueError(
-            "output_attentions=True needs the attention weights, which 'hf_tiny_flash' does not compute; "
-            "use attn_implementation='eager'"
-        )
+    _no_weights(output_attentions, "hf_tiny_flash")
     if dropout_p > 0:
         raise ValueError(
             f"attn_implementation='hf_tiny_flash' has no attention dropout, got dropout_p={dropout_p}; set the config's "
             "attention dropout to 0, call model.eval(), or use attn_implementation='sdpa'"
         )
-    _check_shapes(q, k, v, backend="hf_tiny_flash", sinks=sinks)
+    _check_flash_shapes(q, k, v, backend="hf_tiny_flash", sinks=sinks)
     return _triton_flash(q, k, v, mask, scale=scale, is_causal=is_causal, segment_ids=segment_ids, sinks=sinks), None
 
 

@@ -395,7 +395,7 @@ class TinySeq2SeqModel(TinySeq2SeqPreTrainedModel):
             encoder_last_hidden_state=encoder_outputs.last_hidden_state,
             encoder_hidden_states=encoder_outputs.hidden_states, encoder_attentions=encoder_outputs.attentions,
         )
-        return format_output(output, flags)
+        return format_output(output, flags.return_dict)
 
     def _encoded(self, encoder_outputs, input_ids, attention_mask, inputs_embeds, flags) -> BaseModelOutput:
         """The encoder's output: computed now, or given (generate encodes once) as a BaseModelOutput or a tuple."""
