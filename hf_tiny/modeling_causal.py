@@ -178,12 +178,9 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
 
     def rotary_positions(self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
                          layer_type: str = "full_attention") -> Optional[tuple[torch.Tensor, torch.Tensor]]:
-        """The layer type's rotary (cos, sin), broadcast over heads; None without rotary positions."""
+        """The layer type's rotary (cos, sin); None without rotary positions."""
         rotary = self.sliding_rotary_emb if layer_type == "sliding_attention" and self.sliding_rotary_emb else self.rotary_emb
-        if rotary is None:
-            return None
-        cos, sin = rotary(hidden_states, position_ids)
-        return cos.unsqueeze(1), sin.unsqueeze(1)
+        return None if rotary is None else rotary(hidden_states, position_ids)
 
     def layer_positions(self, hidden_states: torch.Tensor, step) -> list:
         """What each layer's attention takes as positions: its layer type's rotary (cos, sin); on NoPE layers

@@ -21,6 +21,7 @@ that take boundaries instead of masks (flash varlen).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Union
@@ -121,7 +122,7 @@ def output_flags(config, output_attentions=None, output_hidden_states=None, retu
     return flags
 
 
-class LayerOutputs:
+class LayerOutputs(contextlib.AbstractContextManager):
     """What output_hidden_states / output_attentions (and MoE router logits) ask for, collected while a stack runs:
     hidden states as the model adds them, attention weights and router logits by forward hooks on the modules that
     return them (the layers return hidden states only, as transformers' do). A field not asked for stays None."""
@@ -154,9 +155,6 @@ class LayerOutputs:
     def add_hidden(self, hidden_states: torch.Tensor) -> None:
         if self.hidden_states is not None:
             self.hidden_states += (hidden_states,)
-
-    def __enter__(self) -> "LayerOutputs":
-        return self
 
     def __exit__(self, *exc) -> None:
         for handle in getattr(self, "_handles", ()):
@@ -208,10 +206,8 @@ def check_inputs_embeds(inputs_embeds, *, hidden_size: int, field: str = "inputs
         )
 
 
-def check_token_inputs(
-    config, input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torch.Tensor], *,
-    names: tuple[str, str] = ("input_ids", "inputs_embeds"),
-) -> tuple[int, int]:
+def check_token_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torch.Tensor], *,
+                       names: tuple[str, str] = ("input_ids", "inputs_embeds")) -> tuple[int, int]:
     """Exactly one of ids / embeddings, checked; returns (batch, seq_len)."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError(f"pass exactly one of {names[0]} or {names[1]}")
@@ -302,11 +298,6 @@ def check_extra_kwargs(owner: str, kwargs: dict, allowed: tuple, ignored: tuple 
 _MASKED_AT_OR_BELOW = -1e4
 
 
-def _has_padding(attention_mask: torch.Tensor) -> bool:
-    # A data-dependent check; under torch.compile the mask is always built instead of branching on data.
-    return is_compiling() or not bool(attention_mask.all())
-
-
 def ready_4d_mask(attention_mask: torch.Tensor, *, query_length: int, key_length: int) -> torch.Tensor:
     """A caller's 4-D mask: bool (True = attend) as it is, float additive (0 = attend, large negative = masked,
     e.g. transformers' eager masks) as a bool, integer 1/0 as a bool."""
@@ -344,7 +335,8 @@ def self_attention_mask(attention_mask, *, batch_size: int, query_length: int, k
 def _self_attention(attention_mask, batch_size: int, query_length: int, key_length: int, causal: bool,
                     sliding_window: Optional[int], device) -> AttentionMask:
     """self_attention_mask for checked arguments and a 2-D mask or none."""
-    padded = attention_mask is not None and _has_padding(attention_mask)
+    # under torch.compile the padding mask is always applied: no branch on the data
+    padded = attention_mask is not None and (is_compiling() or not bool(attention_mask.all()))
     windowed = causal and sliding_window is not None and key_length > sliding_window
     if not padded and not windowed and (not causal or query_length in (1, key_length)):
         return AttentionMask(None, causal and query_length > 1)
@@ -419,7 +411,7 @@ def cross_attention_mask(encoder_attention_mask, *, query_length: int) -> Attent
         raise ValueError(
             f"encoder_attention_mask must be 2-D [batch, encoder_length]; got shape {tuple(encoder_attention_mask.shape)}"
         )
-    if not _has_padding(encoder_attention_mask):
+    if not is_compiling() and bool(encoder_attention_mask.all()):  # no padding (compiled: always the mask)
         return AttentionMask(None, False)
     batch, key_length = encoder_attention_mask.shape
     return AttentionMask(encoder_attention_mask.to(torch.bool)[:, None, None, :].expand(batch, 1, query_length, key_length), False)
