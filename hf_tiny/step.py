@@ -186,8 +186,7 @@ def check_input_ids(input_ids: torch.Tensor, *, vocab_size: int, field: str = "i
         return  # data-dependent checks would break the graph; eager runs already checked the same code path
     low, high = int(input_ids.min()), int(input_ids.max())
     if low < 0 or high >= vocab_size:
-        bad = low if low < 0 else high
-        raise ValueError(f"{field} contains token id {bad}, outside the vocabulary [0, {vocab_size})")
+        raise ValueError(f"{field} contains token id {low if low < 0 else high}, outside the vocabulary [0, {vocab_size})")
 
 
 def check_inputs_embeds(inputs_embeds, *, hidden_size: int, field: str = "inputs_embeds") -> None:
@@ -668,7 +667,6 @@ def causal_masks(model, attention_mask, cache, shape: CausalShape, segment_ids) 
     ALiBi's distance bias folded in; none for functions that mask by their own metadata (vLLM's)."""
     config, implementation = model.config, model.config._attn_implementation
     layer_types = dict.fromkeys(config.layer_types)
-    # ours always take a mask; transformers' functions by transformers' rule
     if not is_hf_tiny_backend(implementation) and not interface_takes_mask(implementation):
         refuse_alibi(config, f"attn_implementation={implementation!r}")
         return {layer_type: AttentionMask(None, True) for layer_type in layer_types}
