@@ -6,7 +6,9 @@ other in isolation:
     fn(q, k, v, mask=None, *, scale, dropout_p=0.0, is_causal=False, output_attentions=False, segment_ids=None,
        sinks=None) -> (out [B, H, Sq, D], weights [B, H, Sq, Sk] or None)
 
-q is [B, H, Sq, D]; k and v are [B, Hkv, Sk, D] with H a multiple of Hkv (GQA / MQA).
+q is [B, H, Sq, D]; k and v are [B, Hkv, Sk, D] with H a multiple of Hkv (GQA / MQA). ATTENTION_BACKENDS /
+get_attention_backend(name) check these shapes before the math; attention modules, whose projections make them
+so, call the math directly.
 mask is None, a bool tensor (True = attend) or a float additive tensor, broadcastable to [B, H, Sq, Sk]. A given
 mask is complete (causality already inside it). `is_causal` says whether the attention is causal: with no mask
 the backend applies it, aligned bottom-right (query i sees keys j <= i + Sk - Sq, the rule for decoding after a
@@ -58,26 +60,29 @@ def repeat_kv(hidden: torch.Tensor, n_rep: int) -> torch.Tensor:
     return hidden.reshape(batch, kv_heads * n_rep, seq, dim)
 
 
-def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: Optional[str] = None,
-                  sinks: Optional[torch.Tensor] = None) -> int:
-    """The heads' repeat factor of GQA. Values may be narrower or wider than keys (MLA's v_head_dim), except in
-    the flash kernels (`backend` names one), which need one head_dim for q, k and v. sinks: one logit per query head."""
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: Optional[torch.Tensor] = None) -> None:
+    """Values may be narrower or wider than keys (MLA's v_head_dim) except in the flash kernels (_check_one_head_dim).
+    sinks: one logit per query head."""
     shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"attention expects 4-D q, k, v [batch, heads, seq, head_dim]; got {shapes}")
     if k.shape[:3] != v.shape[:3] or q.shape[-1] != k.shape[-1]:
         raise ValueError(f"k and v must have the same [batch, heads, seq] and q, k the same head_dim; got {shapes}")
-    if backend is not None and v.shape[-1] != q.shape[-1]:
-        raise ValueError(
-            f"attn_implementation={backend!r} needs one head_dim for queries, keys and values; got {shapes} (MLA's "
-            "v_head_dim); use attn_implementation='sdpa' or 'eager'"
-        )
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
     if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (q.shape[1],)):
         found = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
         raise ValueError(f"attention sinks (s_aux) hold one logit per query head, shape ({q.shape[1]},); got {found}")
-    return q.shape[1] // k.shape[1]
+
+
+def _check_one_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, backend: str) -> None:
+    """The flash kernels take values of the queries' and keys' head_dim only."""
+    if v.shape[-1] != q.shape[-1]:
+        raise ValueError(
+            f"attn_implementation={backend!r} needs one head_dim for queries, keys and values; got q "
+            f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} (MLA's v_head_dim); use "
+            "attn_implementation='sdpa' or 'eager'"
+        )
 
 
 def causal_bool_mask(query_length: int, key_length: int, device: torch.device, window: Optional[int] = None) -> torch.Tensor:
@@ -118,7 +123,7 @@ def softmax_with_sinks(scores: torch.Tensor, sinks: Optional[torch.Tensor]) -> t
 def naive_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0, is_causal: bool = False,
                     output_attentions: bool = False, segment_ids=None, sinks=None) -> BackendOutput:
     """softmax(Q Kᵀ · scale + M) V written out; the reference the other backends are tested against."""
-    n_rep = _check_shapes(q, k, v, sinks=sinks)
+    n_rep = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
     score_dtype = _score_dtype(q.dtype)
     scores = torch.matmul(q.to(score_dtype), k.to(score_dtype).transpose(-2, -1)) * scale
@@ -167,8 +172,7 @@ def torch_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0,
     no key is handed to the kernel as seeing every key and zeroed after: some kernels return NaN for a fully masked
     row, forward and backward (CUDA memory-efficient, pytorch#110213). Sinks: sink_as_first_key."""
     _no_weights(output_attentions, "sdpa")
-    n_rep = _check_shapes(q, k, v, sinks=sinks)
-    value_dim = v.shape[-1]
+    value_dim, gqa = v.shape[-1], q.shape[1] != k.shape[1]
     if sinks is not None:
         q, k, v, mask = sink_as_first_key(q, k, v, mask, sinks, scale)
     sq, sk = q.shape[2], k.shape[2]
@@ -181,7 +185,7 @@ def torch_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0,
     elif mask is not None:
         mask = torch.where(visible, mask.to(q.dtype).clamp(min=torch.finfo(q.dtype).min), 0.0).to(q.dtype)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                         is_causal=is_causal and mask is None, scale=scale, enable_gqa=n_rep > 1)
+                                         is_causal=is_causal and mask is None, scale=scale, enable_gqa=gqa)
     out = out if visible is None else out.masked_fill(~visible, 0.0)
     return (out if sinks is None else out[..., :value_dim]), None
 
@@ -474,12 +478,8 @@ def flash_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0,
     our Triton kernel (hf_tiny_flash_attention, one varlen call; with attention dropout, which it lacks, PyTorch's
     flash kernel one sequence at a time), and on CPU PyTorch's FLASH_ATTENTION SDPA kernel (one sequence at a time
     for padded batches). Attention sinks, which the flash-attn package lacks, run on our Triton kernel on CUDA."""
-    if output_attentions:
-        raise ValueError(
-            "output_attentions=True needs the attention weights, which 'flash_attention_2' does not compute; "
-            "use attn_implementation='eager'"
-        )
-    _check_shapes(q, k, v, backend="flash_attention_2", sinks=sinks)
+    _no_weights(output_attentions, "flash_attention_2")
+    _check_one_head_dim(q, k, v, backend="flash_attention_2")
     check_flash_can_run(q.device, q.dtype)
     package = flash_attn_package_available(q.device)
     if q.device.type == "cuda" and (not package or sinks is not None) and dropout_p == 0.0:
@@ -698,26 +698,33 @@ def hf_tiny_flash_attention(q, k, v, mask=None, *, scale: float, dropout_p: floa
     """hf_tiny's own FlashAttention kernel in Triton (hf_tiny/flash_triton.py): padded and packed batches in one
     varlen call, GQA without repeated K/V, causal and sliding-window masks, attention sinks, fp16/bf16/fp32. Runs on
     CUDA, and on CPU under Triton's interpreter (TRITON_INTERPRET=1)."""
-    if output_attentions:
-        raise ValueError(
-            "output_attentions=True needs the attention weights, which 'hf_tiny_flash' does not compute; "
-            "use attn_implementation='eager'"
-        )
+    _no_weights(output_attentions, "hf_tiny_flash")
     if dropout_p > 0:
         raise ValueError(
             f"attn_implementation='hf_tiny_flash' has no attention dropout, got dropout_p={dropout_p}; set the config's "
             "attention dropout to 0, call model.eval(), or use attn_implementation='sdpa'"
         )
-    _check_shapes(q, k, v, backend="hf_tiny_flash", sinks=sinks)
+    _check_one_head_dim(q, k, v, backend="hf_tiny_flash")
     return _triton_flash(q, k, v, mask, scale=scale, is_causal=is_causal, segment_ids=segment_ids, sinks=sinks), None
 
 
-ATTENTION_BACKENDS: dict[str, Callable[..., BackendOutput]] = {
-    "eager": naive_attention,
-    "sdpa": torch_attention,
-    "flash_attention_2": flash_attention,
-    "hf_tiny_flash": hf_tiny_flash_attention,
-}
+def _checked(backend: Callable[..., BackendOutput]) -> Callable[..., BackendOutput]:
+    """The backend with the shapes of q, k, v and sinks checked first: the entry for callers that make their own.
+    Attention modules call the backends themselves (HF_TINY_INTERFACES): their projections give these shapes by
+    construction, from a checked config."""
+
+    @functools.wraps(backend)
+    def checked_backend(q, k, v, mask=None, *, sinks=None, **kwargs) -> BackendOutput:
+        _check_shapes(q, k, v, sinks=sinks)
+        return backend(q, k, v, mask, sinks=sinks, **kwargs)
+
+    return checked_backend
+
+
+_BACKENDS = {"eager": naive_attention, "sdpa": torch_attention, "flash_attention_2": flash_attention,
+             "hf_tiny_flash": hf_tiny_flash_attention}
+# The backends by name, each checking its inputs (_checked).
+ATTENTION_BACKENDS: dict[str, Callable[..., BackendOutput]] = {name: _checked(fn) for name, fn in _BACKENDS.items()}
 
 
 def get_attention_backend(name: str) -> Callable[..., BackendOutput]:
@@ -773,7 +780,7 @@ def as_attention_interface(backend: Callable[..., BackendOutput]) -> AttentionIn
 
 
 HF_TINY_INTERFACES: dict[str, AttentionInterfaceFn] = {
-    name: as_attention_interface(backend) for name, backend in ATTENTION_BACKENDS.items()
+    name: as_attention_interface(backend) for name, backend in _BACKENDS.items()
 }
 
 

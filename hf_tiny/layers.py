@@ -15,6 +15,7 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, EncoderDecoderCache
 
 from .attention import ALL_ATTENTION_FUNCTIONS, is_hf_tiny_backend, sinks_for
+from .engines import foreign_mask, paged_cache_update
 from .rope import MAX_TABLE_POSITIONS, SEQUENCE_DEPENDENT_TYPES, compute_inv_freq, rotary_dim, standardize_rope_parameters
 
 NORM_TYPES = ("layernorm", "rmsnorm")
@@ -146,16 +147,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, S, D]; cos, sin [B, S, R], or [B, 1, S, R] already broadcast over heads. R < D (partial rotary):
-    only x[..., :R] is rotated. Returns x rotated, in x's dtype."""
-    if cos.dim() == 3:
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    rotary_dim = cos.shape[-1]
-    if rotary_dim < x.shape[-1]:
-        rotated = apply_rotary(x[..., :rotary_dim], cos, sin)
-        return torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
-    rotated = (x * cos) + (rotate_half(x) * sin)
-    return rotated if rotated.dtype == x.dtype else rotated.to(x.dtype)
+    """x [B, H, S, D]; cos, sin [B, S, R], the same for every head. R < D (partial rotary): only x[..., :R] is
+    rotated. Returns x rotated, in x's dtype."""
+    cos, sin, rotary_dim = cos.unsqueeze(1), sin.unsqueeze(1), cos.shape[-1]
+    rotated = x[..., :rotary_dim] * cos + rotate_half(x[..., :rotary_dim]) * sin
+    rotated = rotated if rotated.dtype == x.dtype else rotated.to(x.dtype)
+    return rotated if rotary_dim == x.shape[-1] else torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
@@ -283,8 +280,6 @@ def update_cache(cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int, 
     transformers Cache's update, or continuous batching's paged cache (which also fills attention_kwargs)."""
     if isinstance(cache, Cache):
         return cache.update(key, value, layer_idx)
-    from .engines import paged_cache_update
-
     return paged_cache_update(cache, key, value, layer_idx, attention_kwargs)
 
 
@@ -298,8 +293,6 @@ def interface_inputs(module, attention_mask, query: torch.Tensor, key: torch.Ten
         if segment_ids is not None:
             attention_kwargs["segment_ids"] = segment_ids
         return mask, is_causal, None
-    from .engines import foreign_mask
-
     return foreign_mask(module, implementation, mask, is_causal, query, key.shape[2])
 
 
@@ -395,8 +388,8 @@ class Attention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None, *, cache=None,
                 key_value_states: Optional[torch.Tensor] = None, output_attentions: bool = False, **attention_kwargs):
         """attention_mask: a step.AttentionMask; position_embeddings: (cos, sin), a QueryTemperature or None;
-        cache: a transformers Cache or continuous batching's paged cache; attention_kwargs travel to the attention
-        function."""
+        cache: a transformers Cache or continuous batching's paged cache (cross-attention: an EncoderDecoderCache or
+        its cross-attention cache); attention_kwargs travel to the attention function."""
         batch, length = hidden_states.shape[:2]
         if self.is_cross_attention:
             query, key, value = self._cross_attention_qkv(hidden_states, key_value_states, cache)
@@ -408,8 +401,6 @@ class Attention(nn.Module):
             value_states = self.v_proj(hidden_states)
             query, key, value = self._heads(query_states, self.q_norm), self._heads(key_states, self.k_norm), self._heads(value_states)
             query, key = self._positioned(query, key, position_embeddings)
-            if isinstance(cache, EncoderDecoderCache):
-                cache = cache.self_attention_cache
             if cache is not None:
                 key, value = update_cache(cache, key, value, self.layer_idx, attention_kwargs)
 

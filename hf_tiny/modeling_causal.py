@@ -176,22 +176,17 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
             embeds = embeds * torch.tensor(self.config.hidden_size**0.5, dtype=embeds.dtype, device=embeds.device)
         return embeds
 
-    def position_embeddings(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> dict:
-        """{layer type: (cos, sin) broadcast over heads, or None without rotary positions}."""
-        embeddings = {}
-        for layer_type in dict.fromkeys(self.config.layer_types):
-            rotary = self.sliding_rotary_emb if layer_type == "sliding_attention" and self.sliding_rotary_emb else self.rotary_emb
-            if rotary is None:
-                embeddings[layer_type] = None
-            else:
-                cos, sin = rotary(hidden_states, position_ids)
-                embeddings[layer_type] = (cos.unsqueeze(1), sin.unsqueeze(1))
-        return embeddings
+    def rotary_positions(self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
+                         layer_type: str = "full_attention") -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The layer type's rotary (cos, sin); None without rotary positions."""
+        rotary = self.sliding_rotary_emb if layer_type == "sliding_attention" and self.sliding_rotary_emb else self.rotary_emb
+        return None if rotary is None else rotary(hidden_states, position_ids)
 
     def layer_positions(self, hidden_states: torch.Tensor, step) -> list:
         """What each layer's attention takes as positions: its layer type's rotary (cos, sin); on NoPE layers
         nothing, or Llama 4's query temperature of each token's cache index."""
-        rotary = self.position_embeddings(hidden_states, step.position_ids)
+        rotary = {kind: self.rotary_positions(hidden_states, step.position_ids, kind)
+                  for kind in dict.fromkeys(self.config.layer_types)}
         nope = None
         if self.nope_layers and field_value(self.config, "attn_temperature_tuning"):
             nope = query_temperature(step.token_indices(), self.config.floor_scale, self.config.attn_scale)
@@ -223,7 +218,7 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         if self.is_moe:
             fields["router_logits"] = collected.router_logits
         output_class = MoeModelOutputWithPast if self.is_moe else BaseModelOutputWithPast
-        return format_output(with_cache(output_class, step.returned_cache, **fields), step.flags)
+        return format_output(with_cache(output_class, step.returned_cache, **fields), step.flags.return_dict)
 
     def _learned_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         """Learned position embeddings exist for positions 0 .. max_position_embeddings - 1 only."""

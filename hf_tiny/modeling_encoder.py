@@ -371,7 +371,7 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
             hidden_states=collected.hidden_states,
             attentions=collected.attentions,
         )
-        return format_output(output, flags)
+        return format_output(output, flags.return_dict)
 
     def position_embeddings(self, hidden_states: torch.Tensor, position_ids: torch.Tensor) -> dict:
         """{layer type: (cos, sin)} of the rotary positions; empty with a position table."""

@@ -153,8 +153,9 @@ class TinySeq2SeqLayer(GradientCheckpointingLayer):
         """Masks arrive as plain tensors among the positional arguments because reentrant gradient checkpointing
         re-feeds only top-level tensors: T5's relative-position bias, folded into the mask, needs gradients."""
         self_mask, cross_mask = AttentionMask(attention_mask, is_causal), AttentionMask(encoder_attention_mask, False)
+        self_cache = None if cache is None else cache.self_attention_cache  # an EncoderDecoderCache's own part
         hidden_states = self._residual(hidden_states, self.input_layernorm, lambda x: self.self_attn(
-            x, self_mask, cache=cache, output_attentions=output_attentions)[0])
+            x, self_mask, cache=self_cache, output_attentions=output_attentions)[0])
         if self.cross_attn is not None:
             hidden_states = self._residual(hidden_states, self.cross_attn_layernorm, lambda x: self.cross_attn(
                 x, cross_mask, key_value_states=encoder_hidden_states, cache=cache, output_attentions=output_attentions)[0])
@@ -395,7 +396,7 @@ class TinySeq2SeqModel(TinySeq2SeqPreTrainedModel):
             encoder_last_hidden_state=encoder_outputs.last_hidden_state,
             encoder_hidden_states=encoder_outputs.hidden_states, encoder_attentions=encoder_outputs.attentions,
         )
-        return format_output(output, flags)
+        return format_output(output, flags.return_dict)
 
     def _encoded(self, encoder_outputs, input_ids, attention_mask, inputs_embeds, flags) -> BaseModelOutput:
         """The encoder's output: computed now, or given (generate encodes once) as a BaseModelOutput or a tuple."""

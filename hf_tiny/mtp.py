@@ -80,7 +80,7 @@ def mtp_loss(model, hidden_states, input_ids, attention_mask, position_ids, labe
             break
         positions = torch.arange(n, device=input_ids.device)[None] if position_ids is None else position_ids[..., :n]
         mask = mtp_mask(None if attention_mask is None else attention_mask[:, :n], positions, batch, n)
-        rotary = model.model.position_embeddings(previous, positions)["full_attention"]
+        rotary = model.model.rotary_positions(previous, positions)
         previous = layer(previous[:, :n], model.model.embed(input_ids[:, depth:]), mask, rotary)
         total = total + model._chunked_loss(
             layer.norm(previous), None, ignore_index=ignore_index, shift_labels=labels_ahead(labels, depth + 1, ignore_index),
@@ -183,7 +183,7 @@ def _draft(base, head, layers, hidden: list, caches: list, tokens: list, m: int,
         ids = torch.tensor([(tokens + drafts)[done + k : m + k]], device=device)
         positions = torch.arange(done, m, device=device)[None]
         states = layer(hidden[k - 1][:, done:m], base.embed(ids), AttentionMask(None, True),
-                       base.position_embeddings(hidden[0], positions)["full_attention"], caches[k - 1])
+                       base.rotary_positions(hidden[0], positions), caches[k - 1])
         hidden[k] = torch.cat((hidden[k], states), dim=1)
         drafts.append(int(head(layer.norm(hidden[k][:, -1])).argmax(-1)))
     return drafts

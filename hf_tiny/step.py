@@ -21,6 +21,7 @@ that take boundaries instead of masks (flash varlen).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple, Optional, Union
@@ -30,6 +31,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.utils import ModelOutput
 
 from .attention import causal_bool_mask, is_hf_tiny_backend
+from .engines import interface_takes_mask
 
 is_compiling = torch.compiler.is_compiling
 
@@ -120,7 +122,7 @@ def output_flags(config, output_attentions=None, output_hidden_states=None, retu
     return flags
 
 
-class LayerOutputs:
+class LayerOutputs(contextlib.AbstractContextManager):
     """What output_hidden_states / output_attentions (and MoE router logits) ask for, collected while a stack runs:
     hidden states as the model adds them, attention weights and router logits by forward hooks on the modules that
     return them (the layers return hidden states only, as transformers' do). A field not asked for stays None."""
@@ -154,9 +156,6 @@ class LayerOutputs:
         if self.hidden_states is not None:
             self.hidden_states += (hidden_states,)
 
-    def __enter__(self) -> "LayerOutputs":
-        return self
-
     def __exit__(self, *exc) -> None:
         for handle in getattr(self, "_handles", ()):
             handle.remove()
@@ -165,9 +164,8 @@ class LayerOutputs:
                 setattr(self, name, tuple(getattr(self, name)))
 
 
-def format_output(output: ModelOutput, flags_or_return_dict: Union[OutputFlags, bool]) -> Union[ModelOutput, tuple]:
+def format_output(output: ModelOutput, return_dict: bool) -> Union[ModelOutput, tuple]:
     """The output as a ModelOutput, or as a tuple (None fields dropped) when return_dict is False."""
-    return_dict = flags_or_return_dict.return_dict if isinstance(flags_or_return_dict, OutputFlags) else flags_or_return_dict
     return output if return_dict else output.to_tuple()
 
 
@@ -175,25 +173,20 @@ def format_output(output: ModelOutput, flags_or_return_dict: Union[OutputFlags, 
 
 
 def check_input_ids(input_ids: torch.Tensor, *, vocab_size: int, field: str = "input_ids") -> None:
+    """int64 / int32 ids (nn.Embedding's index types) [batch, sequence], at least one token, inside the vocabulary."""
     if not isinstance(input_ids, torch.Tensor):
         raise TypeError(f"{field} must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
-    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
-        raise TypeError(f"{field} must hold integer token ids, got dtype {input_ids.dtype}")
     if input_ids.dtype not in (torch.int64, torch.int32):
-        # nn.Embedding indexes with int64 / int32 only; uint8 would also wrap ids above 255
-        raise TypeError(f"{field} must be int64 (or int32) token ids, got dtype {input_ids.dtype}; use {field}.long()")
-    if input_ids.dim() != 2:
-        raise ValueError(f"{field} must be 2-D [batch, sequence], got shape {tuple(input_ids.shape)}")
-    if input_ids.shape[0] == 0:
-        raise ValueError(f"{field} is an empty batch (shape {tuple(input_ids.shape)})")
-    if input_ids.shape[1] == 0:
-        raise ValueError(f"{field} holds empty sequences (shape {tuple(input_ids.shape)}); pass at least one token")
+        raise TypeError(f"{field} must hold integer token ids, got dtype {input_ids.dtype}; pass int64 (or int32) "
+                        f"ids: {field}.long()")
+    if input_ids.dim() != 2 or 0 in input_ids.shape:
+        raise ValueError(f"{field} must be 2-D [batch, sequence] with at least one token, got shape "
+                         f"{tuple(input_ids.shape)}")
     if is_compiling():
         return  # data-dependent checks would break the graph; eager runs already checked the same code path
     low, high = int(input_ids.min()), int(input_ids.max())
     if low < 0 or high >= vocab_size:
-        bad = low if low < 0 else high
-        raise ValueError(f"{field} contains token id {bad}, outside the vocabulary [0, {vocab_size})")
+        raise ValueError(f"{field} contains token id {low if low < 0 else high}, outside the vocabulary [0, {vocab_size})")
 
 
 def check_inputs_embeds(inputs_embeds, *, hidden_size: int, field: str = "inputs_embeds") -> None:
@@ -212,10 +205,8 @@ def check_inputs_embeds(inputs_embeds, *, hidden_size: int, field: str = "inputs
         )
 
 
-def check_token_inputs(
-    config, input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torch.Tensor], *,
-    names: tuple[str, str] = ("input_ids", "inputs_embeds"),
-) -> tuple[int, int]:
+def check_token_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torch.Tensor], *,
+                       names: tuple[str, str] = ("input_ids", "inputs_embeds")) -> tuple[int, int]:
     """Exactly one of ids / embeddings, checked; returns (batch, seq_len)."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError(f"pass exactly one of {names[0]} or {names[1]}")
@@ -228,17 +219,15 @@ def check_token_inputs(
 
 def check_attention_mask(attention_mask, *, expected_shape: tuple, field: str = "attention_mask") -> None:
     """A 2-D padding mask must be [batch, keys] of 0/1 (bool or integer or float); 4-D masks pass through."""
-    if attention_mask is None:
-        return
-    if not isinstance(attention_mask, torch.Tensor):
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
         raise TypeError(f"{field} must be a torch.Tensor, got {type(attention_mask).__name__}")
-    if attention_mask.dim() == 4:
+    if attention_mask is None or attention_mask.dim() == 4:  # a 4-D mask is checked where it is read (ready_4d_mask)
         return
     if tuple(attention_mask.shape) != tuple(expected_shape):
         raise ValueError(f"{field} has shape {tuple(attention_mask.shape)} but the input needs {tuple(expected_shape)}")
     if attention_mask.is_complex():
         raise TypeError(f"{field} must be bool, integer or float 0/1, got dtype {attention_mask.dtype}")
-    if attention_mask.dtype == torch.bool or attention_mask.numel() == 0 or is_compiling():
+    if attention_mask.dtype == torch.bool or is_compiling():
         return
     not_binary = (attention_mask != 0) & (attention_mask != 1)
     if bool(not_binary.any()):
@@ -308,11 +297,6 @@ def check_extra_kwargs(owner: str, kwargs: dict, allowed: tuple, ignored: tuple 
 _MASKED_AT_OR_BELOW = -1e4
 
 
-def _has_padding(attention_mask: torch.Tensor) -> bool:
-    # A data-dependent check; under torch.compile the mask is always built instead of branching on data.
-    return is_compiling() or not bool(attention_mask.all())
-
-
 def ready_4d_mask(attention_mask: torch.Tensor, *, query_length: int, key_length: int) -> torch.Tensor:
     """A caller's 4-D mask: bool (True = attend) as it is, float additive (0 = attend, large negative = masked,
     e.g. transformers' eager masks) as a bool, integer 1/0 as a bool."""
@@ -350,7 +334,8 @@ def self_attention_mask(attention_mask, *, batch_size: int, query_length: int, k
 def _self_attention(attention_mask, batch_size: int, query_length: int, key_length: int, causal: bool,
                     sliding_window: Optional[int], device) -> AttentionMask:
     """self_attention_mask for checked arguments and a 2-D mask or none."""
-    padded = attention_mask is not None and _has_padding(attention_mask)
+    # under torch.compile the padding mask is always applied: no branch on the data
+    padded = attention_mask is not None and (is_compiling() or not bool(attention_mask.all()))
     windowed = causal and sliding_window is not None and key_length > sliding_window
     if not padded and not windowed and (not causal or query_length in (1, key_length)):
         return AttentionMask(None, causal and query_length > 1)
@@ -425,7 +410,7 @@ def cross_attention_mask(encoder_attention_mask, *, query_length: int) -> Attent
         raise ValueError(
             f"encoder_attention_mask must be 2-D [batch, encoder_length]; got shape {tuple(encoder_attention_mask.shape)}"
         )
-    if not _has_padding(encoder_attention_mask):
+    if not is_compiling() and bool(encoder_attention_mask.all()):  # no padding (compiled: always the mask)
         return AttentionMask(None, False)
     batch, key_length = encoder_attention_mask.shape
     return AttentionMask(encoder_attention_mask.to(torch.bool)[:, None, None, :].expand(batch, 1, query_length, key_length), False)
@@ -677,22 +662,13 @@ def packed_segments(position_ids, attention_mask, cache, shape: CausalShape, ext
     return segment_ids_from_position_ids(position_ids.expand(shape.batch_size, -1))
 
 
-def takes_mask(implementation: str) -> bool:
-    """Whether the attention function is handed a mask: ours always, transformers' by its rule (engines.py)."""
-    if is_hf_tiny_backend(implementation):
-        return True
-    from .engines import interface_takes_mask
-
-    return interface_takes_mask(implementation)
-
-
 def causal_masks(model, attention_mask, cache, shape: CausalShape, segment_ids) -> dict:
     """{layer type: AttentionMask} for every layer type of the model (full, sliding), built once per forward; with
     ALiBi's distance bias folded in; none for functions that mask by their own metadata (vLLM's)."""
-    config = model.config
+    config, implementation = model.config, model.config._attn_implementation
     layer_types = dict.fromkeys(config.layer_types)
-    if not takes_mask(config._attn_implementation):
-        refuse_alibi(config, f"attn_implementation={config._attn_implementation!r}")
+    if not is_hf_tiny_backend(implementation) and not interface_takes_mask(implementation):
+        refuse_alibi(config, f"attn_implementation={implementation!r}")
         return {layer_type: AttentionMask(None, True) for layer_type in layer_types}
     by_type = _masks_by_layer_type(config, attention_mask) if isinstance(attention_mask, dict) else None
     masks = {}
@@ -728,17 +704,13 @@ def _masks_by_layer_type(config, attention_mask: dict) -> dict:
     return attention_mask
 
 
-def key_layout(cache, shape: CausalShape, layer_idx: int):
+def key_layout(cache: Optional[Cache], shape: CausalShape, layer_idx: int):
     """(key_length, key_offset): the keys layer `layer_idx` attends to after its cache update are the absolute
     positions key_offset .. key_offset + key_length - 1 (a static cache also holds unfilled slots, a sliding layer's
     cache only the last window)."""
-    if cache is None or not hasattr(cache, "get_mask_sizes"):
+    if cache is None:
         return shape.past_length + shape.query_length, 0
-    try:
-        return cache.get_mask_sizes(shape.query_length, layer_idx)
-    except (TypeError, AttributeError):  # transformers versions whose signature takes cache positions
-        positions = torch.arange(shape.query_length, device=shape.device) + shape.past_length
-        return cache.get_mask_sizes(positions, layer_idx)
+    return cache.get_mask_sizes(shape.query_length, layer_idx)
 
 
 def causal_mask(attention_mask, cache, shape: CausalShape, window: Optional[int], *, layer_idx: int) -> AttentionMask:

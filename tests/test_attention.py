@@ -920,4 +920,4 @@ def test_sinks_reach_the_backends_as_transformers_s_aux_and_bad_sinks_are_clear_
         torch.testing.assert_close(out, expected.transpose(1, 2), atol=FP32_ATOL, rtol=0, msg=lambda m: f"{name}: {m}")
     for bad in (torch.zeros(2), torch.zeros(1, 4)):
         with pytest.raises(ValueError, match=r"one logit per query head, shape \(4,\)"):
-            torch_attention(q, k, v, scale=0.3, sinks=bad)
+            get_attention_backend("sdpa")(q, k, v, scale=0.3, sinks=bad)

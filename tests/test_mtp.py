@@ -46,8 +46,8 @@ def reference_mtp_loss(m, ids: torch.Tensor, concat_order=("embedding", "hidden"
         hidden = layer.hnorm(previous[:, :n])
         parts = {"embedding": embedded, "hidden": hidden}
         merged = layer.eh_proj(torch.cat([parts[name] for name in concat_order], dim=-1))
-        cos, sin = m.model.rotary_emb(merged, torch.arange(n)[None])
-        previous = layer.block(merged, AttentionMask(None, True), (cos[:, None], sin[:, None]))
+        cos, sin = m.model.rotary_emb(merged, torch.arange(n)[None])  # [B, S, R]: layers broadcast over heads
+        previous = layer.block(merged, AttentionMask(None, True), (cos, sin))
         logits = m.lm_head(layer.norm(previous))[:, : n - 1]
         total = total + F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, k + 1 :].reshape(-1), ignore_index=-100)
     return m.config.mtp_loss_weight / depths * total
