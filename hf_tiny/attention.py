@@ -630,22 +630,22 @@ def _varlen_layout(q, k, mask, is_causal: bool, segment_ids) -> VarlenLayout:
 class _LastLayout:
     """The layout of the last mask (or segment ids) seen. Every layer of a forward pass gets the same mask object
     (masks are built once per layer type), so the mask is read, with its host syncs, once per batch rather than
-    once per layer; a new or modified (in place) tensor is read again."""
+    once per layer; a new or modified (in place) tensor is read again. The entry is one tuple, replaced whole, so
+    forwards in several threads never see one mask's key with another's layout."""
 
     def __init__(self):
-        self.source = None
-        self.key = None
-        self.layout = None
+        self.last = None  # (weak reference to the mask, key, layout)
 
     def get(self, q, k, mask, is_causal, segment_ids) -> VarlenLayout:
         source = segment_ids if segment_ids is not None else mask
         if source is None:
             return _varlen_layout(q, k, mask, is_causal, segment_ids)
         key = (_version(source), tuple(q.shape[:3]), k.shape[2], is_causal, segment_ids is not None, q.device)
-        if self.source is not None and self.source() is source and self.key == key:
-            return self.layout
+        last = self.last
+        if last is not None and last[0]() is source and last[1] == key:
+            return last[2]
         layout = _varlen_layout(q, k, mask, is_causal, segment_ids)
-        self.source, self.key, self.layout = weakref.ref(source), key, layout
+        self.last = (weakref.ref(source), key, layout)
         return layout
 
 
