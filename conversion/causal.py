@@ -11,10 +11,11 @@ from typing import Callable
 import torch
 
 from .errors import ConversionError
-from .gguf_files import gguf_special_token_ids, load_gguf
+from .gguf_files import gguf_special_token_ids, official_meta_model, open_gguf
 from .keymap import KeyMap, Rule
 from .pipeline import Family, Plan, ReversePlan, Source
 from .readers import official_config, require_model_type
+from .streamed import Streamed
 from .writer import drop_tied_copies
 
 # hf_tiny class -> (Auto class, pipeline tag, prefix of the base model's tensors)
@@ -146,9 +147,17 @@ class CausalFamily(Family):
     modality = "causal"
 
     def read_gguf(self, path: Path) -> Source:
-        raw, state = load_gguf(path, expected_architecture=self.gguf_architectures)
+        raw, state = open_gguf(path, expected_architecture=self.gguf_architectures)
         require_model_type(raw, self.model_types, src=path)
         return Source(path, path.parent, "gguf", raw, state, f"the GGUF file `{path.name}` (dequantized to float32)")
+
+    def official_stream(self, source: Source, plan: Plan):
+        """A GGUF's official side: the class and config `from_pretrained(dir, gguf_file=...)` builds, over the same
+        dequantized tensors (gguf's dequantize and transformers' processor, one tensor at a time)."""
+        if source.kind != "gguf":
+            return super().official_stream(source, plan)
+        model = official_meta_model(source.raw_config)
+        return Streamed(type(model), model.config, source.state)
 
     def official_model(self, source: Source, plan: Plan):
         if source.kind == "gguf":

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import os
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from .errors import ConversionError, list_names
+from .lazy import LazyTensors, TensorInfo, release_array_pages
 
 _GGUF_MAGIC = b"GGUF"
 # GGUF metadata value types -> struct format (8: string, 9: array are read separately)
@@ -178,6 +180,45 @@ def _checked_reader(path: Path, reader_class):
     return reader
 
 
+@dataclass
+class _Opened:
+    """A checked GGUF file: transformers' config dict, gguf's reader, transformers' tensor processor for the
+    architecture and {GGUF tensor name: transformers name}."""
+
+    config: dict
+    reader: object
+    processor: object
+    names: dict[str, str]
+
+
+def _opened(path: Path, expected_architecture: str | tuple[str, ...]) -> _Opened:
+    """The architecture and every tensor's quantization type checked, every GGUF tensor given a transformers name;
+    nothing dequantized."""
+    if not path.is_file():
+        raise ConversionError(f"GGUF file {path} does not exist")
+    try:
+        from gguf import GGUFReader
+
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, load_gguf_checkpoint
+    except ImportError as error:
+        raise ConversionError(f"reading GGUF needs the `gguf` package (pip install gguf): {error}") from error
+    architecture = _checked_architecture(path, expected_architecture)
+    reader = _checked_reader(path, GGUFReader)
+    try:
+        config = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
+        model = official_meta_model(config)
+        processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config)
+        names = _gguf_to_transformers_names(model, processor, architecture, model.config.num_hidden_layers)
+    except (ValueError, KeyError, NotImplementedError, OSError) as error:
+        raise ConversionError(f"cannot read GGUF file {path}: {type(error).__name__}: {error}") from error
+    unmapped = [t.name for t in reader.tensors if t.name not in names]
+    if unmapped:
+        raise ConversionError(
+            f"{path}: GGUF tensors with no transformers name for architecture {architecture!r}: {list_names(unmapped)}"
+        )
+    return _Opened(config, reader, processor, names)
+
+
 def load_gguf(
     path: str | os.PathLike, *, expected_architecture: str | tuple[str, ...], dtype: torch.dtype | None = None
 ) -> tuple[dict, dict[str, torch.Tensor]]:
@@ -187,33 +228,15 @@ def load_gguf(
     every GGUF tensor must get a transformers name.
     """
     import numpy as np
+    from gguf import dequantize
 
     path = Path(path)
-    if not path.is_file():
-        raise ConversionError(f"GGUF file {path} does not exist")
+    opened = _opened(path, expected_architecture)
+    config, processor, names = opened.config, opened.processor, opened.names
     try:
-        from gguf import GGUFReader, dequantize
-
-        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, load_gguf_checkpoint
-    except ImportError as error:
-        raise ConversionError(f"reading GGUF needs the `gguf` package (pip install gguf): {error}") from error
-
-    architecture = _checked_architecture(path, expected_architecture)
-    reader = _checked_reader(path, GGUFReader)
-    try:
-        config = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
-        model = official_meta_model(config)
-        processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config)
-        names = _gguf_to_transformers_names(model, processor, architecture, model.config.num_hidden_layers)
-        unmapped = [t.name for t in reader.tensors if t.name not in names]
-        if unmapped:
-            raise ConversionError(
-                f"{path}: GGUF tensors with no transformers name for architecture {architecture!r}: "
-                f"{list_names(unmapped)}"
-            )
         parsed = {"config": config, "tensors": {}}
         state: dict[str, torch.Tensor] = {}
-        for tensor in reader.tensors:
+        for tensor in opened.reader.tensors:
             weights = dequantize(tensor.data, tensor.tensor_type)
             result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names, parsed_parameters=parsed)
             if result.name not in names:  # a processor may consume a tensor into another (e.g. fused experts)
@@ -223,8 +246,50 @@ def load_gguf(
         # tensors a processor stored under their final name itself (GPT-2's output.weight -> lm_head.weight)
         for name, value in parsed["tensors"].items():
             state.setdefault(name, value if dtype is None else value.to(dtype))
-    except ConversionError:
-        raise
     except (ValueError, KeyError, NotImplementedError, OSError) as error:
         raise ConversionError(f"cannot read GGUF file {path}: {type(error).__name__}: {error}") from error
     return config, state
+
+
+# transformers' tensor processors that turn each GGUF tensor into one tensor of the same shape under its own name
+# (Llama's q/k un-permutation, Gemma's norm offset, none): files of these architectures are read one tensor at a
+# time; the others (which merge experts, or store a tensor aside under another name) are read whole.
+PER_TENSOR_PROCESSORS = ("TensorProcessor", "LlamaTensorProcessor", "Gemma2TensorProcessor")
+
+
+def open_gguf(path: str | os.PathLike, *, expected_architecture: str | tuple[str, ...]) -> tuple[dict, LazyTensors]:
+    """load_gguf, lazily: (transformers config dict, the tensors under transformers names), each tensor
+    dequantized and processed when it is read, its mapped pages given back afterwards."""
+    path = Path(path)
+    opened = _opened(path, expected_architecture)
+    if type(opened.processor).__name__ not in PER_TENSOR_PROCESSORS:
+        config, state = load_gguf(path, expected_architecture=expected_architecture)
+        return config, LazyTensors.of(state)
+    tensors = {opened.names[tensor.name]: tensor for tensor in opened.reader.tensors}
+    infos = {name: _dequantized_info(tensor) for name, tensor in tensors.items()}
+    return opened.config, LazyTensors(infos, lambda name: _read_gguf_tensor(path, opened, tensors[name], infos[name]))
+
+
+def _dequantized_info(tensor) -> TensorInfo:
+    """Shape and dtype of a tensor as gguf's dequantize gives it: GGML lists dimensions innermost first; every
+    type comes out float32."""
+    return TensorInfo(tuple(int(size) for size in reversed(tensor.shape.tolist())), torch.float32)
+
+
+def _read_gguf_tensor(path: Path, opened: _Opened, tensor, info: TensorInfo) -> torch.Tensor:
+    import numpy as np
+    from gguf import dequantize
+
+    try:
+        weights = dequantize(tensor.data, tensor.tensor_type)
+        result = opened.processor.process(weights=weights, name=tensor.name, tensor_key_mapping=opened.names,
+                                          parsed_parameters={"config": opened.config, "tensors": {}})
+        value = torch.from_numpy(np.copy(result.weights))
+    except (ValueError, KeyError, NotImplementedError, OSError) as error:
+        raise ConversionError(f"cannot read GGUF file {path}: {type(error).__name__}: {error}") from error
+    release_array_pages(tensor.data)
+    if result.name != tensor.name or tuple(value.shape) != info.shape or value.dtype != info.dtype:
+        raise ConversionError(f"{path}: GGUF tensor {tensor.name!r} came out of transformers' "
+                              f"{type(opened.processor).__name__} as {result.name!r} {tuple(value.shape)} "
+                              f"{value.dtype}, planned {info.shape} {info.dtype}")
+    return value

@@ -272,16 +272,24 @@ _libc = None
 def release_pages(tensor: torch.Tensor) -> None:
     """Gives the memory-mapped pages under `tensor` back to the kernel (they are re-read if touched again), so a
     streamed file does not accumulate in resident memory. A no-op where madvise is unavailable."""
+    _release(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+
+
+def release_array_pages(array) -> None:
+    """release_pages for a numpy array (a view of a numpy memmap, as gguf's reader gives)."""
+    _release(array.ctypes.data, array.nbytes)
+
+
+def _release(address: int, length: int) -> None:
     global _libc
-    if os.name != "posix" or tensor.numel() == 0:
+    if os.name != "posix" or length == 0:
         return
     try:
         if _libc is None:
             _libc = ctypes.CDLL(None, use_errno=True)
         page = mmap.PAGESIZE
-        start = tensor.data_ptr() // page * page
-        end = tensor.data_ptr() + tensor.numel() * tensor.element_size()
-        _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+        start = address // page * page
+        _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + length - start), _MADV_DONTNEED)
     except (OSError, AttributeError):
         pass
 

@@ -17,6 +17,7 @@ import hf_tiny  # noqa: F401
 from causal_helpers import left_padded_batch, max_diff, real_logits, tiny_official
 from conversion import ConversionError, detect_family, llama
 from conversion.__main__ import main
+from conversion.gguf_files import open_gguf
 from gguf_writer import write_gguf_from_official, write_stub_gguf
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -91,3 +92,34 @@ def test_gguf_of_an_unsupported_architecture_names_it_and_lists_the_supported(tm
     with pytest.raises(ConversionError, match=r"architecture 'bloom', expected 'llama' or 'mistral' or 'qwen2' or 'qwen3' or 'gemma3'"):
         llama.convert(path, tmp_path / "dst")
     assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gemma3"])  # transformers' q/k un-permutation, Gemma's norm offset
+def test_gguf_streams_one_tensor_at_a_time_on_both_sides(architecture, tmp_path, monkeypatch):
+    """Opening a GGUF dequantizes nothing; the official reference streams the dequantized tensors (the whole-model
+    loader, which would hold the file in float32, is not called); the converted model computes what transformers'
+    own GGUF loader gives."""
+    import gguf
+
+    model_type, overrides = ARCHITECTURES[architecture]
+    path = write_gguf_from_official(tiny_official(model_type, **overrides), tmp_path / "model.gguf", architecture,
+                                    quantization="Q8_0")
+    dequantize = gguf.dequantize
+    monkeypatch.setattr(gguf, "dequantize", _refused("dequantize while opening"))
+    _config, state = open_gguf(path, expected_architecture=architecture)
+    assert "model.embed_tokens.weight" in state
+    monkeypatch.setattr(gguf, "dequantize", dequantize)
+    monkeypatch.setattr(type(llama.FAMILY), "official_model", _refused("the whole official model"))
+    result = llama.convert(path, tmp_path / "converted")
+    assert all(row["max_abs_diff"] <= row["tolerance"] for row in result["parity"])
+    official = official_from_gguf(path)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "converted", attn_implementation="sdpa").eval()
+    batch = left_padded_batch(official.config.vocab_size)
+    assert max_diff(real_logits(ours, batch), real_logits(official, batch)) <= TOLERANCE
+
+
+def _refused(what: str):
+    def refused(*args, **kwargs):
+        raise AssertionError(f"{what} was called")
+
+    return refused
