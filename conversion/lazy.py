@@ -1,17 +1,19 @@
 """Checkpoints read lazily: names, shapes and dtypes at once, each tensor's bytes only when it is asked for.
 
-A conversion holds one tensor (or one rule's group) at a time, so it streams a checkpoint of any size:
+A conversion holds one tensor (or one rule's group, or one layer per parity run) at a time, so it streams a
+checkpoint of any size:
 
-- safetensors: the header is parsed here and each tensor is read with one positioned read into its own buffer
-  (no memory map: the pages of a mapped file count in the process's resident memory once touched);
+- safetensors: the header is parsed here and each tensor (or a block of its rows, `rows`) is read with positioned
+  reads into a fresh buffer or a reused one (`BufferPool`, `read_reusing`); no memory map: the pages of a mapped
+  file count in the process's resident memory once touched;
 - .bin / .pt / .pth (torch zip files, `weights_only`): torch's memory map, each tensor copied out on access and
-  its mapped pages given back to the kernel;
+  its mapped pages given back to the kernel (GGUF files alike, in gguf_files.py);
 - anything already in memory (a warm-started official model, a GGUF of an architecture whose tensors
   transformers converts together): wrapped as it is.
 
 `LazyTensors` is a read-only Mapping: `state[key]` reads the tensor again on every access, so whoever holds
-one decides how long it lives. Views (`without`, `renamed`, `with_tensors`) build the tensors a family's plan
-needs without reading anything.
+one decides how long it lives. Views (`without`, `renamed`, `with_tensors`, `joined`) build the tensors a family's
+plan needs without reading anything.
 """
 
 from __future__ import annotations
@@ -44,11 +46,15 @@ class TensorInfo:
     dtype: torch.dtype
 
     @property
-    def nbytes(self) -> int:
+    def numel(self) -> int:
         count = 1
         for size in self.shape:
             count *= size
-        return count * self.dtype.itemsize
+        return count
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
 
     def meta(self) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device="meta")
@@ -57,14 +63,13 @@ class TensorInfo:
 class LazyTensors(Mapping):
     """name -> tensor, read when asked. infos: {name: TensorInfo}; read(name) -> tensor. rows(name, start, stop,
     out) -> rows start:stop of the tensor's first dimension, written into `out` when given (default: read the
-    tensor, then slice). files: the safetensors files read (their page-cache policy, `drop_pages_after_reading`)."""
+    tensor, then slice)."""
 
     def __init__(self, infos: Mapping[str, TensorInfo], read: Callable[[str], torch.Tensor], *,
-                 rows: Callable | None = None, files: tuple = ()):
+                 rows: Callable | None = None):
         self._infos = dict(infos)
         self._read = read
         self._rows = rows
-        self._files = files
 
     @classmethod
     def of(cls, tensors: Mapping[str, torch.Tensor]) -> "LazyTensors":
@@ -77,13 +82,11 @@ class LazyTensors(Mapping):
     @classmethod
     def joined(cls, owners: Mapping[str, "LazyTensors"]) -> "LazyTensors":
         """{name: the LazyTensors holding it} as one (the shards of a checkpoint)."""
-        parts = list({id(part): part for part in owners.values()}.values())
         return cls({key: part.info(key) for key, part in owners.items()}, lambda key: owners[key][key],
-                   rows=lambda key, start, stop, out: owners[key].rows(key, start, stop, out),
-                   files=tuple(file for part in parts for file in part._files))
+                   rows=lambda key, start, stop, out: owners[key].rows(key, start, stop, out))
 
     def _view(self, infos: Mapping[str, TensorInfo], read: Callable, rows: Callable | None) -> "LazyTensors":
-        return LazyTensors(infos, read, rows=rows, files=self._files)
+        return LazyTensors(infos, read, rows=rows)
 
     def __getitem__(self, key: str) -> torch.Tensor:
         if key not in self._infos:
@@ -114,11 +117,12 @@ class LazyTensors(Mapping):
         value = self._read(key)[start:stop]
         return value if out is None else out.copy_(value)
 
-    def drop_pages_after_reading(self) -> None:
-        """Each safetensors read from now on gives its file pages back to the kernel's page cache (a checkpoint
-        read once should not push out what is read again, as the converted files are by the parity runs)."""
-        for file in self._files:
-            file.drop_pages = True
+    def read_reusing(self, key: str, pool: "BufferPool") -> torch.Tensor:
+        """The tensor, read into a spare buffer of `pool` (give it back when done with it)."""
+        info = self._infos[key]
+        if not info.shape:
+            return self[key]
+        return self.rows(key, 0, info.shape[0], pool.take(info.shape, info.dtype))
 
     @property
     def nbytes(self) -> int:
@@ -159,6 +163,29 @@ class LazyTensors(Mapping):
         return self.with_tensors({new: (self._infos[old], lambda old=old: self._read(old)) for new, old in aliases.items()})
 
 
+class BufferPool:
+    """Spare CPU tensors by shape and dtype: each layer's tensors reuse the memory of the layer before. A fresh
+    tensor of this size is mapped from the OS and faulted in page by page, and given back when freed: for a large
+    checkpoint that costs as much as reading it. Tensors over MAX_POOLED_BYTES (embeddings) are not kept."""
+
+    MAX_POOLED_BYTES = 1 << 30
+
+    def __init__(self):
+        self.spare: dict[tuple, list[torch.Tensor]] = {}
+
+    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        spare = self.spare.get((tuple(shape), dtype))
+        return spare.pop() if spare else torch.empty(shape, dtype=dtype)
+
+    def clear(self) -> None:
+        self.spare = {}
+
+    def give(self, *tensors: torch.Tensor) -> None:
+        for tensor in tensors:
+            if tensor.device.type == "cpu" and tensor.nbytes <= self.MAX_POOLED_BYTES:
+                self.spare.setdefault((tuple(tensor.shape), tensor.dtype), []).append(tensor)
+
+
 # ---- safetensors ------------------------------------------------------------------------------------------------
 
 
@@ -195,12 +222,11 @@ def safetensors_header(path: Path) -> tuple[int, dict]:
 
 class _SafetensorsFile:
     """One file's tensors: each read with positioned reads straight into a fresh (not zero-filled) buffer or the
-    caller's, optionally giving the file's pages back to the page cache afterwards."""
+    caller's."""
 
     def __init__(self, path: Path):
         self.path = path
         self.data_start, self.header = safetensors_header(path)
-        self.drop_pages = False
 
     def read(self, name: str, info: TensorInfo, start: int, stop: int, out: torch.Tensor | None) -> torch.Tensor:
         row_bytes = info.nbytes // info.shape[0] if info.shape and info.shape[0] else info.nbytes
@@ -222,8 +248,6 @@ class _SafetensorsFile:
                 if got == 0:
                     raise ConversionError(f"{self.path}: tensor {name!r} is cut short (truncated file?)")
                 done += got
-            if self.drop_pages and hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(descriptor, offset, count, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(descriptor)
         return out
@@ -231,10 +255,9 @@ class _SafetensorsFile:
 
 def read_safetensors(paths: Iterable[Path]) -> LazyTensors:
     """The tensors of one or more safetensors files (a name in two files is an error)."""
-    infos, places, files = {}, {}, []
+    infos, places = {}, {}
     for path in paths:
         file = _SafetensorsFile(path)
-        files.append(file)
         for name, entry in file.header.items():
             if name in infos:
                 raise ConversionError(f"tensor {name!r} is stored twice: in {places[name].path} and {path}")
@@ -248,19 +271,7 @@ def read_safetensors(paths: Iterable[Path]) -> LazyTensors:
         info = infos[name]
         return rows(name, 0, info.shape[0] if info.shape else 1)
 
-    return LazyTensors(infos, read, rows=rows, files=tuple(files))
-
-
-def available_memory() -> int | None:
-    """Bytes the kernel could give without swapping (MemAvailable: free memory and reclaimable page cache), or
-    None where /proc/meminfo does not say."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    return LazyTensors(infos, read, rows=rows)
 
 
 # ---- torch zip files --------------------------------------------------------------------------------------------

@@ -249,13 +249,15 @@ def in_memory(model):
 
 
 def measure(official, ours, batch: ParityBatch, dtype: torch.dtype, *,
-            backends: Sequence[str] = ("eager", "sdpa", "flash_attention_2")) -> ParityResult:
+            backends: Sequence[str] = ("eager", "sdpa", "flash_attention_2"), alongside=None) -> ParityResult:
     """max |ours - official| per (device, dtype, backend) of parity_plans(dtype) whose backend is in `backends`,
     and per layer. official / ours: runners (in_memory, or streamed.streamed_runner). The reference is official in
     float32 with eager attention, once per device. A backend this machine cannot run off the CPU (e.g. flash on
     an old GPU) is reported on stderr and skipped. Two streamed runners run each device's runs side by side
     (streamed.run_in_lockstep: every layer's weights read from the disk once for all of them); runners over
-    models in memory run one after the other."""
+    models in memory run one after the other. alongside(gate): a job run in lockstep with the first device's runs
+    (the folder's writer, whose tensors ours reads as they are written), or before them; its failure is raised
+    first."""
     rows, layers, skipped = [], {}, []
     # Full-precision rows first: moving an in-memory model to a half dtype rounds its float buffers too (RoPE's
     # inv_freq), and a later .to(float32) does not undo that (measured on an H100: fp32 CUDA rows 0.0055 off).
@@ -263,7 +265,8 @@ def measure(official, ours, batch: ParityBatch, dtype: torch.dtype, *,
              if plan[2] in backends]
     streams = hasattr(official, "prepare") and hasattr(ours, "prepare")
     for (device, run_dtype, backend), (output, reference_layers), result in (
-            _in_lockstep(official, ours, batch.inputs, plans) if streams else _in_order(official, ours, batch.inputs, plans)):
+            _in_lockstep(official, ours, batch.inputs, plans, alongside) if streams
+            else _in_order(official, ours, batch.inputs, plans, alongside)):
         reference = compared_outputs(output, batch.real_tokens)
         scale = max(1.0, max(float(t.abs().max()) for t in reference if t.numel()))
         if isinstance(result, BaseException):
@@ -284,9 +287,11 @@ def measure(official, ours, batch: ParityBatch, dtype: torch.dtype, *,
     return ParityResult(rows, layers)
 
 
-def _in_order(official, ours, inputs, plans):
-    """(plan, reference (output, layers), ours' (output, layers) or the exception it raised), one run at a time;
-    the reference once per device."""
+def _in_order(official, ours, inputs, plans, alongside=None):
+    """(plan, reference (output, layers), ours' (output, layers) or the exception it raised), one run at a time
+    after alongside(None); the reference once per device."""
+    if alongside is not None:
+        alongside(None)
     reference_device, reference = None, None
     for device, run_dtype, backend in plans:
         if device != reference_device:
@@ -305,8 +310,8 @@ def _raising(error: BaseException):
     return job
 
 
-def _in_lockstep(official, ours, inputs, plans):
-    """As _in_order, each device's reference and runs side by side."""
+def _in_lockstep(official, ours, inputs, plans, alongside=None):
+    """As _in_order, each device's reference and runs side by side (the first device's with alongside)."""
     from .streamed import run_in_lockstep
 
     for device in dict.fromkeys(plan[0] for plan in plans):
@@ -317,7 +322,12 @@ def _in_lockstep(official, ours, inputs, plans):
                 jobs.append(ours.prepare(inputs, *plan))
             except ValueError as error:  # a backend this device cannot run
                 jobs.append(_raising(error))
-        reference, *results = run_in_lockstep(jobs)
+        extra = [] if alongside is None else [alongside]
+        reference, *results = run_in_lockstep(jobs + extra)
+        alongside = None
+        for failure in [results.pop()] if extra else []:
+            if isinstance(failure, BaseException):
+                raise failure
         if isinstance(reference, BaseException):
             raise reference
         for plan, result in zip(group, results):

@@ -21,15 +21,16 @@ from typing import Any, Optional
 import torch
 
 from .cards import source_license, write_model_card
+from .folder_write import HfTinyFolderWrite
 from .errors import ConversionError
 from .keymap import KeyMap
-from .lazy import LazyTensors, available_memory
+from .lazy import LazyTensors
 from .parity import MODALITIES, fail_on_parity, in_memory, layer_table, measure, parity_batch
 from .readers import load_config_json, load_hf_tiny_config, open_checkpoint, require_model_type
 from .shards import parse_max_shard_size
 from .streamed import Streamed, can_stream, streamed_runner
 from .tensors import parse_dtype
-from .writer import atomic_output_dir, copy_tokenizer_files, stream_hf_tiny_folder, stream_official_folder, with_tied_copies
+from .writer import atomic_output_dir, copy_tokenizer_files, stream_official_folder, with_tied_copies
 
 
 @dataclass
@@ -123,18 +124,24 @@ class Family:
 
     def official_reference(self, source: Source, plan: Plan):
         """The parity reference (a parity runner): the official class streaming the source's tensors when they
-        are its own names (official_stream), else the official model loaded whole (official_model)."""
+        are its own names (streamed_reference), else the official model loaded whole (official_model)."""
         if source.official is not None:
             return in_memory(source.official)
+        return self.streamed_reference(source, plan) or in_memory(self.official_model(source, plan))
+
+    def streamed_reference(self, source: Source, plan: Plan):
+        """The official class streaming the source's tensors (official_stream), or None (with a note on the card)
+        when its class does not read them as they are stored."""
         spec = self.official_stream(source, plan)
-        if spec is not None:
-            prefix = spec.model_class.base_model_prefix
-            why = can_stream(spec, base_prefix=prefix)
-            if why is None:
-                return streamed_runner(spec, base_prefix=prefix)
-            plan.notes.append(f"The official reference was loaded whole: its class does not read this checkpoint's "
-                              f"names as they are stored ({why}).")
-        return in_memory(self.official_model(source, plan))
+        if spec is None:
+            return None
+        prefix = spec.model_class.base_model_prefix
+        why = can_stream(spec, base_prefix=prefix)
+        if why is None:
+            return streamed_runner(spec, base_prefix=prefix)
+        plan.notes.append(f"The official reference was loaded whole: its class does not read this checkpoint's "
+                          f"names as they are stored ({why}).")
+        return None
 
     def official_stream(self, source: Source, plan: Plan) -> Optional[Streamed]:
         """The official class over the source's tensors (a Hugging Face folder), or None to load it whole."""
@@ -202,7 +209,7 @@ def _code_path(cls) -> str:
 class _Stages:
     """A progress bar over the named steps of a conversion (writing and parity add their own bars)."""
 
-    NAMES = ("reading the source", "writing the folder", "measuring parity", "writing the card")
+    NAMES = ("reading the source", "writing the folder and measuring parity", "writing the card")
 
     def __init__(self):
         from tqdm.auto import tqdm
@@ -245,14 +252,13 @@ def convert(family: Family, src: str | os.PathLike, dst: str | os.PathLike, *, f
             plan = family.plan(source)
             plan.state = LazyTensors.of(plan.state)
             stages.next()
-            _keep_written_files_cached(source.state)
-            written = _write_folder(family, source, plan, tmp, dtype, max_shard_size)
-            stages.next()
-            stored_dtype = dtype or _stored_dtype(written)
-            batch = parity_batch(family.modality, plan.config, tmp)
-            official = in_memory(reference_model) if reference_model is not None else family.official_reference(source, plan)
-            ours = streamed_runner(Streamed(family.hf_tiny_class(plan.our_class), plan.config, written))
-            parity = measure(official, ours, batch, stored_dtype, backends=family.parity_backends)
+            write = _start_write(family, source, plan, tmp, dtype, max_shard_size)
+            plan.notes.insert(0, f"Tokenizer: {family.write_side_files(source, plan, tmp)}.")
+            try:
+                written, parity, batch = _write_with_parity(family, source, plan, tmp, write, dtype, reference_model)
+            except BaseException:
+                write.abort()
+                raise
             stages.next()
             _write_card(family, source, plan, tmp, dst, parity, batch, base_model)
             stages.next()
@@ -265,28 +271,48 @@ def convert(family: Family, src: str | os.PathLike, dst: str | os.PathLike, *, f
             "files": sorted(path.name for path in dst.glob("*.safetensors"))}
 
 
-def _keep_written_files_cached(source: LazyTensors) -> None:
-    """The parity runs read the written files once per backend and the source once: when the two do not fit in
-    memory together, the source's pages are dropped as it is read, so that the written files stay in the page
-    cache and only the source is read from the disk twice (each read once more otherwise)."""
-    available = available_memory()
-    if available is not None and 2 * source.nbytes > available:
-        source.drop_pages_after_reading()
-
-
-def _write_folder(family: Family, source: Source, plan: Plan, tmp: Path, dtype, max_shard_size) -> LazyTensors:
+def _start_write(family: Family, source: Source, plan: Plan, tmp: Path, dtype, max_shard_size) -> HfTinyFolderWrite:
     plan.config.architectures = [plan.our_class]
     try:
-        written = stream_hf_tiny_folder(
+        return HfTinyFolderWrite(
             tmp, family.hf_tiny_class(plan.our_class), plan.config, plan.state, plan.key_map, plan.num_layers,
             dtype=dtype, max_shard_size=max_shard_size, auto_map=family.auto_map(plan.our_class),
             progress=sys.stderr.isatty(),
         )
     except ConversionError as error:
-        raise ConversionError(f"{source.path}: the tensors do not fit {plan.official_class} (family {family.name}): "
-                              f"{error}") from error
-    plan.notes.insert(0, f"Tokenizer: {family.write_side_files(source, plan, tmp)}.")
-    return written
+        raise _not_fitting(family, source, plan, error) from error
+
+
+def _write_with_parity(family: Family, source: Source, plan: Plan, tmp: Path, write: HfTinyFolderWrite, dtype,
+                       reference_model):
+    """(the written tensors, parity, its batch): the folder written while the parity runs read it (parity.measure
+    with the write alongside), the source read from the disk once."""
+    stored_dtype = dtype or _stored_dtype(write.tensors)
+    batch = parity_batch(family.modality, plan.config, tmp)
+    try:
+        official, alongside = _reference(family, source, plan, reference_model), write.run
+        if official is None:  # the official model loaded whole: only once the source proved to fit
+            write.run(None)
+            official, alongside = in_memory(family.official_model(source, plan)), None
+        ours = streamed_runner(Streamed(family.hf_tiny_class(plan.our_class), plan.config, write.tensors))
+        parity = measure(official, ours, batch, stored_dtype, backends=family.parity_backends, alongside=alongside)
+    except ConversionError as error:
+        if write.done.error is error:
+            raise _not_fitting(family, source, plan, error) from error
+        raise
+    return write.finish(), parity, batch
+
+
+def _reference(family: Family, source: Source, plan: Plan, reference_model):
+    if reference_model is not None:
+        return in_memory(reference_model)
+    if source.official is not None:
+        return in_memory(source.official)
+    return family.streamed_reference(source, plan)
+
+
+def _not_fitting(family: Family, source: Source, plan: Plan, error: ConversionError) -> ConversionError:
+    return ConversionError(f"{source.path}: the tensors do not fit {plan.official_class} (family {family.name}): {error}")
 
 
 def _stored_dtype(written: LazyTensors) -> torch.dtype:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .errors import ConversionError, list_names
-from .lazy import LazyTensors
+from .lazy import BufferPool, LazyTensors
 
 
 @dataclass
@@ -91,7 +91,7 @@ def streaming(model: nn.Module, tensors: Mapping, names: Mapping[str, str], *, d
     embedding reads only the rows of the ids it is given. Modules of at most
     RESIDENT_ELEMENTS (norms, biases, small tables a model may read without calling the module, as BERT-style token
     type embeddings) are read once and held while the block is open."""
-    handles, resident, pool = [], [], _Buffers()
+    handles, resident, pool = [], [], BufferPool()
     head, embedding = _output_head(model, names), _input_embedding(model, names)
     for prefix, module in model.named_modules():
         own = {local: names[_join(prefix, local)] for local in [*module._parameters, *module._buffers]
@@ -119,10 +119,12 @@ def streaming(model: nn.Module, tensors: Mapping, names: Mapping[str, str], *, d
 
 
 RESIDENT_ELEMENTS = 1 << 16
-# Rows of a weight read and converted at once (a bf16 checkpoint run in float32 never holds a whole bf16 copy
-# beside the float32 one), and rows of the output head multiplied at once.
-BLOCK_BYTES = 64 << 20
-HEAD_BLOCK_ROWS = 8192
+# Bytes of a weight's rows read and converted at once (a bf16 checkpoint run in float32 never holds a whole bf16
+# copy beside the float32 one), and of the output head's rows (in the run's dtype) multiplied at once. Products
+# over blocks of 1024 to 16384 rows equal the whole product bit for bit at the hidden sizes of TinyLlama,
+# Llama-3-8B and SmolLM2 (fp32 and bf16, this CPU).
+BLOCK_BYTES = 16 << 20
+HEAD_BLOCK_BYTES = 16 << 20
 
 
 def _output_head(model: nn.Module, names: Mapping[str, str]) -> nn.Module | None:
@@ -177,15 +179,17 @@ class _Undo:
 
 
 def _head_in_blocks(head: nn.Linear, loader: "_ModuleWeights"):
-    """Gives `head` (for the block) a forward that reads HEAD_BLOCK_ROWS rows of its weight (and bias) at a time:
-    each output column is the same dot product as in one nn.Linear call. Returns a handle that restores it."""
+    """Gives `head` (for the block) a forward that reads HEAD_BLOCK_BYTES of its weight's rows (and bias) at a
+    time: each output column is the same dot product as in one nn.Linear call. Returns a handle that restores it."""
     own_forward = vars(head).get("forward")
     rows = head.weight.shape[0]
+    block_rows = max(1, HEAD_BLOCK_BYTES // (head.weight.shape[1] * loader.dtype.itemsize))
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         out = None
-        for start in range(0, rows, HEAD_BLOCK_ROWS):
-            stop = min(rows, start + HEAD_BLOCK_ROWS)
+        loader.pool.clear()  # the layers' spare buffers: the head comes last
+        for start in range(0, rows, block_rows):
+            stop = min(rows, start + block_rows)
             weight = loader.rows("weight", start, stop)
             bias = loader.rows("bias", start, stop) if "bias" in loader.keys else None
             block = torch.nn.functional.linear(hidden, weight, bias)
@@ -218,25 +222,6 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-class _Buffers:
-    """Spare CPU tensors by shape and dtype: each layer's weights reuse the memory of the layer before. A fresh
-    tensor of this size is mapped from the OS and faulted in page by page, and given back when freed: for a large
-    checkpoint that costs as much as reading it. Tensors over MAX_POOLED_BYTES (embeddings) are not kept."""
-
-    MAX_POOLED_BYTES = 1 << 30
-
-    def __init__(self):
-        self.spare: dict[tuple, list[torch.Tensor]] = {}
-
-    def take(self, shape, dtype: torch.dtype) -> torch.Tensor:
-        spare = self.spare.get((tuple(shape), dtype))
-        return spare.pop() if spare else torch.empty(shape, dtype=dtype)
-
-    def give(self, tensor: torch.Tensor) -> None:
-        if tensor.device.type == "cpu" and tensor.nbytes <= self.MAX_POOLED_BYTES:
-            self.spare.setdefault((tuple(tensor.shape), tensor.dtype), []).append(tensor)
-
-
 def _storages(output) -> set[int]:
     values = output.values() if isinstance(output, Mapping) else output if isinstance(output, (tuple, list)) else [output]
     return {value.untyped_storage().data_ptr() for value in values if isinstance(value, torch.Tensor)}
@@ -246,7 +231,7 @@ class _ModuleWeights:
     """One module's tensors: read before its forward, given back (to what it held before) after."""
 
     def __init__(self, keys: Mapping[str, str], tensors: Mapping, device: str, dtype: torch.dtype,
-                 pool: _Buffers):
+                 pool: BufferPool):
         self.keys, self.tensors, self.device, self.dtype, self.pool = dict(keys), tensors, device, dtype, pool
         self.held: dict = {}
         self.loaded: list[torch.Tensor] = []
@@ -274,9 +259,7 @@ class _ModuleWeights:
         self.loaded = []
 
     def give(self, *tensors) -> None:
-        for tensor in tensors:
-            if tensor is not None:
-                self.pool.give(tensor)
+        self.pool.give(*(tensor for tensor in tensors if tensor is not None))
 
     def read(self, key: str) -> torch.Tensor:
         info = self.tensors.info(key) if isinstance(self.tensors, LazyTensors) else None

@@ -311,44 +311,7 @@ def planned_outputs(steps, state, expected: Mapping[str, torch.Size], dtype: tor
     return {key: produced[key] for key in order}
 
 
-def stream_hf_tiny_folder(tmp: Path, model_class, config, state, key_map, num_layers, *, dtype=None,
-                          max_shard_size=None, auto_map=None, progress: bool = False):
-    """The converted folder, streamed: names and shapes checked against the class's (meta) state dict before any
-    tensor is read, then each rule's tensors read, mapped, cast and written to their shard; tied copies are stored
-    once, as save_pretrained stores them. Returns the written tensors, lazily (lazy.read_safetensors)."""
-    from tqdm.auto import tqdm
-
-    from .shards import ShardWriter
-    from .tensors import cast_tensor
-
-    with torch.device("meta"):
-        model = model_class(config)
-    expected = expected_shapes(model)
-    steps = key_map.steps(state.keys(), num_layers=num_layers)
-    planned = planned_outputs(steps, state, expected, dtype)
-    check_shapes({key: info.meta() for key, info in planned.items()}, expected)
-    copies = set(model.get_expanded_tied_weights_keys(all_submodels=True))
-    stored = {key: info for key, info in planned.items() if key not in copies}
-    writer = ShardWriter(tmp, stored, max_shard_size=max_shard_size,
-                         total_parameters=model.num_parameters())
-    try:
-        bar = tqdm(total=sum(info.nbytes for info in stored.values()), desc="writing tensors", unit="B",
-                   unit_scale=True, disable=not progress, file=sys.stderr, leave=False)
-        for step in steps:
-            for key, tensor in zip(step.outputs, step.run([state[key] for key in step.inputs]), strict=True):
-                if key in stored:
-                    writer.write(key, cast_tensor(key, tensor, dtype))
-                    bar.update(stored[key].nbytes)
-        bar.close()
-        files = writer.close()
-    except BaseException:
-        writer.abort()
-        raise
-    write_model_files(tmp, model, config, stored_dtype=dtype or _first_floating(stored), auto_map=auto_map)
-    return read_safetensors([tmp / name for name in files if name.endswith(".safetensors")])
-
-
-def _first_floating(infos: Mapping) -> torch.dtype:
+def first_floating(infos: Mapping) -> torch.dtype:
     return next((info.dtype for info in infos.values() if info.dtype.is_floating_point), torch.float32)
 
 

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import hf_tiny  # noqa: F401
 from causal_helpers import left_padded_batch, max_diff, real_logits, tiny_official
-from conversion import llama, streamed
+from conversion import ConversionError, llama, streamed
 from conversion.__main__ import main
 from conversion.lazy import LazyTensors
 from conversion.parity import in_memory, measure, parity_batch
@@ -111,7 +111,7 @@ def test_source_is_read_lazily(official_folder, monkeypatch):
 def test_rows_are_read_alone_and_equal_the_slice(official_folder, tmp_path):
     """A weight's rows read by themselves (the streamed head and the dtype conversion read blocks of rows) equal
     the slice of the whole tensor, from one file and from an index of shards; a buffer of the wrong shape is
-    refused naming the tensor; giving the pages back to the page cache changes nothing read."""
+    refused naming the tensor, rows outside the tensor naming the rows."""
     LlamaForCausalLM.from_pretrained(official_folder).save_pretrained(tmp_path / "shards", max_shard_size="20KB")
     key = "model.embed_tokens.weight"
     for state in (open_checkpoint(official_folder), open_checkpoint(tmp_path / "shards")):
@@ -121,23 +121,25 @@ def test_rows_are_read_alone_and_equal_the_slice(official_folder, tmp_path):
         assert state.rows(key, 90, 95, out) is out and torch.equal(out, whole[90:95])
         with pytest.raises(ValueError, match=r"model.embed_tokens.weight: rows 0:5 are \(5, 32\)"):
             state.rows(key, 0, 5, torch.empty(4, 32, dtype=whole.dtype))
-        state.drop_pages_after_reading()
-        assert torch.equal(state[key], whole) and torch.equal(state.rows(key, 96, 97), whole[96:])
+        assert torch.equal(state.rows(key, 96, 97), whole[96:])
+        with pytest.raises(ValueError, match=r"model.embed_tokens.weight: rows 90:98 are outside its 97 rows"):
+            state.rows(key, 90, 98)
     renamed = open_checkpoint(official_folder).renamed(lambda name: "x." + name)
     assert torch.equal(renamed.rows("x." + key, 3, 4), whole[3:4])
 
 
 @pytest.fixture()
 def small_blocks(monkeypatch):
-    """Blocks of 10 rows for the head (97 rows: ten blocks, the last one of 7) and of 256 bytes when converting."""
-    monkeypatch.setattr(streamed, "HEAD_BLOCK_ROWS", 10)
+    """Blocks of 10 rows for the head (97 rows of 32 float32: ten blocks, the last one of 7) and of 256 bytes when
+    converting."""
+    monkeypatch.setattr(streamed, "HEAD_BLOCK_BYTES", 10 * 32 * 4)
     monkeypatch.setattr(streamed, "BLOCK_BYTES", 256)
 
 
 def test_streamed_head_in_vocabulary_blocks_gives_the_logits_in_memory(official_folder, small_blocks):
     """The streamed model (head in blocks of rows, weights read in blocks) gives the logits of the model in memory:
     every layer bit for bit, the head's columns up to the order of additions the matrix kernel picks for a block of
-    10 rows (at real sizes, blocks of HEAD_BLOCK_ROWS, the TinyLlama-shaped card is unchanged to the last digit).
+    10 rows (at real sizes, blocks of HEAD_BLOCK_BYTES, the TinyLlama-shaped card is unchanged to the last digit).
     Negative control: one spoiled row of the head's last block shows in that token's logits only."""
     official = LlamaForCausalLM.from_pretrained(official_folder, attn_implementation="eager").eval()
     batch = parity_batch("causal", official.config)
@@ -233,3 +235,23 @@ def test_an_output_that_is_a_weight_keeps_its_memory():
     with streamed.streaming(model, tensors, {k: k for k in values}, device="cpu", dtype=torch.float32):
         first, second = model(torch.zeros(2))
     assert bool((first == 1.0).all()) and bool((second == 2.0).all())
+
+
+def test_a_writer_failure_mid_way_is_the_error_and_nothing_is_left(official_folder, tmp_path, monkeypatch):
+    """The folder is written while the parity runs read it: a failure in the middle of the writing (here the
+    second layer's down projection) stops the runs waiting for its tensors and is the error raised; the
+    destination does not appear."""
+    from conversion import folder_write
+
+    cast = folder_write.cast_tensor
+
+    def failing(key, tensor, dtype):
+        if key == "model.layers.1.mlp.down_proj.weight":
+            raise ConversionError(f"cannot cast {key}")
+        return cast(key, tensor, dtype)
+
+    monkeypatch.setattr(folder_write, "cast_tensor", failing)
+    with pytest.raises(ConversionError, match=r"the tensors do not fit LlamaForCausalLM .*cannot cast "
+                                              r"model.layers.1.mlp.down_proj.weight"):
+        llama.convert(official_folder, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
