@@ -249,7 +249,8 @@ def in_memory(model):
 
 
 def measure(official, ours, batch: ParityBatch, dtype: torch.dtype, *,
-            backends: Sequence[str] = ("eager", "sdpa", "flash_attention_2"), alongside=None) -> ParityResult:
+            backends: Sequence[str] = ("eager", "sdpa", "flash_attention_2"), alongside=None,
+            progress=None) -> ParityResult:
     """max |ours - official| per (device, dtype, backend) of parity_plans(dtype) whose backend is in `backends`,
     and per layer. official / ours: runners (in_memory, or streamed.streamed_runner). The reference is official in
     float32 with eager attention, once per device. A backend this machine cannot run off the CPU (e.g. flash on
@@ -257,7 +258,7 @@ def measure(official, ours, batch: ParityBatch, dtype: torch.dtype, *,
     (streamed.run_in_lockstep: every layer's weights read from the disk once for all of them); runners over
     models in memory run one after the other. alongside(gate): a job run in lockstep with the first device's runs
     (the folder's writer, whose tensors ours reads as they are written), or before them; its failure is raised
-    first."""
+    first. progress (a tqdm bar): advanced layer by layer in lockstep."""
     rows, layers, skipped = [], {}, []
     # Full-precision rows first: moving an in-memory model to a half dtype rounds its float buffers too (RoPE's
     # inv_freq), and a later .to(float32) does not undo that (measured on an H100: fp32 CUDA rows 0.0055 off).
@@ -265,7 +266,7 @@ def measure(official, ours, batch: ParityBatch, dtype: torch.dtype, *,
              if plan[2] in backends]
     streams = hasattr(official, "prepare") and hasattr(ours, "prepare")
     for (device, run_dtype, backend), (output, reference_layers), result in (
-            _in_lockstep(official, ours, batch.inputs, plans, alongside) if streams
+            _in_lockstep(official, ours, batch.inputs, plans, alongside, progress) if streams
             else _in_order(official, ours, batch.inputs, plans, alongside)):
         reference = compared_outputs(output, batch.real_tokens)
         scale = max(1.0, max(float(t.abs().max()) for t in reference if t.numel()))
@@ -310,7 +311,7 @@ def _raising(error: BaseException):
     return job
 
 
-def _in_lockstep(official, ours, inputs, plans, alongside=None):
+def _in_lockstep(official, ours, inputs, plans, alongside=None, progress=None):
     """As _in_order, each device's reference and runs side by side (the first device's with alongside)."""
     from .streamed import run_in_lockstep
 
@@ -323,7 +324,10 @@ def _in_lockstep(official, ours, inputs, plans, alongside=None):
             except ValueError as error:  # a backend this device cannot run
                 jobs.append(_raising(error))
         extra = [] if alongside is None else [alongside]
-        reference, *results = run_in_lockstep(jobs + extra)
+        if progress is not None:
+            progress.reset()
+            progress.set_description(f"parity on {device}, layer by layer")
+        reference, *results = run_in_lockstep(jobs + extra, progress)
         alongside = None
         for failure in [results.pop()] if extra else []:
             if isinstance(failure, BaseException):

@@ -295,12 +295,24 @@ def _write_with_parity(family: Family, source: Source, plan: Plan, tmp: Path, wr
             write.run(None)
             official, alongside = in_memory(family.official_model(source, plan)), None
         ours = streamed_runner(Streamed(family.hf_tiny_class(plan.our_class), plan.config, write.tensors))
-        parity = measure(official, ours, batch, stored_dtype, backends=family.parity_backends, alongside=alongside)
+        with _layer_bar(write) as bar:
+            parity = measure(official, ours, batch, stored_dtype, backends=family.parity_backends,
+                             alongside=alongside, progress=bar)
     except ConversionError as error:
         if write.done.error is error:
             raise _not_fitting(family, source, plan, error) from error
         raise
     return write.finish(), parity, batch
+
+
+def _layer_bar(write: HfTinyFolderWrite):
+    from tqdm.auto import tqdm
+
+    from .streamed import layer_lists
+
+    layers = sum(len(stack) for _, stack in layer_lists(write.model))
+    return tqdm(total=layers, desc="parity, layer by layer", unit="layer", file=sys.stderr, leave=False,
+                disable=not sys.stderr.isatty())
 
 
 def _reference(family: Family, source: Source, plan: Plan, reference_model):

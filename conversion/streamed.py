@@ -379,10 +379,11 @@ class _Lockstep:
     """Runs that start their n-th layer only once every other unfinished run has started its (n-1)-th: no run is
     more than a layer ahead, so what one reads from the disk the others find in the page cache."""
 
-    def __init__(self, runs: int):
+    def __init__(self, runs: int, progress=None):
         self.started = [0] * runs
         self.finished = [False] * runs
         self.condition = threading.Condition()
+        self.progress, self.reported = progress, 0  # progress.update(n): layers every run has started
 
     def gate(self, run: int):
         def wait() -> None:
@@ -392,6 +393,9 @@ class _Lockstep:
                     for other in range(len(self.started)) if other != run))
                 self.started[run] += 1
                 self.condition.notify_all()
+                if self.progress is not None and min(self.started) > self.reported:
+                    self.progress.update(min(self.started) - self.reported)
+                    self.reported = min(self.started)
 
         return wait
 
@@ -401,10 +405,11 @@ class _Lockstep:
             self.condition.notify_all()
 
 
-def run_in_lockstep(jobs) -> list:
+def run_in_lockstep(jobs, progress=None) -> list:
     """Each job(gate) in its own thread, paced by one _Lockstep; their results (or the exception each raised), in
-    order. The outputs equal those of one run after the other: each run is its own model and its own tensors."""
-    lockstep, results = _Lockstep(len(jobs)), [None] * len(jobs)
+    order. The outputs equal those of one run after the other: each run is its own model and its own tensors.
+    progress (a tqdm bar): advanced as every run has started one more layer."""
+    lockstep, results = _Lockstep(len(jobs), progress), [None] * len(jobs)
 
     def work(index: int) -> None:
         try:
