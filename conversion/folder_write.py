@@ -41,11 +41,12 @@ class HfTinyFolderWrite:
         copies = set(self.model.get_expanded_tied_weights_keys(all_submodels=True))
         self.stored = {key: info for key, info in planned.items() if key not in copies}
         self.steps = _in_layer_order(steps, self.model, planned)
-        self.tmp, self.state, self.dtype = tmp, state, dtype
+        self.tmp, self.state, self.dtype = tmp, LazyTensors.of(state), dtype
+        self.stored_dtype = first_floating(self.stored)  # dtype, where given: planned_outputs cast to it
         self.progress = progress
         self.writer = ShardWriter(tmp, self.stored, max_shard_size=max_shard_size,
                                   total_parameters=self.model.num_parameters())
-        write_model_files(tmp, self.model, config, stored_dtype=dtype or first_floating(self.stored), auto_map=auto_map)
+        write_model_files(tmp, self.model, config, stored_dtype=self.stored_dtype, auto_map=auto_map)
         self.done = _Written()
         written = read_safetensors([tmp / name for name in self.writer.files])
         self.tensors = LazyTensors(
@@ -73,15 +74,13 @@ class HfTinyFolderWrite:
             raise
 
     def _write(self, step, pool: BufferPool, bar) -> None:
-        inputs = [self.state.read_reusing(key, pool) if isinstance(self.state, LazyTensors) else self.state[key]
-                  for key in step.inputs]
+        inputs = [self.state.read_reusing(key, pool) for key in step.inputs]
         for key, tensor in zip(step.outputs, step.run(inputs), strict=True):
             if key in self.stored:
                 self.writer.write(key, cast_tensor(key, tensor, self.dtype))
                 self.done.add(key)
                 bar.update(self.stored[key].nbytes)
-        if isinstance(self.state, LazyTensors):  # written: nothing holds them now
-            pool.give(*(tensor for tensor in inputs if tensor.dim()))
+        pool.give(*(tensor for tensor in inputs if tensor.dim()))  # written: nothing holds them now (0-d: the state's own)
 
     def finish(self) -> LazyTensors:
         """The index of a sharded folder (config.json, the remote code and generation_config.json were written at

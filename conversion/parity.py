@@ -323,15 +323,14 @@ def _in_lockstep(official, ours, inputs, plans, alongside=None, progress=None):
                 jobs.append(ours.prepare(inputs, *plan))
             except ValueError as error:  # a backend this device cannot run
                 jobs.append(_raising(error))
-        extra = [] if alongside is None else [alongside]
         if progress is not None:
             progress.reset()
             progress.set_description(f"parity on {device}, layer by layer")
-        reference, *results = run_in_lockstep(jobs + extra, progress)
-        alongside = None
-        for failure in [results.pop()] if extra else []:
-            if isinstance(failure, BaseException):
-                raise failure
+        reference, *results = run_in_lockstep(jobs + ([] if alongside is None else [alongside]), progress)
+        if alongside is not None:
+            written, alongside = results.pop(), None
+            if isinstance(written, BaseException):
+                raise written
         if isinstance(reference, BaseException):
             raise reference
         for plan, result in zip(group, results):

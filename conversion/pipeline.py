@@ -122,13 +122,6 @@ class Family:
     def plan(self, source: Source) -> Plan:
         raise NotImplementedError
 
-    def official_reference(self, source: Source, plan: Plan):
-        """The parity reference (a parity runner): the official class streaming the source's tensors when they
-        are its own names (streamed_reference), else the official model loaded whole (official_model)."""
-        if source.official is not None:
-            return in_memory(source.official)
-        return self.streamed_reference(source, plan) or in_memory(self.official_model(source, plan))
-
     def streamed_reference(self, source: Source, plan: Plan):
         """The official class streaming the source's tensors (official_stream), or None (with a note on the card)
         when its class does not read them as they are stored."""
@@ -255,7 +248,7 @@ def convert(family: Family, src: str | os.PathLike, dst: str | os.PathLike, *, f
             write = _start_write(family, source, plan, tmp, dtype, max_shard_size)
             plan.notes.insert(0, f"Tokenizer: {family.write_side_files(source, plan, tmp)}.")
             try:
-                written, parity, batch = _write_with_parity(family, source, plan, tmp, write, dtype, reference_model)
+                written, parity, batch = _write_with_parity(family, source, plan, tmp, write, reference_model)
             except BaseException:
                 write.abort()
                 raise
@@ -283,11 +276,10 @@ def _start_write(family: Family, source: Source, plan: Plan, tmp: Path, dtype, m
         raise _not_fitting(family, source, plan, error) from error
 
 
-def _write_with_parity(family: Family, source: Source, plan: Plan, tmp: Path, write: HfTinyFolderWrite, dtype,
+def _write_with_parity(family: Family, source: Source, plan: Plan, tmp: Path, write: HfTinyFolderWrite,
                        reference_model):
     """(the written tensors, parity, its batch): the folder written while the parity runs read it (parity.measure
     with the write alongside), the source read from the disk once."""
-    stored_dtype = dtype or _stored_dtype(write.tensors)
     batch = parity_batch(family.modality, plan.config, tmp)
     try:
         official, alongside = _reference(family, source, plan, reference_model), write.run
@@ -296,7 +288,7 @@ def _write_with_parity(family: Family, source: Source, plan: Plan, tmp: Path, wr
             official, alongside = in_memory(family.official_model(source, plan)), None
         ours = streamed_runner(Streamed(family.hf_tiny_class(plan.our_class), plan.config, write.tensors))
         with _layer_bar(write) as bar:
-            parity = measure(official, ours, batch, stored_dtype, backends=family.parity_backends,
+            parity = measure(official, ours, batch, write.stored_dtype, backends=family.parity_backends,
                              alongside=alongside, progress=bar)
     except ConversionError as error:
         if write.done.error is error:

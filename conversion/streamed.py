@@ -129,18 +129,19 @@ HEAD_BLOCK_BYTES = 16 << 20
 
 def _output_head(model: nn.Module, names: Mapping[str, str]) -> nn.Module | None:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if type(head) is not nn.Linear or head.weight.dim() != 2:
-        return None
-    prefix = next((name for name, module in model.named_modules() if module is head), None)
-    return head if prefix is not None and _join(prefix, "weight") in names else None
+    plain = type(head) is nn.Linear and head.weight.dim() == 2
+    return head if plain and _weight_is_stored(model, head, names) else None
 
 
 def _input_embedding(model: nn.Module, names: Mapping[str, str]) -> nn.Module | None:
     embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if not isinstance(embedding, nn.Embedding) or embedding.max_norm is not None:
-        return None
-    prefix = next((name for name, module in model.named_modules() if module is embedding), None)
-    return embedding if prefix is not None and _join(prefix, "weight") in names else None
+    plain = isinstance(embedding, nn.Embedding) and embedding.max_norm is None
+    return embedding if plain and _weight_is_stored(model, embedding, names) else None
+
+
+def _weight_is_stored(model: nn.Module, part: nn.Module, names: Mapping[str, str]) -> bool:
+    prefix = next((name for name, module in model.named_modules() if module is part), None)
+    return prefix is not None and _join(prefix, "weight") in names
 
 
 def _rows_of_the_ids(embedding: nn.Embedding, loader: "_ModuleWeights") -> list:
@@ -264,8 +265,7 @@ class _ModuleWeights:
     def read(self, key: str) -> torch.Tensor:
         info = self.tensors.info(key) if isinstance(self.tensors, LazyTensors) else None
         if info is None or not info.shape or self.device != "cpu":
-            value = self.tensors[key].to(self.device)
-            return value.to(self.dtype) if value.is_floating_point() else value
+            return self._on_run(self.tensors[key])
         return self._rows(key, info, 0, info.shape[0])
 
     def rows(self, local: str, start: int, stop: int) -> torch.Tensor:
@@ -273,9 +273,12 @@ class _ModuleWeights:
         key = self.keys[local]
         info = self.tensors.info(key) if isinstance(self.tensors, LazyTensors) else None
         if info is None or self.device != "cpu":
-            value = self.tensors[key][start:stop].to(self.device)
-            return value.to(self.dtype) if value.is_floating_point() else value
+            return self._on_run(self.tensors[key][start:stop])
         return self._rows(key, info, start, stop)
+
+    def _on_run(self, value: torch.Tensor) -> torch.Tensor:
+        value = value.to(self.device)
+        return value.to(self.dtype) if value.is_floating_point() else value
 
     def _rows(self, key: str, info, start: int, stop: int) -> torch.Tensor:
         dtype = self.dtype if info.dtype.is_floating_point else info.dtype
