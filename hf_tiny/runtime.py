@@ -12,6 +12,12 @@ runs the module's own forward unless one of these applies:
   with hooks inside (a replay would run them twice) or a cache to fill. Like every selective checkpoint, it allows
   one backward per forward: a second one through the same graph (backward(retain_graph=True) twice) needs the
   runtime off for that forward (`with hf_tiny.runtime.disabled():`) or the model in eval mode.
+  Only layers of at least MIN_RECOMPUTE_ELEMENTS of hidden states: below that, the per-operator cost of the replay
+  outweighs the few MiB a layer keeps (a 96-wide model at 4x512 tokens: 1.16x the step's time; an H100 at 1x64
+  tokens: 2.4x, for no memory saved next to AdamW's state).
+  A layer that draws random numbers (dropout in training, BERT's fine-tuning) is not replayed whole: the replay
+  would draw its dropout masks again, which costs more on a CPU than everything else recomputed (MiniLM's training
+  step: 1.17x the time at 0.60x the memory). Its feed-forward, which draws none, is recomputed alone instead.
 - Inference on many tokens (`_in_place`): with autograd off and at least MIN_ELEMENTS of hidden states, a
   layer writes each residual sum into its sublayer's fresh output and a feed-forward writes its activation and
   gated product into the first projection's output, with the gate / up products in a workspace all layers of one
@@ -50,6 +56,9 @@ from .layers import FeedForward, GatedFeedForward, RMSNorm
 # Inference in place: 128 KiB of fp32, glibc's smallest threshold for mapping an allocation from the OS (smaller
 # tensors come from its free lists).
 MIN_ELEMENTS = 1 << 15
+# Training recompute: 2 MiB of fp32 hidden states per layer (SmolLM2 at 4x512 has 1.2M elements, MiniLM at 32x128
+# 1.6M; the 96-wide overhead model at 4x512 196K, TinyLlama at 1x64 131K).
+MIN_RECOMPUTE_ELEMENTS = 1 << 19
 # Few rows (benchmarks/few_rows.py, SmolLM2's shapes, 2 threads): weight-first wins for 2 to 128 rows when the
 # weight has at least 8 output rows per input row, and for one row when each thread's slice has at least 256 output
 # rows; weights of fewer than 100,000 elements keep F.linear (their product is over before the extra operators pay).
@@ -191,10 +200,20 @@ def _recomputed(layer: nn.Module, hidden_states) -> bool:
         and torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
         and type(hidden_states) is torch.Tensor
+        and hidden_states.numel() >= MIN_RECOMPUTE_ELEMENTS
         and not (getattr(layer, "gradient_checkpointing", False) and layer.training)
         and not _disabled.get()
         and _replayable(layer)
     )
+
+
+def _draws_random(module: nn.Module) -> bool:
+    """Whether the module's training forward draws random numbers: a dropout, or an attention's dropout rate."""
+    for part in module.modules():
+        rate = part.p if isinstance(part, nn.modules.dropout._DropoutNd) else getattr(part, "dropout", 0.0)
+        if isinstance(rate, float) and rate > 0.0:
+            return True
+    return False
 
 
 def _replayable(layer: nn.Module) -> bool:
@@ -229,6 +248,14 @@ def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 _contexts = functools.partial(create_selective_checkpoint_contexts, _policy)
+
+
+def _replayed(module: nn.Module, *args, **kwargs):
+    return checkpoint(_math(module), *args, use_reentrant=False, context_fn=_contexts, **kwargs)
+
+
+# Set while a layer that draws random numbers runs in training: its feed-forward is recomputed alone.
+_parts_recomputed: contextvars.ContextVar = contextvars.ContextVar("hf_tiny_parts_recomputed", default=False)
 
 
 # ---- inference in place ---------------------------------------------------------------------------------------
@@ -358,7 +385,13 @@ class _Layer:
         if not _untouched(self):
             return _math(self)(hidden_states, *args, **kwargs)
         if _recomputed(self, hidden_states) and kwargs.get("cache") is None:  # a replay would write the cache again
-            return checkpoint(_math(self), hidden_states, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
+            if not _draws_random(self):
+                return _replayed(self, hidden_states, *args, **kwargs)
+            token = _parts_recomputed.set(True)
+            try:
+                return _math(self)(hidden_states, *args, **kwargs)
+            finally:
+                _parts_recomputed.reset(token)
         if self.residual_form == "pre-norm" and _inference_scale(hidden_states):
             return _pre_norm_in_place(self, hidden_states, *args, **kwargs)
         if self.residual_form == "post-norm" and _inference_scale(hidden_states):
@@ -392,6 +425,8 @@ class _FeedForwardInPlace:
     def forward(self, x):
         """The feed-forward (layers.FeedForward / GatedFeedForward) with its activation and gated product written
         into the first projection's output (in the layer workspace when one is open)."""
+        if _parts_recomputed.get() and not _draws_random(self) and _untouched(self):
+            return _replayed(self, x)
         gated = type(self) is GatedFeedForward
         first = self.gate_proj if gated else self.up_proj
         projections = (first, self.up_proj, self.down_proj)

@@ -195,6 +195,51 @@ def test_backward_recomputes_only_elementwise_work():
         assert counts["on"][product] == counts["off"][product], counts
 
 
+def test_a_layer_with_dropout_recomputes_its_feed_forward_without_drawing_again():
+    """Replaying a layer with dropout would draw its masks again (bernoulli_ costs more than the rest on a CPU): the
+    layer keeps its activations, its feed-forward alone is replayed (the activation runs again, no mask is drawn)."""
+    model = encoder_model()
+    inputs = batch(model, length=12)
+    counts = {}
+    for name, context in (("on", runtime_on()), ("off", runtime.disabled())):
+        model.train()
+        with context:
+            loss = model(**inputs).loss
+            ops = ops_of(loss.backward)
+        counts[name] = {op: ops.count(op) for op in ("bernoulli_", "gelu", "native_layer_norm", "mm", "addmm")}
+    assert counts["on"]["gelu"] == counts["off"]["gelu"] + 2, counts  # one replay per layer
+    for op in ("bernoulli_", "native_layer_norm", "mm", "addmm"):
+        assert counts["on"][op] == counts["off"][op], counts
+    assert counts["off"]["bernoulli_"] == 0 and counts["off"]["gelu"] == 0
+
+
+def test_negative_control_without_dropout_the_whole_layer_is_replayed():
+    model = encoder_model()
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        elif isinstance(getattr(module, "dropout", None), float):  # the attention's rate
+            module.dropout = 0.0
+    inputs = batch(model, length=12)
+    model.train()
+    ops = ops_of(model(**inputs).loss.backward)
+    assert ops.count("native_layer_norm") >= 4  # both norms of both layers run again
+
+
+def test_layers_below_the_size_limit_keep_their_activations(monkeypatch):
+    """Under MIN_RECOMPUTE_ELEMENTS hidden states a layer is not replayed (the replay would cost more time than its
+    few MiB are worth); at the limit it is."""
+    model = causal_model()
+    inputs = batch(model, length=12)  # 2 x 12 tokens x 32 wide
+    model.train()
+    with runtime.disabled():
+        kept = ops_of(model(**inputs).loss.backward).count("rsqrt")
+    for limit, replayed in ((2 * 12 * 32 + 1, False), (2 * 12 * 32, True)):
+        monkeypatch.setattr(runtime, "MIN_RECOMPUTE_ELEMENTS", limit)
+        ops = ops_of(model(**inputs).loss.backward)
+        assert (ops.count("rsqrt") > kept) == replayed, (limit, kept)
+
+
 def runtime_on():
     import contextlib
 
