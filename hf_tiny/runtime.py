@@ -425,7 +425,8 @@ class _FeedForwardInPlace:
     def forward(self, x):
         """The feed-forward (layers.FeedForward / GatedFeedForward) with its activation and gated product written
         into the first projection's output (in the layer workspace when one is open)."""
-        if _parts_recomputed.get() and not _draws_random(self) and _untouched(self):
+        # Compilation first: dynamo cannot read a ContextVar without a graph break.
+        if not torch.compiler.is_compiling() and _parts_recomputed.get() and not _draws_random(self) and _untouched(self):
             return _replayed(self, x)
         gated = type(self) is GatedFeedForward
         first = self.gate_proj if gated else self.up_proj

@@ -202,3 +202,27 @@ def test_fresh_process_section_of_the_report():
     assert "## Prefill with each side alone in a fresh process" in text
     assert "| smollm2 | 4x256 | 1,800.0 ms [1,790–1,810] | 1,620.0 ms [1,610–1,630] | 0.90 | 137,280 | 9,921 |" in text
     assert fresh_process.markdown_rows([])[0].startswith("| model | shape |")
+
+
+def test_runtime_ab_rejects_an_unknown_model(capsys):
+    from benchmarks import runtime_ab
+
+    with pytest.raises(SystemExit):
+        runtime_ab.main(["--models", "minilm,bert-large"])
+    assert "--models: unknown ['bert-large']" in capsys.readouterr().err
+
+
+def test_runtime_ab_reports_each_side_against_the_runtime_off(monkeypatch):
+    from benchmarks import runtime_ab
+
+    measured = {"official": (3.0, 300), "runtime on": (2.0, 100), "runtime off": (1.0, 400)}
+
+    def fake(name, side, args, memory):
+        seconds, mib = measured[side]
+        return {"peak_bytes": mib * 2**20} if memory else {"seconds": seconds, "all": [seconds]}
+
+    monkeypatch.setattr(runtime_ab, "_in_fresh_process", fake)
+    table = runtime_ab.report(runtime_ab.argparse.Namespace(models=["minilm"], repeats=1, threads=1))
+    rows = [line for line in table.splitlines() if line.startswith("| minilm")]
+    assert rows[0].endswith("| 3,000 ms [3,000–3,000] | 3.00 | 300.0 MiB | 0.75 |")
+    assert rows[1].endswith("| 2.00 | 100.0 MiB | 0.25 |") and rows[2].endswith("| 1.00 | 400.0 MiB | 1.00 |")
