@@ -76,6 +76,10 @@ FIGURES = [
     Figure("decode-profile", "--tag decode-profile", "decode-step profile table (ms per step by group, weight "
            "GB/s), overhead 0.93x / 0.90x", f"{RUN} --models smollm2,overhead --cases generate --no-sweep "
            "--no-memory --repeats 3 --tag decode-profile", 10, "cpu"),
+    Figure("runtime-ab", "python -m benchmarks.runtime_ab", "the training recompute's time and memory against the "
+           "runtime off (MiniLM with dropout: feed-forward alone; the overhead model: under the size limit; SmolLM2)",
+           "python -m benchmarks.runtime_ab --models minilm,overhead,smollm2 --repeats 3", 15, "cpu",
+           "runtime-ab-cpu-{date}.md"),
     Figure("vllm", "python -m benchmarks.vllm_rows", "vLLM rows (tokens/s both sides, identical tokens): the "
            "standalone 1.01x; the 67.1 / 64.1 tokens/s (0.96x) of \"Served by vLLM\" are the 2026-11-23 full "
            "run's section (the full entry measures that section again)",
