@@ -255,6 +255,8 @@ def _read_mask(mask: torch.Tensor, q: torch.Tensor, sk: int, is_causal: bool, *,
     full = _mask_rows(mask, q, sk)
     key_valid = full.any(dim=1)  # [B, Sk]
     for causal in (True, False) if is_causal else (False, True):
+        if causal and not _real_queries_see_keys(full, key_valid):
+            continue
         query_valid = _valid_queries(full, key_valid, causal)
         padding_only = query_valid[:, :, None] & key_valid[:, None, :]
         distance = _real_token_distance(query_valid, key_valid)
@@ -305,6 +307,13 @@ def _valid_queries(full: torch.Tensor, key_valid: torch.Tensor, causal: bool) ->
     seen = full.any(dim=2)
     sq, sk = full.shape[1], full.shape[2]
     return seen & key_valid[:, sk - sq :] if causal and sk >= sq else seen
+
+
+def _real_queries_see_keys(full: torch.Tensor, key_valid: torch.Tensor) -> bool:
+    """Read as causal self-attention, a query whose own key is real sees at least that key. A mask in which such a
+    query sees nothing is no causal padding mask (flash's reading would drop a row the mask computes elsewhere)."""
+    sq, sk = full.shape[1], full.shape[2]
+    return sk < sq or not bool((key_valid[:, sk - sq :] & ~full.any(dim=2)).any())
 
 
 def _dropped_rows_are_padding(full, key_valid, query_valid, window: Optional[int]) -> bool:

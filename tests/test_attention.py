@@ -679,6 +679,32 @@ def flash_semantics(case: Case) -> Case:
     return Case(case.kind, case.q, case.k, case.v, case.mask & query_real, case.is_causal, case.scale, case.key_padding)
 
 
+def padding_queries_dropped(case: Case) -> Case:
+    """The case with every padding query's row masked out: a query (aligned to the last keys, query i is key
+    i + Sk - Sq) whose own key no query sees."""
+    sq, sk = case.q.shape[2], case.k.shape[2]
+    mask = case.mask.expand(case.q.shape[0], 1, sq, sk)
+    own_key_seen = mask.any(dim=2)[:, :, sk - sq :] if sk >= sq else torch.ones_like(mask[:, :, :, 0])
+    return Case(case.kind, case.q, case.k, case.v, mask & own_key_seen[..., None], case.is_causal, case.scale,
+                case.key_padding)
+
+
+def test_a_custom_mask_whose_real_query_sees_nothing_is_refused_by_flash():
+    """Hypothesis found it: query 1 of 3 sees the key after it and query 2, whose key is real, sees nothing. Read as
+    causal padding, flash dropped query 0 (its key 1 seen by none) while the mask computes it from key 0."""
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(1, 1, 3, 4, generator=gen), torch.randn(1, 1, 4, 4, generator=gen), torch.randn(1, 1, 4, 4, generator=gen)
+    mask = torch.tensor([[[[True, False, False, False], [True, False, True, True], [False, False, False, False]]]])
+    with pytest.MonkeyPatch.context() as patch:
+        _flash_on_cpu(patch, package=None)
+        with pytest.raises(ValueError, match="sdpa"):
+            flash_attention(q, k, v, mask, scale=0.5, is_causal=False)
+        # key 1 is padding, every real query sees the real keys up to its own: causal padding, accepted
+        real = torch.tensor([[[[True, False, False, False], [True, False, True, False], [True, False, True, True]]]])
+        out, _ = flash_attention(q, k, v, real, scale=0.5, is_causal=False)
+    assert torch.all(out[0, 0, 0] == 0)  # the padding query is dropped, as flash_attention_2 drops it
+
+
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("use_package", [True, False], ids=["flash_attn_varlen", "sdpa_flash_fallback"])
 @PER_KIND
@@ -702,6 +728,10 @@ def test_flash_path_emulated_on_cpu_matches_naive(kind: str, use_package: bool, 
                 event("mask flash cannot express: refused")
                 assert "sdpa" in message and "eager" in message, message
             return
+    if case.kind not in FLASH_KINDS and not torch.allclose(out, naive_out, atol=FP32_ATOL, rtol=0):
+        # A custom mask that reads as causal self-attention with padding: its padding queries may be dropped.
+        event("custom mask read as causal padding")
+        naive_out, naive_grads = run_backend(naive_attention, padding_queries_dropped(case), grad=True)
     torch.testing.assert_close(out, naive_out, atol=FP32_ATOL, rtol=0)
     if package is not None and case.mask is not None and not case.mask.all() and case.kind in FLASH_KINDS:
         assert package.calls and set(package.calls) <= {"varlen", "dense"}
