@@ -178,18 +178,22 @@ def test_a_copied_model_runs_its_own_modules():
 # ---- training memory: layers recomputed in backward ------------------------------------------------------------
 
 
-def test_backward_recomputes_only_elementwise_work():
-    """With the runtime the backward pass replays the layers: the norms and activations run again, while no matrix
-    product is recomputed (their outputs are kept)."""
-    model = causal_model()
+def backward_op_counts(model, names: tuple) -> dict:
+    """{"on" / "off": {operator: calls in one training backward}} with the runtime on and off."""
     inputs = batch(model, length=12)
     counts = {}
     for name, context in (("on", runtime_on()), ("off", runtime.disabled())):
         model.train()
         with context:
-            loss = model(**inputs).loss
-            ops = ops_of(loss.backward)
-        counts[name] = {op: ops.count(op) for op in ("mm", "addmm", "bmm", "rsqrt", "silu")}
+            ops = ops_of(model(**inputs).loss.backward)
+        counts[name] = {op: ops.count(op) for op in names}
+    return counts
+
+
+def test_backward_recomputes_only_elementwise_work():
+    """With the runtime the backward pass replays the layers: the norms and activations run again, while no matrix
+    product is recomputed (their outputs are kept)."""
+    counts = backward_op_counts(causal_model(), ("mm", "addmm", "bmm", "rsqrt", "silu"))
     assert counts["on"]["rsqrt"] > counts["off"]["rsqrt"] and counts["on"]["silu"] > counts["off"]["silu"]
     for product in ("mm", "addmm", "bmm"):
         assert counts["on"][product] == counts["off"][product], counts
@@ -198,15 +202,7 @@ def test_backward_recomputes_only_elementwise_work():
 def test_a_layer_with_dropout_recomputes_its_feed_forward_without_drawing_again():
     """Replaying a layer with dropout would draw its masks again (bernoulli_ costs more than the rest on a CPU): the
     layer keeps its activations, its feed-forward alone is replayed (the activation runs again, no mask is drawn)."""
-    model = encoder_model()
-    inputs = batch(model, length=12)
-    counts = {}
-    for name, context in (("on", runtime_on()), ("off", runtime.disabled())):
-        model.train()
-        with context:
-            loss = model(**inputs).loss
-            ops = ops_of(loss.backward)
-        counts[name] = {op: ops.count(op) for op in ("bernoulli_", "gelu", "native_layer_norm", "mm", "addmm")}
+    counts = backward_op_counts(encoder_model(), ("bernoulli_", "gelu", "native_layer_norm", "mm", "addmm"))
     assert counts["on"]["gelu"] == counts["off"]["gelu"] + 2, counts  # one replay per layer
     for op in ("bernoulli_", "native_layer_norm", "mm", "addmm"):
         assert counts["on"][op] == counts["off"][op], counts
