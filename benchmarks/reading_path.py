@@ -53,11 +53,6 @@ def traced_functions(step: str = "forward", runtime: bool = True) -> dict:
                     seen[key] = 0
         return None
 
-    # The tiny batch takes a real batch's path: in training its layers are replayed as a large batch's are.
-    runtime_module = sys.modules.get("hf_tiny.runtime")
-    limit = getattr(runtime_module, "MIN_RECOMPUTE_ELEMENTS", None)
-    if limit is not None:
-        runtime_module.MIN_RECOMPUTE_ELEMENTS = 1
     sys.setprofile(None)
     sys.settrace(tracer)
     try:
@@ -68,8 +63,6 @@ def traced_functions(step: str = "forward", runtime: bool = True) -> dict:
                 model(input_ids=ids, attention_mask=mask)
     finally:
         sys.settrace(None)
-        if limit is not None:
-            runtime_module.MIN_RECOMPUTE_ELEMENTS = limit
     return seen
 
 

@@ -12,9 +12,11 @@ runs the module's own forward unless one of these applies:
   with hooks inside (a replay would run them twice) or a cache to fill. Like every selective checkpoint, it allows
   one backward per forward: a second one through the same graph (backward(retain_graph=True) twice) needs the
   runtime off for that forward (`with hf_tiny.runtime.disabled():`) or the model in eval mode.
-  Only layers of at least MIN_RECOMPUTE_ELEMENTS of hidden states: below that, the per-operator cost of the replay
-  outweighs the few MiB a layer keeps (a 96-wide model at 4x512 tokens: 1.16x the step's time; an H100 at 1x64
-  tokens: 2.4x, for no memory saved next to AdamW's state).
+  On an accelerator, only layers of at least MIN_RECOMPUTE_ELEMENTS of hidden states: there the kernels of a small
+  layer take microseconds and the replay's per-operator Python cost dominates (an H100, TinyLlama-1.1B at 1x64
+  tokens: 2.4x official's step time, for no memory saved next to AdamW's state). On a CPU the element-wise kernels
+  themselves take about as long as that cost, and every size is replayed: even the 96-wide overhead model at 4x512
+  keeps 0.6x the memory for 1.16x the time (benchmarks/runtime_ab.py).
   A layer that draws random numbers (dropout in training, BERT's fine-tuning) is not replayed whole: the replay
   would draw its dropout masks again, which costs more on a CPU than everything else recomputed (MiniLM's training
   step: 1.17x the time at 0.60x the memory). Its feed-forward, which draws none, is recomputed alone instead.
@@ -56,8 +58,8 @@ from .layers import FeedForward, GatedFeedForward, RMSNorm
 # Inference in place: 128 KiB of fp32, glibc's smallest threshold for mapping an allocation from the OS (smaller
 # tensors come from its free lists).
 MIN_ELEMENTS = 1 << 15
-# Training recompute: 2 MiB of fp32 hidden states per layer (SmolLM2 at 4x512 has 1.2M elements, MiniLM at 32x128
-# 1.6M; the 96-wide overhead model at 4x512 196K, TinyLlama at 1x64 131K).
+# Training recompute on an accelerator: 2 MiB of fp32 hidden states per layer, 4x the one measured case that lost
+# (TinyLlama at 1x64: 131K elements); a guess above it, not a measured crossover.
 MIN_RECOMPUTE_ELEMENTS = 1 << 19
 # Few rows (benchmarks/few_rows.py, SmolLM2's shapes, 2 threads): weight-first wins for 2 to 128 rows when the
 # weight has at least 8 output rows per input row, and for one row when each thread's slice has at least 256 output
@@ -200,7 +202,7 @@ def _recomputed(layer: nn.Module, hidden_states) -> bool:
         and torch.is_grad_enabled()
         and not torch.compiler.is_compiling()
         and type(hidden_states) is torch.Tensor
-        and hidden_states.numel() >= MIN_RECOMPUTE_ELEMENTS
+        and (hidden_states.is_cpu or hidden_states.numel() >= MIN_RECOMPUTE_ELEMENTS)
         and not (getattr(layer, "gradient_checkpointing", False) and layer.training)
         and not _disabled.get()
         and _replayable(layer)

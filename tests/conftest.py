@@ -126,9 +126,10 @@ def static_flex_compilation():
 
 @pytest.fixture(autouse=True)
 def tiny_layers_recomputed(monkeypatch):
-    """The runtime recomputes training activations only in layers of at least runtime.MIN_RECOMPUTE_ELEMENTS hidden
-    states; the suite's tiny models take that path as a real batch would (tests/test_runtime.py checks the limit
-    itself). Read from sys.modules so that this file still never imports hf_tiny."""
+    """On an accelerator the runtime recomputes training activations only in layers of at least
+    runtime.MIN_RECOMPUTE_ELEMENTS hidden states; the suite's tiny models take that path as a real batch would on a
+    GPU too (tests/test_runtime.py checks the limit itself). Read from sys.modules so that this file still never
+    imports hf_tiny."""
     runtime = sys.modules.get("hf_tiny.runtime")
     if runtime is not None:
         monkeypatch.setattr(runtime, "MIN_RECOMPUTE_ELEMENTS", 1)
