@@ -44,6 +44,9 @@ FIGURES = [
     Figure("full", "--repeats 3 --tag full", "the speed and memory table (prefill, train step, generate, peak "
            "memory, the vLLM row), GEMM peak, decode GB/s and roofline shares, the fresh-process section",
            f"{RUN} --repeats 3 --tag full", 35, "cpu"),
+    Figure("train-minilm", "--tag train-minilm", "MiniLM's training rows of the speed and memory table (after the "
+           "dropout exception)", f"{RUN} --models minilm --cases train_step --no-sweep --no-ops --repeats 3 "
+           "--tag train-minilm", 2, "cpu"),
     Figure("prefill-fresh", "--tag prefill-fresh", "fresh-process prefill rows (report section) and its "
            "interleaved ratios (MiniLM 0.88, SmolLM2 0.99)",
            f"{RUN} --models minilm,smollm2 --cases prefill --no-sweep --no-memory --repeats 5 --tag prefill-fresh",
