@@ -22,10 +22,16 @@ import torch
 
 from .measure import PROBE_ENV, rss_peak_bytes, run_json_process
 from .models import HF_TINY, MODELS, OFFICIAL, load_pair, align_work
+from .plans import make_plan
 from .workloads import TRAIN, Shape, build
 
-SHAPES = {"minilm": Shape(32, 128), "smollm2": Shape(4, 512), "overhead": Shape(4, 512), "llama1b": Shape(1, 64)}
 SIDES = ("official", "runtime on", "runtime off")
+# The report's CPU plan: its models and their training-step shapes.
+CPU_PLAN = make_plan(torch.device("cpu"), quick=False)
+
+
+def train_shape(name: str) -> Shape:
+    return CPU_PLAN.train[MODELS[name].family]
 
 
 def measure_side(name: str, side: str, repeats: int, threads: int, memory: bool) -> dict:
@@ -39,7 +45,7 @@ def measure_side(name: str, side: str, repeats: int, threads: int, memory: bool)
     model = models[OFFICIAL] if side == "official" else models[HF_TINY]
     if side == "runtime off":
         model.set_runtime(False)
-    step = build(TRAIN, model, spec.family, SHAPES[name], device)
+    step = build(TRAIN, model, spec.family, train_shape(name), device)
     step()
     if memory:
         return {"peak_bytes": rss_peak_bytes(step, calls=2)}
@@ -78,7 +84,7 @@ def report(args) -> str:
         for side in SIDES:
             row = rows[side]
             lines.append(
-                f"| {name} | {SHAPES[name].label()} | {side} | {row['seconds'] * 1000:,.0f} ms "
+                f"| {name} | {train_shape(name).label()} | {side} | {row['seconds'] * 1000:,.0f} ms "
                 f"[{min(row['all']) * 1000:,.0f}–{max(row['all']) * 1000:,.0f}] | {row['seconds'] / off['seconds']:.2f} | "
                 f"{row['peak_bytes'] / 2**20:,.1f} MiB | {row['peak_bytes'] / off['peak_bytes']:.2f} |"
             )
@@ -96,9 +102,9 @@ def main(argv=None) -> None:
         job = json.loads(args.child)
         print(json.dumps(measure_side(job["name"], job["side"], args.repeats, args.threads, job["memory"])), flush=True)
         return
-    unknown = [name for name in args.models if name not in SHAPES]
+    unknown = [name for name in args.models if name not in CPU_PLAN.models]
     if unknown:
-        parser.error(f"--models: unknown {unknown}; choose from {sorted(SHAPES)}")
+        parser.error(f"--models: unknown {unknown}; choose from {CPU_PLAN.models}")
     print(report(args))
 
 
