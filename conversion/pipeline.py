@@ -30,7 +30,7 @@ from .readers import load_config_json, load_hf_tiny_config, open_checkpoint, req
 from .shards import parse_max_shard_size
 from .streamed import Streamed, can_stream, streamed_runner
 from .tensors import parse_dtype
-from .writer import atomic_output_dir, copy_tokenizer_files, stream_official_folder, with_tied_copies
+from .writer import atomic_output_dir, copy_tokenizer_files, first_floating, stream_official_folder, with_tied_copies
 
 
 @dataclass
@@ -319,10 +319,6 @@ def _not_fitting(family: Family, source: Source, plan: Plan, error: ConversionEr
     return ConversionError(f"{source.path}: the tensors do not fit {plan.official_class} (family {family.name}): {error}")
 
 
-def _stored_dtype(written: LazyTensors) -> torch.dtype:
-    return next((written.info(key).dtype for key in written if written.info(key).dtype.is_floating_point), torch.float32)
-
-
 def _write_card(family: Family, source: Source, plan: Plan, tmp: Path, dst: Path, parity, batch, base_model) -> None:
     auto_class, pipeline_tag = family.classes[plan.our_class]
     notes = " ".join(plan.notes)
@@ -360,7 +356,7 @@ def convert_back(family: Family, src: str | os.PathLike, dst: str | os.PathLike,
     config, our_class = load_hf_tiny_config(src, config_class, supported=family.classes, default=family.default_class)
     with atomic_output_dir(dst, force=force, src=src) as tmp:
         state = with_tied_copies(open_checkpoint(src), family.hf_tiny_class(our_class), config)
-        dtype = _stored_dtype(state)
+        dtype = first_floating({key: state.info(key) for key in state})
         plan = family.reverse(config, our_class, src)
         official = plan.key_map.lazy_view(state, num_layers=plan.num_layers, forward=False)
         official = family.finish_official_state(official, config, plan)
