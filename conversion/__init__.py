@@ -22,38 +22,31 @@ weights at a time, so peak memory is a few tensors, not the checkpoint. The modu
     causal.py        what the causal families share (classes, GGUF sources); llama_configs.py, meta_llama.py
 """
 
-from .cards import render_model_card, write_model_card
-from .errors import ConversionError
-from .gguf_files import gguf_architecture, load_gguf
-from .keymap import KeyMap, Rule, Transform, check_shapes, expected_shapes, layer_rules
-from .parity import max_abs_diff
-from .readers import load_checkpoint, load_config_json, require_model_type
-from .registry import FAMILIES, detect_family, family_for
-from .tensors import cast_floating, parse_dtype
-from .writer import atomic_output_dir, copy_tokenizer_files, save_state_dict_safetensors
+import importlib
 
-__all__ = [
-    "FAMILIES",
-    "ConversionError",
-    "KeyMap",
-    "Rule",
-    "Transform",
-    "atomic_output_dir",
-    "cast_floating",
-    "check_shapes",
-    "copy_tokenizer_files",
-    "detect_family",
-    "expected_shapes",
-    "family_for",
-    "gguf_architecture",
-    "layer_rules",
-    "load_checkpoint",
-    "load_config_json",
-    "load_gguf",
-    "max_abs_diff",
-    "parse_dtype",
-    "render_model_card",
-    "require_model_type",
-    "save_state_dict_safetensors",
-    "write_model_card",
-]
+# What `from conversion import NAME` gives, and the module defining it. Imported when first asked for, so that
+# `python -m conversion` reaches its own signal handling before torch and transformers load (a Ctrl-C while they
+# load is then one line, not a traceback).
+_EXPORTS = {
+    "render_model_card": "cards", "write_model_card": "cards",
+    "ConversionError": "errors",
+    "gguf_architecture": "gguf_files", "load_gguf": "gguf_files",
+    "KeyMap": "keymap", "Rule": "keymap", "Transform": "keymap", "check_shapes": "keymap",
+    "expected_shapes": "keymap", "layer_rules": "keymap",
+    "max_abs_diff": "parity",
+    "load_checkpoint": "readers", "load_config_json": "readers", "require_model_type": "readers",
+    "FAMILIES": "registry", "detect_family": "registry", "family_for": "registry",
+    "cast_floating": "tensors", "parse_dtype": "tensors",
+    "atomic_output_dir": "writer", "copy_tokenizer_files": "writer", "save_state_dict_safetensors": "writer",
+}
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = sorted(_EXPORTS)

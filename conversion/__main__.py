@@ -5,24 +5,48 @@ Without FAMILY the family is detected from SRC (config.json's model_type, the GG
 with --reverse the hf_tiny model_type) and named on stderr.
 --reverse: an hf_tiny checkpoint -> the official format (not every family has one).
 A failure prints one line `error: ...` on stderr and exits with 1 (2 for usage errors); --debug shows the
-traceback instead.
+traceback instead. Ctrl-C (SIGINT) or SIGTERM, at any moment, stops the run with one line and exit status 130 or
+143; the destination is left as it was and the temporary folder is removed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
+import signal
 import sys
+import threading
 
 from .registry import FAMILIES, detect_family, family_module
 
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
 
 
 class UsageError(Exception):
     """Bad command line: exit code 2."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is, so that it is handled the same way."""
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts():
+    """While open, SIGTERM raises Terminated (in the main thread; elsewhere signals cannot be handled)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminate(_signum, _frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -137,26 +161,28 @@ def _one_line(error: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = "--debug" in argv
-    try:
-        args = build_parser().parse_args(argv)
-        resolve_paths(args)
-        result = run(args)
-    except UsageError as error:
-        if debug:
-            raise
-        print(f"error: {_one_line(error)}", file=sys.stderr)
-        return EXIT_USAGE
-    except KeyboardInterrupt:
-        if debug:
-            raise
-        print("error: interrupted; the destination was left as it was", file=sys.stderr)
-        return EXIT_INTERRUPTED
-    except Exception as error:
-        if debug:
-            raise
-        hint = "" if _is_expected(error) else " (run with --debug for the traceback)"
-        print(f"error: {_one_line(error)}{hint}", file=sys.stderr)
-        return EXIT_FAILURE
+    with _sigterm_interrupts():
+        try:
+            args = build_parser().parse_args(argv)
+            resolve_paths(args)
+            result = run(args)
+        except UsageError as error:
+            if debug:
+                raise
+            print(f"error: {_one_line(error)}", file=sys.stderr)
+            return EXIT_USAGE
+        except KeyboardInterrupt as error:
+            if debug:
+                raise
+            signum = signal.SIGTERM if isinstance(error, Terminated) else signal.SIGINT
+            print(f"error: interrupted ({signum.name}); the destination was left as it was", file=sys.stderr)
+            return 128 + signum
+        except Exception as error:
+            if debug:
+                raise
+            hint = "" if _is_expected(error) else " (run with --debug for the traceback)"
+            print(f"error: {_one_line(error)}{hint}", file=sys.stderr)
+            return EXIT_FAILURE
     print(summary(args, result))
     return 0
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import signal
 import threading
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -378,6 +379,10 @@ def paced(model: nn.Module, gate) -> Iterator[None]:
             handle.remove()
 
 
+class RunsStopped(Exception):
+    """Raised in a parity run at its next layer once the runs were told to stop (the waiting thread was interrupted)."""
+
+
 class _Lockstep:
     """Runs that start their n-th layer only once every other unfinished run has started its (n-1)-th: no run is
     more than a layer ahead, so what one reads from the disk the others find in the page cache."""
@@ -385,15 +390,18 @@ class _Lockstep:
     def __init__(self, runs: int, progress=None):
         self.started = [0] * runs
         self.finished = [False] * runs
+        self.stopping = False
         self.condition = threading.Condition()
         self.progress, self.reported = progress, 0  # progress.update(n): layers every run has started
 
     def gate(self, run: int):
         def wait() -> None:
             with self.condition:
-                self.condition.wait_for(lambda: all(
+                self.condition.wait_for(lambda: self.stopping or all(
                     self.finished[other] or self.started[other] >= self.started[run]
                     for other in range(len(self.started)) if other != run))
+                if self.stopping:
+                    raise RunsStopped("the parity runs were stopped")
                 self.started[run] += 1
                 self.condition.notify_all()
                 if self.progress is not None and min(self.started) > self.reported:
@@ -407,11 +415,28 @@ class _Lockstep:
             self.finished[run] = True
             self.condition.notify_all()
 
+    def stop(self) -> None:
+        """Every run raises RunsStopped as it starts its next layer."""
+        with self.condition:
+            self.stopping = True
+            self.condition.notify_all()
+
+    def wait_until_finished(self) -> None:
+        with self.condition:
+            self.condition.wait_for(lambda: all(self.finished))
+
 
 def run_in_lockstep(jobs, progress=None) -> list:
     """Each job(gate) in its own thread, paced by one _Lockstep; their results (or the exception each raised), in
     order. The outputs equal those of one run after the other: each run is its own model and its own tensors.
-    progress (a tqdm bar): advanced as every run has started one more layer."""
+    progress (a tqdm bar): advanced as every run has started one more layer.
+
+    Interrupted while it waits (Ctrl-C's KeyboardInterrupt, or what a SIGTERM handler raises), it stops the runs at
+    their next layer and waits for them before the exception goes on: no run is left computing while the
+    interpreter shuts down (a thread still inside torch's C++ code then is killed with an unwind that C++ turns
+    into abort(), "terminate called without an active exception"). It waits on its own condition, not with
+    Thread.join: CPython 3.11's join, interrupted, marks the thread as finished while it still runs, so that the
+    interpreter's exit no longer waits for it."""
     lockstep, results = _Lockstep(len(jobs), progress), [None] * len(jobs)
 
     def work(index: int) -> None:
@@ -423,11 +448,33 @@ def run_in_lockstep(jobs, progress=None) -> list:
             lockstep.finish(index)
 
     threads = [threading.Thread(target=work, args=(index,), name=f"parity-run-{index}") for index in range(len(jobs))]
+    with _signals_held():  # a signal while a thread starts would leave it running, unknown to the wait below
+        for thread in threads:
+            thread.start()
+    try:
+        lockstep.wait_until_finished()
+    except BaseException:
+        lockstep.stop()
+        with _signals_held():  # a second Ctrl-C waits for the runs too; it is handled once they are done
+            lockstep.wait_until_finished()
+        raise
     for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+        thread.join()  # finished: returns at once
     return results
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM held pending (in this thread, and in threads it starts) while open; delivered after."""
+    held = {signal.SIGINT, signal.SIGTERM}
+    if not hasattr(signal, "pthread_sigmask"):  # not POSIX: nothing to hold
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def can_stream(spec: Streamed, *, base_prefix: str = "") -> str | None:
