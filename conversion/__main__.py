@@ -17,6 +17,7 @@ import inspect
 import signal
 import sys
 import threading
+from pathlib import Path
 
 from .registry import FAMILIES, detect_family, family_module
 
@@ -143,10 +144,20 @@ def summary(args: argparse.Namespace, result) -> str:
         sizes.append(f"{len(result['files'])} weights file(s)")
     rows = result.get("parity") or []
     if rows:
-        worst = max(rows, key=lambda row: row["max_abs_diff"] / max(row["tolerance"], 1e-30))
-        sizes.append(f"parity passed: {len(rows)} run(s), largest max |diff| {worst['max_abs_diff']:.3g} "
-                     f"({worst['backend']}, {worst['dtype']}; tolerance {worst['tolerance']:.3g}; see README.md)")
+        sizes.append(_parity_verdict(rows, result.get("card")))
     return done + (f" ({'; '.join(sizes)})" if sizes else "")
+
+
+def _parity_verdict(rows: list[dict], card) -> str:
+    """What the card's parity table says, in one phrase: passed, or how many runs are over tolerance (a lossy
+    --dtype's rows are not failed; the card marks them "NO")."""
+    from .cards import within_tolerance
+
+    worst = max(rows, key=lambda row: row["max_abs_diff"] / max(row["tolerance"], 1e-30))
+    over = sum(not within_tolerance(row) for row in rows)
+    verdict = f"parity: {over} of {len(rows)} runs over tolerance" if over else f"parity passed: {len(rows)} run(s)"
+    return (f"{verdict}, largest max |diff| {worst['max_abs_diff']:.3g} ({worst['backend']}, {worst['dtype']}; "
+            f"tolerance {worst['tolerance']:.3g}; see {Path(card).name if card else 'the model card'})")
 
 
 def _one_line(error: BaseException) -> str:

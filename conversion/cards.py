@@ -34,6 +34,11 @@ def _format_number(value) -> str:
     return str(value)
 
 
+def within_tolerance(row: Mapping) -> bool:
+    """A parity row's verdict (the card's "within tolerance" column): max_abs_diff <= tolerance (NaN is not)."""
+    return float(row["max_abs_diff"]) <= float(row["tolerance"])
+
+
 def _parity_table(rows) -> str:
     if not rows:
         raise ValueError("model card field 'parity_rows' must hold at least one measured row")
@@ -43,7 +48,7 @@ def _parity_table(rows) -> str:
             row = dict(zip(PARITY_COLUMNS, row, strict=True))
         if not isinstance(row, Mapping) or any(column not in row for column in PARITY_COLUMNS):
             raise ValueError(f"parity_rows[{number}] must give {', '.join(PARITY_COLUMNS)}; got {rows[number]!r}")
-        within = "yes" if float(row["max_abs_diff"]) <= float(row["tolerance"]) else "NO"
+        within = "yes" if within_tolerance(row) else "NO"
         cells = [_format_number(row[column]) for column in PARITY_COLUMNS] + [within]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -228,7 +228,8 @@ def convert(family: Family, src: str | os.PathLike, dst: str | os.PathLike, *, f
     reference_model: the official model already loaded from the same source (saves loading it again).
     max_shard_size: as save_pretrained's (default 50GB). Returns {"dst", "family", "source_kind",
     "architecture" (the official class), "hf_tiny_class", "config", "parity" (rows measured now),
-    "parity_layers" (per run, each layer's max difference), "parity_inputs", "files", "bytes"}.
+    "parity_layers" (per run, each layer's max difference), "parity_inputs", "card" (the model card's path),
+    "files", "bytes"}.
     """
     if family.modality not in MODALITIES:
         raise ValueError(f"family {family.name!r}: modality must be one of {MODALITIES}, got {family.modality!r}")
@@ -253,14 +254,15 @@ def convert(family: Family, src: str | os.PathLike, dst: str | os.PathLike, *, f
                 write.abort()
                 raise
             stages.next()
-            _write_card(family, source, plan, tmp, dst, parity, batch, base_model)
+            card = _write_card(family, source, plan, tmp, dst, parity, batch, base_model)
             stages.next()
             fail_on_parity(parity.rows, plan.official_class, written)
     finally:
         stages.close()
     return {"dst": dst, "family": family.name, "source_kind": source.kind, "architecture": plan.official_class,
             "hf_tiny_class": plan.our_class, "config": plan.config, "parity": parity.rows,
-            "parity_layers": parity.layers, "parity_inputs": batch.description, "bytes": written.nbytes,
+            "parity_layers": parity.layers, "parity_inputs": batch.description, "card": dst / card.name,
+            "bytes": written.nbytes,
             "files": sorted(path.name for path in dst.glob("*.safetensors"))}
 
 
@@ -319,10 +321,10 @@ def _not_fitting(family: Family, source: Source, plan: Plan, error: ConversionEr
     return ConversionError(f"{source.path}: the tensors do not fit {plan.official_class} (family {family.name}): {error}")
 
 
-def _write_card(family: Family, source: Source, plan: Plan, tmp: Path, dst: Path, parity, batch, base_model) -> None:
+def _write_card(family: Family, source: Source, plan: Plan, tmp: Path, dst: Path, parity, batch, base_model) -> Path:
     auto_class, pipeline_tag = family.classes[plan.our_class]
     notes = " ".join(plan.notes)
-    write_model_card(
+    return write_model_card(
         tmp, model_name=dst.name, license=source_license(source.folder), model_id=str(dst),
         base_model=base_model or source.raw_config.get("_name_or_path") or source.path.resolve().name,
         pipeline_tag=pipeline_tag, family=family.card_family, auto_class=auto_class,
