@@ -3,7 +3,7 @@
     python -m benchmarks.vllm_rows [--prompts 8] [--new-tokens 64] [--repeats 3]
 
 Both folders hold the same weights (the SmolLM2 GGUF dequantized to fp32, and its hf_tiny conversion). Each side
-runs examples/serve_vllm.py in the isolated vLLM venv (tests/vllm_env.py builds it once), one engine per side, and
+runs examples/serve_vllm.py in the isolated vLLM venv (tests/helpers/vllm_env.py builds it once), one engine per side, and
 reports output tokens/s of the best of --repeats batched generate calls (engine start excluded) and whether both
 sides produced the same tokens. Writes benchmarks/results/vllm-cpu-<date>.md and .json.
 """

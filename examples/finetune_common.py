@@ -2,8 +2,8 @@
 finetune_seq2seq.py): command-line flags, TrainingArguments, the real-weight locations, a word-level tokenizer for
 the --tiny runs, padding collators that insist on labels, and the save -> reload check.
 
-Each example exposes parse_args(argv), make_trainer(args) and main(argv); the tests (tests/test_trainer.py,
-tests/test_distributed.py) drive those same functions, so what they check is what a user runs.
+Each example exposes parse_args(argv), make_trainer(args) and main(argv); the tests (tests/ecosystem/test_trainer.py,
+tests/ecosystem/test_distributed.py) drive those same functions, so what they check is what a user runs.
 """
 
 from __future__ import annotations

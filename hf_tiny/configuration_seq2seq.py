@@ -91,7 +91,7 @@ class TinySeq2SeqConfig(PretrainedConfig):
     model_type = "hf_tiny_seq2seq"
     # FSDP2 units (DistributedConfig(fsdp_size=N)), paths relative to TinySeq2SeqModel: transformers' default plan
     # (embed_tokens, layers.*, norm) names nothing here. No tensor-parallel plan yet: the T5 relative position bias
-    # is computed for all heads at once, so it would need sharding by head too (see tests/test_distributed.py).
+    # is computed for all heads at once, so it would need sharding by head too (see tests/ecosystem/test_distributed.py).
     base_model_fsdp_plan = {"encoder.layers.*": "free_full_weight", "decoder.layers.*": "free_full_weight"}
     keys_to_ignore_at_inference = ["past_key_values", "cache"]
 

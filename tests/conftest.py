@@ -3,7 +3,6 @@ of single modules must collect even while a family is half-written)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -11,26 +10,22 @@ from pathlib import Path
 import pytest
 import torch
 
-# Without a GPU, our Triton kernel (tests/test_flash_triton.py) runs under Triton's interpreter, which must be on
+# Without a GPU, our Triton kernel (tests/models/test_flash_triton.py) runs under Triton's interpreter, which must be on
 # before triton is first imported (triton.language's own helpers are defined at that import).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The tests import the packages of the checkout they belong to. An editable install of another checkout (a second
 # worktree) must not fill in a module this one does not have: its import finder is dropped for the test process.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# Test files live in folders that mirror the package (models/, conversion/, runtime/, ecosystem/, project/) and are
+# imported by pytest with --import-mode=importlib (pyproject.toml), so they never go on sys.path themselves; what
+# they share lives in tests/helpers/ and is imported by module name (`from causal_helpers import ...`).
+TESTS = Path(__file__).resolve().parent
+sys.path[:0] = [str(TESTS.parent), str(TESTS / "helpers")]
 sys.meta_path[:] = [finder for finder in sys.meta_path if not getattr(finder, "__module__", "").startswith("__editable__")]
 
-SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-CUDA_SKIP_REASON = "needs a CUDA GPU; torch.cuda.is_available() is False on this machine"
-
-
-def cuda_only(test):
-    """Decorator (`from conftest import cuda_only`): marks a test or class `cuda`, skipped with a reason without
-    a GPU. A plain `@pytest.mark.cuda` is skipped the same way by pytest_collection_modifyitems below."""
-    test = pytest.mark.cuda(test)
-    return pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_SKIP_REASON)(test)
+from markers import CUDA_SKIP_REASON  # noqa: E402
+from weight_packages import SMOLLM2_GGUF_NAME, package_dir as _package_dir  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -40,14 +35,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("cuda") is not None:
             item.add_marker(skip)
-
-
-def _package_dir(package: str) -> Path | None:
-    """Folder of an installed data package, found without importing it."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(list(spec.submodule_search_locations)[0])
 
 
 @pytest.fixture(scope="session")
@@ -128,7 +115,7 @@ def static_flex_compilation():
 def tiny_layers_recomputed(monkeypatch):
     """On an accelerator the runtime recomputes training activations only in layers of at least
     runtime.MIN_RECOMPUTE_ELEMENTS hidden states; the suite's tiny models take that path as a real batch would on a
-    GPU too (tests/test_runtime.py checks the limit itself). Read from sys.modules so that this file still never
+    GPU too (tests/runtime/test_runtime.py checks the limit itself). Read from sys.modules so that this file still never
     imports hf_tiny."""
     runtime = sys.modules.get("hf_tiny.runtime")
     if runtime is not None:

@@ -1,0 +1,256 @@
+"""BART (and Marian, BART's layout with sinusoidal positions) -> hf_tiny through the production converter, then
+the same padded inputs through both: logits, greedy and beam search must match the official models."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForSeq2SeqLM, BartForConditionalGeneration, MarianConfig, MarianMTModel
+
+import hf_tiny  # noqa: F401  (registers the Auto classes)
+from conversion import ConversionError, bart
+from bart_models import randomize_norms, make_official_bart, padded_batch
+
+BACKENDS = ("eager", "sdpa")
+TOLERANCE = 1e-5  # fp32, tiny random models
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+
+def make_official_marian(path: Path, seed: int = 0, **overrides) -> Path:
+    torch.manual_seed(seed)
+    fields = dict(
+        vocab_size=64, d_model=16, encoder_layers=3, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=32, decoder_ffn_dim=32, max_position_embeddings=40, init_std=0.3,
+        dropout=0.0, pad_token_id=63, decoder_start_token_id=63, eos_token_id=0, forced_eos_token_id=0,
+        scale_embedding=True, activation_function="swish",
+    )
+    config = MarianConfig(**{**fields, **overrides})
+    model = MarianMTModel(config).eval()
+    randomize_norms(model)
+    model.save_pretrained(path)
+    return path
+
+
+def real_logit_diff(ours, official, batch) -> float:
+    """max |Δ logits| over real decoder positions (padded positions are never used)."""
+    with torch.no_grad():
+        a = ours(**batch, use_cache=False).logits
+        b = official(**batch, use_cache=False).logits
+    real = batch["decoder_attention_mask"].bool()
+    return float((a[real] - b[real]).abs().max())
+
+
+@pytest.fixture(scope="module")
+def bart_pair(tmp_path_factory):
+    src = make_official_bart(tmp_path_factory.mktemp("bart") / "official")
+    dst = tmp_path_factory.mktemp("bart_converted") / "hf_tiny"
+    result = bart.convert(src, dst)
+    return src, dst, result
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bart_logits_match_official_on_padded_batch(bart_pair, backend):
+    src, dst, _ = bart_pair
+    official = BartForConditionalGeneration.from_pretrained(src, attn_implementation=backend).eval()
+    ours = AutoModelForSeq2SeqLM.from_pretrained(dst, attn_implementation=backend).eval()
+    assert type(ours).__name__ == "TinySeq2SeqForConditionalGeneration"
+    batch = padded_batch(ours.config)
+    diff = real_logit_diff(ours, official, batch)
+    print(f"BART {backend}: max |Δ logits| = {diff:.3g}")
+    assert diff <= TOLERANCE, f"{backend}: max |Δ logits| = {diff}"
+    with torch.no_grad():
+        ours_enc = ours(**batch).encoder_last_hidden_state
+        official_enc = official(**batch).encoder_last_hidden_state
+    real = batch["attention_mask"].bool()
+    assert float((ours_enc[real] - official_enc[real]).abs().max()) <= TOLERANCE
+
+
+def test_bart_negative_controls_are_rejected(bart_pair):
+    """The same comparison must catch a wrong variant: it is not passing by smallness of the numbers."""
+    src, dst, _ = bart_pair
+    official = BartForConditionalGeneration.from_pretrained(src, attn_implementation="eager").eval()
+    batch = padded_batch(official.config)
+    for wrong in ({"scale_embedding": True}, {"attention_scale": 1.0}, {"norm_placement": "pre"}):
+        ours = AutoModelForSeq2SeqLM.from_pretrained(dst, attn_implementation="eager", **wrong).eval()
+        assert real_logit_diff(ours, official, batch) > 1e-2, wrong
+    ours = AutoModelForSeq2SeqLM.from_pretrained(dst, attn_implementation="eager").eval()
+    with torch.no_grad():
+        ours.final_logits_bias.zero_()  # a dropped bias
+    assert real_logit_diff(ours, official, batch) > 1e-2
+
+
+@pytest.mark.parametrize("num_beams", (1, 3))
+def test_bart_generate_matches_official(bart_pair, num_beams):
+    src, dst, _ = bart_pair
+    official = BartForConditionalGeneration.from_pretrained(src).eval()
+    ours = AutoModelForSeq2SeqLM.from_pretrained(dst).eval()
+    batch = padded_batch(ours.config)
+    kwargs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=10,
+                  num_beams=num_beams, do_sample=False)
+    expected = official.generate(**kwargs)
+    produced = ours.generate(**kwargs)
+    assert produced.tolist() == expected.tolist()
+    assert expected.shape[1] > 3  # something was generated
+
+
+def test_bart_reverse_is_bit_exact_and_loads_cleanly(bart_pair, tmp_path):
+    src, dst, _ = bart_pair
+    back = tmp_path / "back"
+    bart.convert_back(dst, back)
+    original, returned = load_file(src / "model.safetensors"), load_file(back / "model.safetensors")
+    assert sorted(original) == sorted(returned)
+    assert all(torch.equal(original[k], returned[k]) for k in original)
+    _, info = BartForConditionalGeneration.from_pretrained(back, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+
+
+@pytest.mark.parametrize("make", [make_official_bart, make_official_marian], ids=["bart", "marian"])
+def test_stacks_with_their_own_heads_and_ffn_sizes(make, tmp_path):
+    """decoder_attention_heads / decoder_ffn_dim that differ from the encoder's: parity with the official model on
+    every backend, generate identical, reverse bit-exact (a model with one head count for both stacks fails it)."""
+    overrides = dict(encoder_attention_heads=4, decoder_attention_heads=2, encoder_ffn_dim=24, decoder_ffn_dim=40)
+    src = make(tmp_path / "official", seed=5, **overrides)
+    result = bart.convert(src, tmp_path / "ours")
+    ours_config = result["config"]
+    assert (ours_config.num_attention_heads, ours_config.decoder_attention_heads) == (4, 2)
+    assert (ours_config.intermediate_size, ours_config.decoder_intermediate_size) == (24, 40)
+    official_class = type(AutoModelForSeq2SeqLM.from_pretrained(src))
+    official = official_class.from_pretrained(src, attn_implementation="eager").eval()
+    batch = padded_batch(official.config)
+    for backend in BACKENDS:
+        ours = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "ours", attn_implementation=backend).eval()
+        assert real_logit_diff(ours, official, batch) <= TOLERANCE, backend
+    assert ours.model.decoder.layers[0].self_attn.num_heads == 2 and ours.model.encoder.layers[0].self_attn.num_heads == 4
+    kwargs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=8, num_beams=2)
+    assert ours.generate(**kwargs).tolist() == official.generate(**kwargs).tolist()
+    # negative control: the decoder's heads regrouped as the encoder's (same weights, 4 heads of 4) is far off
+    same_heads = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "ours", decoder_attention_heads=4,
+                                                       decoder_head_dim=4, attn_implementation="eager").eval()
+    assert real_logit_diff(same_heads, official, batch) > 1e-2
+    bart.convert_back(tmp_path / "ours", tmp_path / "back")
+    original, returned = load_file(src / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
+    assert all(torch.equal(original[k], returned[k]) for k in original)
+    back = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (back["decoder_attention_heads"], back["decoder_ffn_dim"]) == (2, 40)
+
+
+def test_bart_folder_and_model_card(bart_pair):
+    _, dst, result = bart_pair
+    config = json.loads((dst / "config.json").read_text())
+    assert config["model_type"] == "hf_tiny_seq2seq"
+    assert config["auto_map"]["AutoModelForSeq2SeqLM"] == "modeling_seq2seq.TinySeq2SeqForConditionalGeneration"
+    assert (dst / "modeling_seq2seq.py").is_file() and (dst / "generation_config.json").is_file()
+    generation = json.loads((dst / "generation_config.json").read_text())
+    assert generation["forced_eos_token_id"] == 2 and generation["decoder_start_token_id"] == 2
+    card = (dst / "README.md").read_text()
+    assert "| eager | float32 | cpu |" in card and "| sdpa | float32 | cpu |" in card
+    assert all(row["max_abs_diff"] <= row["tolerance"] for row in result["parity"])
+
+
+def test_bart_untied_head_parity(tmp_path):
+    src = make_official_bart(tmp_path / "official", seed=3)
+    state = load_file(src / "model.safetensors")
+    # an untied head (e.g. after fine-tuning with tie_word_embeddings=False)
+    from safetensors.torch import save_file
+
+    state["lm_head.weight"] = torch.randn_like(state["model.shared.weight"])
+    save_file(state, src / "model.safetensors", metadata={"format": "pt"})
+    official = BartForConditionalGeneration.from_pretrained(src).eval()
+    assert not torch.equal(official.lm_head.weight, official.model.shared.weight)
+    bart.convert(src, tmp_path / "ours")
+    ours = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "ours").eval()
+    assert ours.config.tie_word_embeddings is False
+    assert real_logit_diff(ours, official, padded_batch(ours.config)) <= TOLERANCE
+
+
+def test_marian_sinusoidal_positions_match_official(tmp_path):
+    src = make_official_marian(tmp_path / "marian")
+    dst = tmp_path / "ours"
+    bart.convert(src, dst)
+    official = MarianMTModel.from_pretrained(src, attn_implementation="eager").eval()
+    ours = AutoModelForSeq2SeqLM.from_pretrained(dst, attn_implementation="eager").eval()
+    assert ours.config.position_embedding_type == "sinusoidal" and ours.config.num_decoder_layers == 2
+    batch = padded_batch(ours.config)
+    diff = real_logit_diff(ours, official, batch)
+    print(f"Marian eager: max |Δ logits| = {diff:.3g}")
+    assert diff <= TOLERANCE
+    kwargs = dict(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], max_new_tokens=8, do_sample=False)
+    assert ours.generate(**kwargs, num_beams=2).tolist() == official.generate(**kwargs, num_beams=2).tolist()
+    back = tmp_path / "back"
+    bart.convert_back(dst, back)
+    original, returned = load_file(src / "model.safetensors"), load_file(back / "model.safetensors")
+    assert sorted(original) == sorted(returned) and all(torch.equal(original[k], returned[k]) for k in original)
+
+
+def test_bart_failures_are_clear_and_leave_dst_untouched(bart_pair, tmp_path):
+    src, _, _ = bart_pair
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    with pytest.raises(ConversionError, match="already exists"):
+        bart.convert(src, existing)
+    assert sorted(p.name for p in existing.iterdir()) == ["keep.txt"]
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    config = json.loads((src / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps({**config, "decoder_ffn_dim": 48}))
+    (bad / "model.safetensors").write_bytes((src / "model.safetensors").read_bytes())
+    # a config that disagrees with its tensors: the shape check names the tensor and both shapes
+    with pytest.raises(ConversionError, match=r"wrong shapes: model\.decoder\.layers\.0\.mlp\.down_proj\.weight \(expected \(16, 48\), got \(16, 32\)\)"):
+        bart.convert(bad, tmp_path / "never")
+    assert not (tmp_path / "never").exists()
+
+    state = load_file(src / "model.safetensors")
+    state.pop("model.encoder.layers.1.fc2.weight")
+    from safetensors.torch import save_file
+
+    (bad / "config.json").write_text(json.dumps(config))
+    save_file(state, bad / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConversionError, match=r"model\.encoder\.layers\.1\.fc2\.weight"):
+        bart.convert(bad, tmp_path / "never")
+    assert not (tmp_path / "never").exists()
+    assert not any(p.name.startswith(".never") for p in tmp_path.iterdir())
+
+
+def test_bart_cli_both_directions(bart_pair, tmp_path, capsys):
+    """`python -m conversion bart SRC DST [--reverse]` (its main(), in-process): success lines, one-line errors."""
+    from conversion.__main__ import main
+
+    src, _, _ = bart_pair
+    assert main(["bart", str(src), str(tmp_path / "ours")]) == 0
+    assert main(["bart", str(tmp_path / "ours"), str(tmp_path / "back"), "--reverse"]) == 0
+    assert (tmp_path / "back" / "model.safetensors").is_file()
+    capsys.readouterr()
+    # an hf_tiny folder is not a BART checkpoint
+    assert main(["bart", str(tmp_path / "ours"), str(tmp_path / "again")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "model_type='hf_tiny_seq2seq'" in err and "Traceback" not in err
+    assert not (tmp_path / "again").exists()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2), (torch.float16, 1e-2)])
+@pytest.mark.parametrize("backend", ("eager", "sdpa", "flash_attention_2"))
+def test_bart_cuda_parity(bart_pair, backend, dtype, tolerance):
+    """On CUDA: ours in dtype with each backend vs the official fp32 model; tolerance relative to max |logits|.
+    flash_attention_2 runs in fp16/bf16 on CUDA: in fp32 a clear error."""
+    src, dst, _ = bart_pair
+    official = BartForConditionalGeneration.from_pretrained(src, attn_implementation="eager").eval().cuda()
+    ours = AutoModelForSeq2SeqLM.from_pretrained(dst, attn_implementation=backend, dtype=dtype).eval().cuda()
+    batch = {k: v.cuda() for k, v in padded_batch(ours.config).items()}
+    if backend == "flash_attention_2" and dtype == torch.float32:
+        with pytest.raises(ValueError, match="runs in float16 or bfloat16 on cuda"):
+            ours(**batch)
+        return
+    with torch.no_grad():
+        a = ours(**batch).logits.float()
+        b = official(**batch).logits
+    real = batch["decoder_attention_mask"].bool()
+    scale = max(1.0, float(b[real].abs().max()))
+    assert float((a[real] - b[real]).abs().max()) <= tolerance * scale

@@ -1,0 +1,125 @@
+"""GGUF files of every decoder architecture the causal family reads (llama, qwen2, qwen3, gemma3), F32 and in every
+quantization gguf-py can write, converted by `python -m conversion` (family detected from the GGUF header) and
+compared with the official `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` on the same file.
+
+The GGUFs are written from tiny random official models the way llama.cpp writes them (tests/helpers/gguf_writer.py). The
+K-quants (Q4_K, Q6_K), which gguf-py can read but not write, are covered by the real Gemma 3 GGUF
+(models/test_gemma3_270m.py: Q4_K, Q5_0, Q6_K and Q8_0 tensors).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_tiny  # noqa: F401
+from causal_helpers import left_padded_batch, max_diff, real_logits, tiny_official
+from conversion import ConversionError, detect_family, llama
+from conversion.__main__ import main
+from conversion.gguf_files import open_gguf
+from gguf_writer import write_gguf_from_official, write_stub_gguf
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+TOLERANCE = 1e-5
+# GGUF architecture -> (official model type, tiny config overrides). transformers' GGUF loader reads no head_dim for
+# qwen3 (Qwen3Config's default 128 applies) and no query_pre_attn_scalar or layer pattern for gemma3 (256 and 5
+# sliding : 1 global apply), so the tiny models use those values.
+ARCHITECTURES = {
+    "llama": ("llama", dict()),
+    "qwen2": ("qwen2", dict(tie_word_embeddings=True)),
+    "qwen3": ("qwen3", dict(head_dim=128)),
+    "gemma3": (
+        "gemma3_text",
+        dict(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=256, num_hidden_layers=7,
+             sliding_window=5),
+    ),
+}
+OFFICIAL_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                  "gemma3": "Gemma3ForCausalLM"}
+
+
+def official_from_gguf(path):
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("quantization", [None, "Q8_0"])
+@pytest.mark.parametrize("architecture", sorted(ARCHITECTURES))
+def test_gguf_of_each_architecture_converts_with_parity(architecture, quantization, tmp_path, capsys):
+    model_type, overrides = ARCHITECTURES[architecture]
+    path = write_gguf_from_official(tiny_official(model_type, **overrides), tmp_path / "model.gguf", architecture,
+                                    quantization=quantization)
+    assert detect_family(path) == ("llama", f"GGUF architecture {architecture!r}")
+    dst = tmp_path / "converted"
+    assert main([str(path), str(dst)]) == 0  # python -m conversion SRC DST
+    capsys.readouterr()
+    official = official_from_gguf(path)
+    assert type(official).__name__ == OFFICIAL_CLASS[architecture]
+    batch = left_padded_batch(official.config.vocab_size)
+    for backend in ("eager", "sdpa"):
+        official.set_attn_implementation(backend)
+        ours = AutoModelForCausalLM.from_pretrained(dst, attn_implementation=backend).eval()
+        expected = real_logits(official, batch)
+        assert expected.abs().max() > 1.0
+        diff = max_diff(real_logits(ours, batch), expected)
+        assert diff <= TOLERANCE, f"{architecture} {quantization} {backend}: {diff}"
+    settings = dict(attention_mask=batch["attention_mask"], max_new_tokens=8, do_sample=False, pad_token_id=0,
+                    eos_token_id=None)
+    assert torch.equal(ours.generate(batch["input_ids"], **settings), official.generate(batch["input_ids"], **settings))
+
+
+@pytest.mark.parametrize("quantization", ["F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+def test_every_writable_quantization_dequantizes_as_official(quantization, tmp_path):
+    path = write_gguf_from_official(tiny_official("qwen2", hidden_size=64, intermediate_size=64), tmp_path / "q.gguf",
+                                    "qwen2", quantization=quantization)
+    result = llama.convert(path, tmp_path / "converted")
+    assert all(row["max_abs_diff"] <= row["tolerance"] for row in result["parity"])
+    official = official_from_gguf(path)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "converted").eval()
+    for name, tensor in official.state_dict().items():
+        assert torch.equal(ours.state_dict()[name], tensor), f"{quantization}: {name}"
+    # negative control: the quantization really changed the weights (else this test could not fail)
+    reference = tiny_official("qwen2", hidden_size=64, intermediate_size=64)
+    changed = not torch.equal(reference.model.layers[0].mlp.up_proj.weight, ours.model.layers[0].mlp.up_proj.weight)
+    assert changed
+
+
+def test_gguf_of_an_unsupported_architecture_names_it_and_lists_the_supported(tmp_path):
+    path = write_stub_gguf(tmp_path / "bloom.gguf", "bloom")
+    with pytest.raises(ConversionError, match=r"no converter reads GGUF architecture 'bloom'; known: .*gemma3.*llama.*qwen2.*qwen3"):
+        detect_family(path)
+    with pytest.raises(ConversionError, match=r"architecture 'bloom', expected 'llama' or 'mistral' or 'qwen2' or 'qwen3' or 'gemma3'"):
+        llama.convert(path, tmp_path / "dst")
+    assert not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("architecture", ["llama", "gemma3"])  # transformers' q/k un-permutation, Gemma's norm offset
+def test_gguf_streams_one_tensor_at_a_time_on_both_sides(architecture, tmp_path, monkeypatch):
+    """Opening a GGUF dequantizes nothing; the official reference streams the dequantized tensors (the whole-model
+    loader, which would hold the file in float32, is not called); the converted model computes what transformers'
+    own GGUF loader gives."""
+    import gguf
+
+    model_type, overrides = ARCHITECTURES[architecture]
+    path = write_gguf_from_official(tiny_official(model_type, **overrides), tmp_path / "model.gguf", architecture,
+                                    quantization="Q8_0")
+    dequantize = gguf.dequantize
+    monkeypatch.setattr(gguf, "dequantize", _refused("dequantize while opening"))
+    _config, state = open_gguf(path, expected_architecture=architecture)
+    assert "model.embed_tokens.weight" in state
+    monkeypatch.setattr(gguf, "dequantize", dequantize)
+    monkeypatch.setattr(type(llama.FAMILY), "official_model", _refused("the whole official model"))
+    result = llama.convert(path, tmp_path / "converted")
+    assert all(row["max_abs_diff"] <= row["tolerance"] for row in result["parity"])
+    official = official_from_gguf(path)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "converted", attn_implementation="sdpa").eval()
+    batch = left_padded_batch(official.config.vocab_size)
+    assert max_diff(real_logits(ours, batch), real_logits(official, batch)) <= TOLERANCE
+
+
+def _refused(what: str):
+    def refused(*args, **kwargs):
+        raise AssertionError(f"{what} was called")
+
+    return refused

@@ -1,0 +1,77 @@
+"""The runtime's promise on any model (outputs and gradients bit-identical with the runtime on and off) and the aten
+operators a step runs."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+import hf_tiny
+from hf_tiny import runtime
+
+
+ROWS = 2 * 80  # more than runtime.MAX_FEW_ROWS, so the products are F.linear's
+
+
+class OpNames(TorchDispatchMode):
+    """The aten operators a call runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def ops_of(fn) -> list[str]:
+    with OpNames() as mode:
+        fn()
+    return mode.names
+
+
+def batch(model, seed: int = 1, size: int = 2, length: int = ROWS // 2) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 97, (size, length), generator=generator)
+    mask = torch.ones_like(ids)
+    mask[1, : length // 4] = 0
+    inputs = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    if isinstance(model, hf_tiny.TinyCausalForCausalLM):
+        inputs["attention_mask"] = mask.flip(-1).contiguous()  # left padding
+        inputs["labels"] = ids.masked_fill(inputs["attention_mask"] == 0, -100)
+    return inputs
+
+
+def logits(model, inputs) -> torch.Tensor:
+    inputs = {k: v for k, v in inputs.items() if k != "labels"}
+    if isinstance(model, hf_tiny.TinySeq2SeqForConditionalGeneration):
+        inputs["decoder_input_ids"] = inputs["input_ids"]
+    with torch.inference_mode():
+        return model(**inputs).logits
+
+
+def training_step(model, inputs, seed: int = 5) -> dict:
+    model.train()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)  # the same dropout masks for both runs
+    loss = model(**inputs).loss
+    loss.backward()
+    model.eval()
+    return {"loss": loss.detach(), **{n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
+
+
+def assert_bit_identical_on_and_off(model, *, runs_in_place: bool = True) -> None:
+    """Logits of a left-padded batch and a training step's loss and gradients are bit-identical with the runtime on
+    and off; runs_in_place: the in-place path really ran (an add_ on, none off)."""
+    inputs = batch(model)
+    on_ops = ops_of(lambda: logits(model, inputs))
+    on_logits, on_step = logits(model, inputs), training_step(model, inputs)
+    with runtime.disabled():
+        off_ops = ops_of(lambda: logits(model, inputs))
+        off_logits, off_step = logits(model, inputs), training_step(model, inputs)
+    assert torch.equal(on_logits, off_logits)
+    assert on_step.keys() == off_step.keys() and len(on_step) > 10
+    different = [name for name in on_step if not torch.equal(on_step[name], off_step[name])]
+    assert not different, different
+    if runs_in_place:
+        assert "add_" in on_ops and "add_" not in off_ops

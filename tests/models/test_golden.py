@@ -1,0 +1,73 @@
+"""The golden snapshots (tests/helpers/golden.py) of every family: written before the readability redesign, compared after
+every step of it. Outputs and gradients must be bit-identical; state-dict keys identical.
+
+On a CPU whose kernels differ from the one that wrote the files (another instruction set), bit-identity is not
+expected from any change: there the comparison falls back to 1e-5 relative and says so in its message.
+
+One deliberate change since the files were written: the runtime (runtime.py) recomputes a layer in backward by
+replaying its own forward, so a training step's loss and gradients now equal the keep-everything path bit for bit;
+the old recompute formed its own gradient products and differed from it in low bits (up to 2e-6). The default
+path's `train.loss` / `grad.*` are therefore compared with the stored `keep_all.*` values, which are plain
+autograd's (official transformers' path)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import golden
+
+CPU = torch.backends.cpu.get_cpu_capability()
+
+
+def stored(family: str) -> tuple[dict, dict]:
+    path = golden.GOLDEN_DIR / f"{family}.safetensors"
+    with safe_open(str(path), "pt") as handle:
+        return {key: handle.get_tensor(key) for key in handle.keys()}, handle.metadata()
+
+
+@pytest.mark.parametrize("family", golden.FAMILIES)
+def test_state_dict_keys_are_unchanged(family):
+    expected = json.loads((golden.GOLDEN_DIR / f"{family}.keys.json").read_text())
+    assert golden.state_dict_keys(family) == expected
+
+
+@pytest.mark.parametrize("family", golden.FAMILIES)
+def test_outputs_and_gradients_are_bit_identical(family):
+    expected, metadata = stored(family)
+    found = golden.snapshot(family)
+    assert sorted(found) == sorted(expected)
+    same_kernels = metadata.get("cpu_capability") == CPU
+    gradient_scale = max(want.abs().max() for key, want in expected.items() if key.startswith("keep_all.grad."))
+    different = []
+    for key, want in expected.items():
+        got = found[key]
+        if key == "train.loss" or key.startswith("grad."):
+            want = expected[f"keep_all.{key}"]
+        assert got.shape == want.shape and got.dtype == want.dtype, key
+        if same_kernels or not want.is_floating_point():
+            if not torch.equal(got, want):
+                different.append(f"{key}: max |diff| {(got.double() - want.double()).abs().max().item():.3g}")
+        else:
+            # A gradient that is zero in exact arithmetic (a key bias: softmax ignores a shift shared by a row's
+            # scores) holds only rounding noise, ~1e-8 here; it is measured against the largest gradient.
+            scale = want.abs().max().clamp(min=1e-30)
+            if "grad." in key:
+                scale = torch.maximum(scale, gradient_scale)
+            if (got - want).abs().max() > 1e-5 * scale:
+                different.append(f"{key}: relative {((got - want).abs().max() / scale).item():.3g}")
+    how = "bit-identical" if same_kernels else f"within 1e-5 relative (written on {metadata.get('cpu_capability')}, here {CPU})"
+    assert not different, f"{family}: not {how}: " + "; ".join(different[:8])
+
+
+def test_negative_control_a_changed_weight_is_seen():
+    model = golden.build("llama")
+    ids, mask = golden.LEFT_PADDED
+    with torch.no_grad():
+        before = model(ids, attention_mask=mask).logits
+        model.model.layers[1].mlp.down_proj.weight[0, 0] += 1e-3
+        after = model(ids, attention_mask=mask).logits
+    assert not torch.equal(before, after)

@@ -1,0 +1,507 @@
+"""The runtime (hf_tiny/runtime.py): the same math faster or leaner, switched as one.
+
+- On every family, outputs (inference at scale, in place) and a training step's loss and gradients (layers
+  recomputed in backward) are bit-identical with the runtime on and off, and the runtime really acted.
+- It stays off wherever something could tell: hooks, autograd (for the in-place path), PEFT, wrapped forwards.
+- Decoding's weight-first product for few fp32 rows: as close to the fp64 product as F.linear, taken exactly
+  where it should be, greedy tokens unchanged; the projections stay plain nn.Linear for the tools that replace them.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+import hf_tiny
+from causal_helpers import weight_first_model
+from hf_tiny import runtime
+from hf_tiny.transformers_api import enable_activation_checkpointing
+from runtime_checks import assert_bit_identical_on_and_off, batch, logits, ops_of, training_step
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+SIZES = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=128)
+CAUSAL_VARIANTS = {
+    "llama": dict(num_key_value_heads=2),
+    "gemma3": dict(hidden_act="gelu_pytorch_tanh", rms_norm_unit_offset=True, sandwich_norms=True, qk_norm=True,
+                   scale_embeddings=True, head_dim=8, query_pre_attn_scalar=8, sliding_window=16,
+                   layer_types=["sliding_attention", "full_attention"]),
+    "gpt2": dict(norm_type="layernorm", mlp_gated=False, hidden_act="gelu_new", mlp_bias=True, attention_bias=True,
+                 position_embedding_type="learned", hidden_dropout=0.1),
+    "mpt": dict(position_embedding_type="alibi", norm_type="layernorm", norm_bias=False, mlp_gated=False, hidden_act="gelu"),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, output_router_logits=True,
+                    shared_expert_intermediate_size=16),
+    "deepseek": dict(kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                     num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, router_scoring="sigmoid",
+                     first_k_dense_replace=1, num_nextn_predict_layers=1),
+}
+
+
+@pytest.fixture
+def small_tensors_in_place(monkeypatch):
+    """Tiny test models run in place as a large prefill does."""
+    monkeypatch.setattr(runtime, "MIN_ELEMENTS", 1)
+
+
+def causal_model(variant: str = "llama", seed: int = 0):
+    torch.manual_seed(seed)
+    config = hf_tiny.TinyCausalConfig(**SIZES, initializer_range=0.3, pad_token_id=0, **CAUSAL_VARIANTS[variant])
+    model = hf_tiny.TinyCausalForCausalLM(config)
+    with torch.no_grad():  # norms away from 1 / 0 so that a wrong norm gradient shows
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.add_(torch.randn_like(param) * 0.3)
+    return model.eval()
+
+
+def encoder_model(seed: int = 0):
+    torch.manual_seed(seed)
+    return hf_tiny.TinyEncoderForMaskedLM(hf_tiny.TinyEncoderConfig(**SIZES, hidden_dropout=0.1)).eval()
+
+
+def seq2seq_model(style: str = "bart", seed: int = 0):
+    torch.manual_seed(seed)
+    config = hf_tiny.TinySeq2SeqConfig.from_style(style, **SIZES, hidden_dropout=0.1,
+                                                  **({"pad_token_id": 0, "decoder_start_token_id": 0} if style == "t5" else {}))
+    return hf_tiny.TinySeq2SeqForConditionalGeneration(config).eval()
+
+
+FAMILIES = {
+    **{f"causal-{name}": (lambda name=name: causal_model(name)) for name in CAUSAL_VARIANTS},
+    "encoder": encoder_model,
+    "seq2seq-bart": seq2seq_model,
+    "seq2seq-t5": lambda: seq2seq_model("t5"),
+}
+
+
+# ---- bit for bit, every family -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_outputs_and_gradients_are_bit_identical_with_the_runtime_on_and_off(family, small_tensors_in_place):
+    # the layers of the other families run in place: check that it happened
+    assert_bit_identical_on_and_off(FAMILIES[family](), runs_in_place=not family.startswith("seq2seq"))
+
+
+def test_switching_a_model_off_restores_its_modeling_files_forwards():
+    model = causal_model()
+    assert runtime.is_enabled(model)
+    assert all(type(m) is nn.Linear for name, m in model.named_modules() if name.endswith("_proj"))
+    model.set_runtime(False)
+    assert not runtime.is_enabled(model)
+    assert not any("forward" in vars(module) for module in model.modules())
+    model.set_runtime(True)
+    assert runtime.is_enabled(model)
+
+
+def test_a_copied_model_runs_its_own_modules():
+    model = causal_model()
+    inputs = {k: v for k, v in batch(model).items() if k != "labels"}
+    clone = copy.deepcopy(model)
+    assert torch.equal(logits(clone, inputs), logits(model, inputs))
+    layer = clone.model.layers[0]
+    assert layer.forward.__self__ is layer  # bound to the copy, not to the original
+
+
+# ---- training memory: layers recomputed in backward ------------------------------------------------------------
+
+
+def backward_op_counts(model, names: tuple) -> dict:
+    """{"on" / "off": {operator: calls in one training backward}} with the runtime on and off."""
+    inputs = batch(model, length=12)
+    counts = {}
+    for name, context in (("on", runtime_on()), ("off", runtime.disabled())):
+        model.train()
+        with context:
+            ops = ops_of(model(**inputs).loss.backward)
+        counts[name] = {op: ops.count(op) for op in names}
+    return counts
+
+
+def test_backward_recomputes_only_elementwise_work():
+    """With the runtime the backward pass replays the layers: the norms and activations run again, while no matrix
+    product is recomputed (their outputs are kept)."""
+    counts = backward_op_counts(causal_model(), ("mm", "addmm", "bmm", "rsqrt", "silu"))
+    assert counts["on"]["rsqrt"] > counts["off"]["rsqrt"] and counts["on"]["silu"] > counts["off"]["silu"]
+    for product in ("mm", "addmm", "bmm"):
+        assert counts["on"][product] == counts["off"][product], counts
+
+
+def test_a_layer_with_dropout_recomputes_its_feed_forward_without_drawing_again():
+    """Replaying a layer with dropout would draw its masks again (bernoulli_ costs more than the rest on a CPU): the
+    layer keeps its activations, its feed-forward alone is replayed (the activation runs again, no mask is drawn)."""
+    counts = backward_op_counts(encoder_model(), ("bernoulli_", "gelu", "native_layer_norm", "mm", "addmm"))
+    assert counts["on"]["gelu"] == counts["off"]["gelu"] + 2, counts  # one replay per layer
+    for op in ("bernoulli_", "native_layer_norm", "mm", "addmm"):
+        assert counts["on"][op] == counts["off"][op], counts
+    assert counts["off"]["bernoulli_"] == 0 and counts["off"]["gelu"] == 0
+
+
+def test_negative_control_without_dropout_the_whole_layer_is_replayed():
+    model = encoder_model()
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+        elif isinstance(getattr(module, "dropout", None), float):  # the attention's rate
+            module.dropout = 0.0
+    inputs = batch(model, length=12)
+    model.train()
+    ops = ops_of(model(**inputs).loss.backward)
+    assert ops.count("native_layer_norm") >= 4  # both norms of both layers run again
+
+
+def test_on_an_accelerator_layers_below_the_size_limit_keep_their_activations(monkeypatch):
+    """Off the CPU, a layer under MIN_RECOMPUTE_ELEMENTS hidden states is not replayed (its kernels are too short for
+    the replay's per-operator cost); on the CPU every size is. Meta tensors stand in for an accelerator's."""
+    layer = causal_model().train().model.layers[0]
+    size = 2 * 12 * 32
+    monkeypatch.setattr(runtime, "MIN_RECOMPUTE_ELEMENTS", size + 1)
+    assert not runtime._recomputed(layer, torch.empty(2, 12, 32, device="meta"))
+    assert runtime._recomputed(layer, torch.empty(2, 12, 32))
+    monkeypatch.setattr(runtime, "MIN_RECOMPUTE_ELEMENTS", size)
+    assert runtime._recomputed(layer, torch.empty(2, 12, 32, device="meta"))
+
+
+def runtime_on():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def test_a_hook_inside_a_layer_runs_once_per_forward_in_training():
+    """Replaying a layer would run a hook inside it a second time: such layers keep their activations instead."""
+    model = causal_model().train()
+    calls = []
+    model.model.layers[0].post_attention_layernorm.register_forward_hook(lambda *args: calls.append(1))
+    model(**batch(model, length=12)).loss.backward()
+    assert calls == [1]
+
+
+def test_gradient_checkpointing_keeps_working_and_matches():
+    model = causal_model()
+    inputs = batch(model, length=12)
+    plain = training_step(model, inputs)
+    enable_activation_checkpointing(model, {"use_reentrant": False})
+    checkpointed = training_step(model, inputs)
+    assert all(torch.equal(plain[name], checkpointed[name]) for name in plain)
+
+
+def test_bf16_autocast_step_equals_the_runtime_off():
+    model = causal_model()
+    inputs = batch(model, length=12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        on = training_step(model, inputs)
+        with runtime.disabled():
+            off = training_step(model, inputs)
+    assert all(torch.equal(on[name], off[name]) for name in on)
+
+
+def test_lora_and_frozen_layers_train_the_same_with_the_runtime():
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], init_lora_weights=False)
+    model = get_peft_model(causal_model(), config)
+    inputs = batch(model.base_model.model, length=12)
+    on = training_step(model, inputs)
+    with runtime.disabled():
+        off = training_step(model, inputs)
+    assert len(on) > 4 and all(torch.equal(on[name], off[name]) for name in on)
+
+
+def test_a_given_cache_is_never_written_twice():
+    """A training forward that fills a cache is not replayed (a replay would append its keys again)."""
+    from transformers import DynamicCache
+
+    model = causal_model().train()
+    cache = DynamicCache(config=model.config)
+    inputs = batch(model, length=12)
+    model(**inputs, cache=cache, use_cache=True).loss.backward()
+    assert cache.get_seq_length() == 12
+
+
+def test_an_outer_saved_tensor_hook_still_gets_correct_gradients():
+    model = causal_model()
+    inputs = batch(model, length=12)
+    plain = training_step(model, inputs)
+    with torch.autograd.graph.save_on_cpu():
+        offloaded = training_step(model, inputs)
+    assert all(torch.equal(plain[name], offloaded[name]) for name in plain)
+
+
+# ---- inference in place: where it must stay off -----------------------------------------------------------------
+
+HOOKED = {
+    "gate projection output": ("mlp.gate_proj", "forward"),
+    "up projection output": ("mlp.up_proj", "forward"),
+    "down projection input": ("mlp.down_proj", "pre"),
+    "attention output projection": ("self_attn.o_proj", "forward"),
+    "feed-forward output": ("mlp", "forward"),
+    "attention output": ("self_attn", "forward"),
+}
+
+
+@pytest.mark.parametrize("what", sorted(HOOKED))
+def test_forward_hooks_see_their_tensors_unchanged(what, small_tensors_in_place):
+    """A hook that keeps what a module was handed or returned (recording activations, calibrating a quantizer)
+    keeps it as it was then: nothing it saw is overwritten later in the forward."""
+    model = causal_model()
+    name, kind = HOOKED[what]
+    kept = []
+
+    def keep(tensor):
+        tensor = tensor[0] if isinstance(tensor, tuple) else tensor
+        kept.append((tensor, tensor.clone()))
+
+    for layer in model.model.layers:
+        module = layer.get_submodule(name)
+        if kind == "pre":
+            module.register_forward_pre_hook(lambda module, args: keep(args))
+        else:
+            module.register_forward_hook(lambda module, args, output: keep(output))
+    logits(model, batch(model))
+    assert len(kept) == 2
+    for seen, copy_ in kept:
+        assert torch.equal(seen, copy_)
+
+
+def test_a_global_forward_hook_turns_it_off(small_tensors_in_place):
+    model = causal_model()
+    handle = nn.modules.module.register_module_forward_hook(lambda module, args, output: None)
+    try:
+        ops = ops_of(lambda: logits(model, batch(model)))
+    finally:
+        handle.remove()
+    assert "silu_" not in ops and "add_" not in ops
+
+
+def test_a_global_forward_pre_hook_still_sees_every_activation_module(small_tensors_in_place):
+    model = causal_model()
+    called = []
+    handle = nn.modules.module.register_module_forward_pre_hook(lambda module, args: called.append(module))
+    try:
+        logits(model, batch(model))
+    finally:
+        handle.remove()
+    assert all(any(module is layer.mlp.act_fn for module in called) for layer in model.model.layers)
+
+
+def test_nothing_is_overwritten_while_gradients_are_recorded(small_tensors_in_place):
+    model = causal_model()
+    ids = batch(model)["input_ids"]
+    ops = ops_of(lambda: model(input_ids=ids).logits)
+    assert "silu" in ops and "silu_" not in ops and "add_" not in ops
+
+
+def test_peft_wrapped_projections_are_left_alone(small_tensors_in_place):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, target_modules=["gate_proj", "up_proj", "down_proj", "o_proj"], init_lora_weights=False)
+    model = get_peft_model(causal_model(), config).eval()
+    inputs = batch(model.base_model.model)
+    on = logits(model, inputs)
+    ops = ops_of(lambda: logits(model, inputs))
+    with runtime.disabled():
+        assert torch.equal(on, logits(model, inputs))
+    assert "silu_" not in ops  # the gate projection is PEFT's module, not a plain nn.Linear
+
+
+def test_the_workspace_is_closed_after_the_forward_and_after_an_error(small_tensors_in_place, monkeypatch):
+    model = causal_model()
+    logits(model, batch(model))
+    assert runtime._workspace.get() is None
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(model.model.layers[1].mlp.down_proj, "forward", fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        logits(model, batch(model))
+    assert runtime._workspace.get() is None
+
+
+def test_decoding_steps_do_not_run_in_place():
+    """At the real threshold a decoding step (8 rows) never reaches the checks."""
+    model = causal_model()
+    ids = torch.randint(3, 97, (8, 1))
+    with torch.inference_mode():
+        ops = ops_of(lambda: model(input_ids=ids))
+    assert "silu_" not in ops and "add_" not in ops
+
+
+def test_a_projection_with_its_own_forward_is_called_not_bypassed(small_tensors_in_place):
+    """accelerate's offloading wraps a module's forward on the instance to bring its weights in first: the
+    workspace product must then go through the module."""
+    model = causal_model()
+    calls = []
+    for layer in model.model.layers:
+        projection = layer.mlp.up_proj
+        original = projection.forward
+
+        def wrapped(x, original=original):
+            calls.append(1)
+            return original(x)
+
+        projection.forward = wrapped
+    logits(model, batch(model))
+    assert len(calls) == 2
+
+
+def test_the_output_of_a_wrapped_projection_is_not_overwritten(small_tensors_in_place):
+    """A forward set on the instance may hand out a tensor it keeps (here: a cache of the last output)."""
+    model = causal_model()
+    kept = []
+    projection = model.model.layers[0].mlp.gate_proj
+    original = projection.forward
+
+    def caching(x):
+        out = original(x)
+        kept.append((out, out.clone()))
+        return out
+
+    projection.forward = caching
+    logits(model, batch(model))
+    (seen, copy_), = kept
+    assert torch.equal(seen, copy_)
+
+
+@pytest.mark.parametrize("name", ["silu", "swish", "gelu", "gelu_pytorch_tanh", "relu"])
+def test_in_place_activations_equal_the_module_bit_for_bit(name):
+    act = ACT2FN[name]
+    activate_ = runtime.in_place_activation(act)
+    assert activate_ is not None
+    x = torch.randn(64, 48, generator=torch.Generator().manual_seed(0)) * 4
+    assert torch.equal(activate_(x.clone()), act(x))
+
+
+def test_negative_control_a_wrong_in_place_activation_is_caught(small_tensors_in_place, monkeypatch):
+    model = causal_model()
+    inputs = batch(model)
+    want = logits(model, inputs)
+    monkeypatch.setattr(runtime, "in_place_activation", lambda act: (lambda t: torch.ops.aten.gelu_(t)))
+    assert not torch.equal(logits(model, inputs), want)
+
+
+@pytest.mark.parametrize("name", ["gelu_new", "gelu_python", "gelu_fast", "quick_gelu", "tanh", "sigmoid"])
+def test_activations_without_an_exact_in_place_form_are_not_overwritten(name):
+    assert runtime.in_place_activation(ACT2FN[name]) is None
+
+
+def test_a_hooked_or_patched_activation_is_called_as_a_module():
+    act = ACT2FN["silu"]
+    handle = act.register_forward_hook(lambda module, args, output: None)
+    assert runtime.in_place_activation(act) is None
+    handle.remove()
+    assert runtime.in_place_activation(act) is not None
+    patched = copy.deepcopy(act)
+    patched.forward = lambda x: x * 2  # e.g. a kernel swapped in on the instance
+    assert runtime.in_place_activation(patched) is None
+
+
+# ---- decoding's few rows --------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    calls = []
+    original = runtime.few_rows_linear
+
+    def counting(*args):
+        calls.append(args[-1])
+        return original(*args)
+
+    monkeypatch.setattr(runtime, "few_rows_linear", counting)
+    return calls
+
+
+def linear(in_features: int, out_features: int, bias: bool = True) -> nn.Linear:
+    layer = nn.Linear(in_features, out_features, bias=bias)
+    runtime.install_few_rows(layer)
+    return layer
+
+
+def _errors(layer: nn.Linear, x: torch.Tensor) -> tuple[float, float]:
+    """(this layer's max error, F.linear's max error), both against the fp64 product."""
+    exact = F.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
+    with torch.no_grad():
+        ours = layer(x).double()
+        official = F.linear(x, layer.weight, layer.bias).double()
+    return (ours - exact).abs().max().item(), (official - exact).abs().max().item()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(576,), (1, 576), (1, 1, 576), (2, 3, 576), (8, 1, 576), (runtime.MAX_FEW_ROWS, 576)])
+def test_few_rows_equal_the_fp64_product_as_closely_as_f_linear(shape, bias, spy, threads):
+    threads(2)
+    torch.manual_seed(0)
+    layer = linear(576, 1536, bias=bias)
+    x = torch.randn(*shape)
+    with torch.no_grad():
+        out = layer(x)
+    assert out.shape == (*shape[:-1], 1536) and out.is_contiguous()
+    assert spy, "the weight-first product was not used"
+    ours, official = _errors(layer, x)
+    assert ours <= 4 * official + 1e-6, (ours, official)
+
+
+def test_negative_control_a_misplaced_slice_is_caught():
+    torch.manual_seed(0)
+    weight, x = torch.randn(1536, 576), torch.randn(1, 576)
+    right = runtime.few_rows_linear(x, weight, None, 1)
+    wrong = torch.cat((right[..., 768:], right[..., :768]), dim=-1)
+    exact = F.linear(x.double(), weight.double())
+    assert (right.double() - exact).abs().max() < 1e-3 < (wrong.double() - exact).abs().max()
+
+
+def test_few_rows_are_taken_only_for_fp32_cpu_inference(spy, threads):
+    threads(2)
+    layer = linear(128, 1024)
+    x = torch.randn(4, 128)
+    layer(x)  # gradients recorded: training keeps F.linear, so gradients are official's
+    assert spy == []
+    with torch.no_grad():
+        layer(torch.randn(runtime.MAX_FEW_ROWS + 1, 128))  # compute-bound: F.linear
+        linear(576, 192)(torch.randn(32, 576))  # fewer than 8 outputs per row: F.linear
+        linear(96, 1024)(torch.randn(4, 96))  # a small weight: F.linear
+        layer.to(torch.bfloat16)(x.bfloat16())  # no gain in bf16
+        layer.float()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            layer(x)
+        with runtime.disabled():
+            layer(x)
+        assert spy == []
+        layer(x)
+        layer(torch.randn(128))
+    assert spy == [4, 1]
+
+
+def test_decoding_with_few_rows_gives_the_same_tokens(spy, threads):
+    threads(2)
+    model = weight_first_model()
+    ids = torch.randint(3, 512, (3, 5))
+    kwargs = dict(max_new_tokens=6, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        fast = model.generate(ids, **kwargs)
+        assert 3 in spy, "decoding steps did not take the weight-first product"
+        with runtime.disabled():
+            plain = model.generate(ids, **kwargs)
+    assert torch.equal(fast.sequences, plain.sequences)
+    for a, b in zip(fast.scores, plain.scores):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_projections_are_plain_linear_modules_for_quantizers_and_fx():
+    """bitsandbytes replaces modules whose type is exactly nn.Linear; an fx trace calls nn.Linear as a leaf."""
+    model = causal_model()
+    projections = [m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in ("q_proj", "o_proj", "up_proj", "lm_head")]
+    assert projections and all(type(m) is nn.Linear for m in projections)
+    layer = linear(576, 576)
+    traced = torch.fx.symbolic_trace(layer)
+    x = torch.randn(3, 576)
+    with torch.no_grad():
+        assert torch.equal(traced(x), F.linear(x, layer.weight, layer.bias))
