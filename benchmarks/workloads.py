@@ -84,10 +84,13 @@ def build_train_step(model, family: str, shape: Shape, device: torch.device, lr:
 
 
 def build_generate(
-    model, shape: Shape, device: torch.device, new_tokens: Optional[int] = None, static_cache: bool = False
+    model, shape: Shape, device: torch.device, new_tokens: Optional[int] = None, static_cache: bool = False,
+    compile_config=None,
 ) -> Callable:
     """Greedy generate() of exactly `new_tokens` tokens per sequence (min_new_tokens = max_new_tokens, so an
-    end-of-sequence token cannot stop one side early). static_cache: generate(cache_implementation="static")."""
+    end-of-sequence token cannot stop one side early). static_cache: generate(cache_implementation="static").
+    compile_config (a transformers CompileConfig, with static_cache): generate's own auto-compile of the decoding
+    step (captured_decoding_config), the prefill eager."""
     ids = random_ids(shape.batch, shape.seq, model.config.vocab_size, device)
     mask = torch.ones_like(ids)
     count = shape.new_tokens if new_tokens is None else new_tokens
@@ -95,6 +98,10 @@ def build_generate(
     if pad is None:
         pad = model.generation_config.eos_token_id
     extra = {"cache_implementation": "static"} if static_cache else {}
+    if compile_config is not None:
+        if not static_cache:
+            raise ValueError("compile_config needs static_cache=True: generate compiles only with a static cache")
+        extra["compile_config"] = compile_config
 
     @torch.inference_mode()
     def generate():
@@ -117,6 +124,40 @@ def compile_for_decoding(model, device: torch.device) -> None:
     mode = "reduce-overhead" if device.type == "cuda" else "default"
     model.forward = torch.compile(model.forward, mode=mode, dynamic=False)
     model.generation_config.disable_compile = True
+
+
+def captured_decoding_config(device: torch.device):
+    """The CompileConfig of captured decoding: transformers' default (inductor, mode "reduce-overhead", i.e. CUDA
+    graphs) on CUDA. Elsewhere generate does not auto-compile; there (the GPU check's dry run on a CPU) dynamo
+    traces the step with the eager backend, which checks the capture without minutes of C++ compilation."""
+    from transformers import CompileConfig
+
+    if device.type == "cuda":
+        return CompileConfig(mode="reduce-overhead")
+    config = CompileConfig(backend="eager")
+    config._compile_all_devices = True  # generate's own switch for compiling off CUDA
+    return config
+
+
+def apply_liger(model) -> dict:
+    """What TrainingArguments(use_liger_kernel=True) does to a model: transformers' own entry point
+    (integrations.liger.apply_liger_kernel, which calls Liger-Kernel's _apply_liger_kernel_to_instance; older
+    transformers call that directly). Returns {"modules_patched": how many modules, the model itself included,
+    have another class or forward after it}. Raises ImportError when liger_kernel is absent."""
+    import liger_kernel  # noqa: F401  (ImportError: the row says "not installed")
+
+    try:
+        from transformers.integrations.liger import apply_liger_kernel
+    except ImportError:
+        from liger_kernel.transformers import _apply_liger_kernel_to_instance
+
+        def apply_liger_kernel(model, config):
+            _apply_liger_kernel_to_instance(model=model, **config)
+
+    before = {name: (type(module), module.forward) for name, module in model.named_modules()}
+    apply_liger_kernel(model, {})
+    changed = [name for name, module in model.named_modules() if before.get(name) != (type(module), module.forward)]
+    return {"modules_patched": len(changed)}
 
 
 def build(case: str, model, family: str, shape: Shape, device: torch.device, prefill_extra: Optional[dict] = None):

@@ -1,0 +1,351 @@
+"""The GPU check's page: issue 42's targets beside their measured values (PASS / FAIL / not run), the rows side by
+side, decode against the measured HBM bandwidth, host work, the longest trainable sequence and the stages' times.
+Reads what benchmarks.gpu_check collected; measures nothing."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Optional
+
+from . import roofline
+from .models import LLAMA_1B_CONFIG, TINY_CONFIG
+from .workloads import Shape
+
+MIB = 1024 * 1024
+SIDES = ("official", "hf_tiny", "hf_tiny_off")
+SIDE_TITLES = {"official": "official", "hf_tiny": "hf_tiny", "hf_tiny_off": "hf_tiny, runtime off"}
+CONFIGS = {"llama1b": LLAMA_1B_CONFIG, "tiny": TINY_CONFIG}
+BANDWIDTH_SHARE = 0.40  # batch-1 captured decode, of the measured HBM read bandwidth
+TRAIN_TIME, TRAIN_MEMORY, LONGEST_FACTOR = 0.85, 0.60, 3.0
+
+
+def test_summary(log: Path) -> dict:
+    """{"log": name, "summary": pytest's last summary line} of one pytest log (or why there is none)."""
+    if not log.is_file():
+        return {"log": log.name, "summary": "no log (not run)"}
+    lines = [line.strip("= \n") for line in log.read_text(errors="replace").splitlines()]
+    found = [line for line in lines if re.search(r"\d+ (passed|failed|error|skipped)", line)]
+    return {"log": log.name, "summary": found[-1] if found else "no summary line (cut off?): " + " | ".join(lines[-2:])}
+
+
+def device_name(results: dict) -> str:
+    built = results["rows"].get("build", {}).get("both", {})
+    return built.get("device_name") or ("cpu" if results["meta"]["dry_run"] else "cuda")
+
+
+# ---- reading the rows --------------------------------------------------------------------------------------------
+
+def cell(results: dict, row: str, side: str) -> dict:
+    return results["rows"].get(row, {}).get(side, {"status": "not run"})
+
+
+def measured(entry: dict) -> bool:
+    return "seconds" in entry or "python_calls" in entry or "longest" in entry
+
+
+def status_of(entry: dict) -> str:
+    return entry.get("status", "no result")
+
+
+def speed(entry: dict) -> float:
+    """Work per second: tokens/s for decode, calls per second otherwise."""
+    return entry["tokens_per_s"] if "tokens_per_s" in entry else 1.0 / entry["seconds"]
+
+
+def ratio(results: dict, row: str, key, ours: str = "hf_tiny", theirs: str = "official") -> Optional[float]:
+    """key(hf_tiny's cell) / key(official's cell), None when either was not measured or the key is missing."""
+    a, b = cell(results, row, ours), cell(results, row, theirs)
+    if not (measured(a) and measured(b)):
+        return None
+    x, y = key(a), key(b)
+    return None if x is None or y is None or y == 0 else x / y
+
+
+def why_missing(results: dict, row: str, sides=("hf_tiny", "official")) -> str:
+    for side in sides:
+        entry = cell(results, row, side)
+        if not measured(entry):
+            return f"{SIDE_TITLES[side]}: {status_of(entry)}"
+    return "not measured"
+
+
+def extra_bytes(entry: dict) -> Optional[float]:
+    return entry.get("extra_bytes")
+
+
+def bandwidth(results: dict) -> Optional[float]:
+    """The best HBM read bandwidth measured (bytes/s) by any job's ceilings."""
+    found = [e["bandwidth"]["read_bytes_per_s"] for e in results["rows"].get("ceilings", {}).values() if "bandwidth" in e]
+    return max(found) if found else None
+
+
+def decode_bytes_per_s(results: dict, label: str, entry: dict) -> Optional[float]:
+    """Minimum bytes a generate reads (roofline.generate_bytes: weights every step + the K/V so far) per second."""
+    if "seconds" not in entry:
+        return None
+    plan = results["meta"]["plan"]
+    arch = roofline.Arch.from_config(SimpleNamespace(**CONFIGS[plan["model"]]), "causal")
+    shape = decode_shape(label)
+    per_value = 2 if plan["dtype"] in ("bfloat16", "float16") else 4
+    total = roofline.generate_bytes(arch, batch=shape.batch, prompt=shape.seq, new_tokens=shape.new_tokens,
+                                    bytes_per_value=per_value)
+    return total / entry["seconds"]
+
+
+def decode_shape(label: str) -> Shape:
+    """The Shape of a decode row's label ("decode 1x32 +128 new captured")."""
+    batch, seq, new = map(int, re.match(r"decode (\d+)x(\d+) \+(\d+) new", label).groups())
+    return Shape(batch, seq, new)
+
+
+# ---- the targets -------------------------------------------------------------------------------------------------
+
+def verdict(value: Optional[float], ok) -> str:
+    return "not run" if value is None else ("PASS" if ok(value) else "FAIL")
+
+
+def host_targets(results: dict) -> list:
+    rows = []
+    for label, title in (("host prefill", "prefill"), ("host decode step", "decode step")):
+        value = ratio(results, label, lambda e: e["python_calls"])
+        text = why_missing(results, label) if value is None else (
+            f"{cell(results, label, 'hf_tiny')['python_calls']:,.0f} / {cell(results, label, 'official')['python_calls']:,.0f}"
+            f" = {value:.2f}x")
+        rows.append((f"Host work: {title} Python calls <= 1.0x official's", text, verdict(value, lambda v: v <= 1.0)))
+    return rows
+
+
+def row_labels(results: dict) -> list[str]:
+    """The side-by-side rows of the run's plan, in the plan's order."""
+    plan = results["meta"]["plan"]
+    shapes = lambda key: [Shape(*s) for s in plan[key]]  # noqa: E731
+    train = Shape(*plan["train"]).label()
+    return ([f"prefill {s.label()}" for s in shapes("prefill")]
+            + [f"decode {s.label()} {mode}" for mode in ("eager", "captured") for s in shapes("decode")]
+            + [f"train {train}", f"train {train} liger", f"train {train} recompute"])
+
+
+def row_targets(results: dict) -> list:
+    """Every row (runtime on, Liger on both sides in the Liger row): >= 1.0x official's speed at <= 1.0x memory."""
+    rows = []
+    for label in row_labels(results):
+        if label.endswith("recompute"):
+            continue  # an opt-in switch, compared in the side-by-side table
+        faster = ratio(results, label, speed)
+        memory = ratio(results, label, extra_bytes)
+        if faster is None:
+            text, status = why_missing(results, label), "not run"
+        else:
+            memory_text = "memory not measured" if memory is None else f"memory {memory:.2f}x"
+            text = f"speed {faster:.2f}x, {memory_text}"
+            status = "PASS" if faster >= 1.0 and (memory is None or memory <= 1.0) else "FAIL"
+        rows.append((f"{label}: >= 1.0x official's speed at <= 1.0x its memory", text, status))
+    return rows
+
+
+def decode_targets(results: dict) -> list:
+    plan = results["meta"]["plan"]
+    label = f"decode {Shape(*plan['decode'][0]).label()} captured"
+    ours, read = cell(results, label, "hf_tiny"), bandwidth(results)
+    share = None if read is None or not measured(ours) else decode_bytes_per_s(results, label, ours) / read
+    text = why_missing(results, label, ("hf_tiny",)) if share is None else (
+        f"{decode_bytes_per_s(results, label, ours) / 1e9:,.1f} GB/s of {read / 1e9:,.0f} GB/s = {share:.0%}")
+    rows = [(f"Batch-1 captured decode >= {BANDWIDTH_SHARE:.0%} of the measured HBM read bandwidth", text,
+             verdict(share, lambda v: v >= BANDWIDTH_SHARE))]
+    official = cell(results, label, "official")
+    if measured(ours) and not measured(official):
+        rows.append(("Batch-1 captured decode >= official's (where official's runs)",
+                     f"official's did not run: {status_of(official)}", "PASS"))
+    else:
+        value = ratio(results, label, speed)
+        rows.append(("Batch-1 captured decode >= official's (where official's runs)",
+                     why_missing(results, label) if value is None else f"{value:.2f}x official's tokens/s",
+                     verdict(value, lambda v: v >= 1.0)))
+    return rows
+
+
+def train_targets(results: dict) -> list:
+    """4x2048: Liger on ours against none on official's (time, memory); Liger on both (time)."""
+    train = Shape(*results["meta"]["plan"]["train"]).label()
+    plain, liger = f"train {train}", f"train {train} liger"
+    ours = cell(results, liger, "hf_tiny")
+    rows = []
+    for title, key, bound in ((f"time <= {TRAIN_TIME}x", lambda e: e["seconds"], TRAIN_TIME),
+                              (f"peak memory <= {TRAIN_MEMORY}x", extra_bytes, TRAIN_MEMORY)):
+        name = f"Training {train}: {title} official's, Liger on ours, none on official's"
+        if not measured(ours) or not measured(cell(results, plain, "official")):
+            fallback = _ratio_between(results, plain, plain, key)
+            note = "" if fallback is None else f"; without Liger on either side: {fallback:.2f}x"
+            rows.append((name, why_missing(results, liger, ("hf_tiny",)) if not measured(ours)
+                         else why_missing(results, plain, ("official",)) + note, "not run"))
+            continue
+        value = _ratio_between(results, liger, plain, key)
+        rows.append((name, "memory not measured" if value is None else f"{value:.2f}x", verdict(value, lambda v: v <= bound)))
+    value = ratio(results, liger, lambda e: e["seconds"])
+    rows.append((f"Training {train}, Liger on both sides: no slower than official",
+                 why_missing(results, liger) if value is None else f"{value:.2f}x official's time",
+                 verdict(value, lambda v: v <= 1.0)))
+    return rows
+
+
+def _ratio_between(results: dict, our_row: str, their_row: str, key) -> Optional[float]:
+    a, b = cell(results, our_row, "hf_tiny"), cell(results, their_row, "official")
+    if not (measured(a) and measured(b)) or key(a) is None or key(b) in (None, 0):
+        return None
+    return key(a) / key(b)
+
+
+def longest_target(results: dict) -> tuple:
+    name = f"Longest trainable sequence at batch 1 >= {LONGEST_FACTOR:.0f}x official's"
+    ours, theirs = cell(results, "longest batch 1", "hf_tiny"), cell(results, "longest batch 1", "official")
+    if not (measured(ours) and measured(theirs)) or not theirs["longest"]:
+        return name, why_missing(results, "longest batch 1"), "not run"
+    value = ours["longest"] / theirs["longest"]
+    text = (f"{ours['longest']:,} / {theirs['longest']:,} tokens = {value:.2f}x (hf_tiny: {ours['stopped']}; "
+            f"official: {theirs['stopped']})")
+    if not theirs["stopped"].startswith("fails at"):
+        return name, text + " — official's search did not reach its limit", "not run"
+    if value < LONGEST_FACTOR and not ours["stopped"].startswith("fails at"):
+        return name, text + " — hf_tiny's search did not reach its limit", "not run"
+    return name, text, verdict(value, lambda v: v >= LONGEST_FACTOR)
+
+
+def targets(results: dict) -> list:
+    """[(target, measured, PASS | FAIL | not run)] for every GPU target of issue 42."""
+    return [*host_targets(results), *row_targets(results), *decode_targets(results), *train_targets(results),
+            longest_target(results)]
+
+
+# ---- the page ----------------------------------------------------------------------------------------------------
+
+def render_markdown(results: dict) -> str:
+    meta = results["meta"]
+    title = f"# GPU check — {device_name(results)} — {meta['date']}" + (" (dry run on the CPU)" if meta["dry_run"] else "")
+    if not meta.get("complete", True):
+        title += " — partial: written after a stage, the run did not finish"
+    lines = [title,
+             "", *header_lines(results), "", "## Targets (issue 42)", "", "| target | measured | status |", "|---|---|---|"]
+    lines += [f"| {name} | {text} | **{status}** |" for name, text, status in targets(results)]
+    lines += ["", *side_by_side_lines(results), "", *decode_lines(results), "", *host_lines(results), "",
+              *longest_lines(results), "", *stage_lines(results)]
+    return "\n".join(lines) + "\n"
+
+
+def header_lines(results: dict) -> list[str]:
+    meta = results["meta"]
+    plan, versions = meta["plan"], meta["versions"]
+    lines = [
+        f"- device: {device_name(results)}; {meta['cores']} CPU cores; Python {meta['python']}; "
+        + ", ".join(f"{name} {version}" for name, version in versions.items()),
+        f"- hf_tiny commit {meta['git']}; command: `{meta['command']}`; budget {meta['budget_s']:.0f} s, "
+        f"used {meta.get('elapsed_s', 0):.0f} s",
+        f"- model: `{plan['model']}` (random weights, both sides the same tensors: hf_tiny's written from official's "
+        f"by the production converter); {plan['dtype']}; attention `sdpa` on both sides; {plan['repeats']} timed "
+        f"calls after {plan['warmup']} warm-up, median (eager decode: {plan['decode_repeats']} after a 4-token "
+        "generate; captured decode: the warm-up call compiles and records)",
+        "- memory: torch.cuda.max_memory_allocated over the warm-up and timed calls; ratios use the peak above the "
+        "memory allocated before them (the loaded model and inputs); a training step's includes AdamW's state",
+    ]
+    if meta.get("device_text"):
+        lines.append("- device file: " + " / ".join(meta["device_text"].splitlines()))
+    for test in meta.get("tests", []):
+        lines.append(f"- tests `{test['log']}`: {test['summary']}")
+    return lines
+
+
+def value_text(label: str, entry: dict) -> str:
+    if "seconds" not in entry:
+        return status_of(entry)
+    speed_text = f"{entry['tokens_per_s']:,.1f} tok/s" if "tokens_per_s" in entry else f"{entry['seconds'] * 1e3:,.1f} ms"
+    spread = f" [{min(entry['samples']) * 1e3:,.0f}–{max(entry['samples']) * 1e3:,.0f} ms]" if len(entry["samples"]) > 1 else ""
+    memory = "" if entry.get("extra_bytes") is None else (
+        f"; {entry['extra_bytes'] / MIB:,.0f} MiB above the model ({entry['peak_bytes'] / MIB:,.0f} MiB peak)")
+    return speed_text + spread + memory
+
+
+def side_by_side_lines(results: dict) -> list[str]:
+    lines = ["## Side by side", "",
+             "| row | official | hf_tiny | hf_tiny, runtime off | hf_tiny speed / official | memory / official | runtime off speed / official |",
+             "|---|---|---|---|---|---|---|"]
+    for label in row_labels(results):
+        cells = [value_text(label, cell(results, label, side)) for side in SIDES]
+        faster, memory = ratio(results, label, speed), ratio(results, label, extra_bytes)
+        off = ratio(results, label, speed, ours="hf_tiny_off")
+        lines.append(f"| {label} | " + " | ".join(cells) + " | " + " | ".join(
+            "—" if v is None else f"{v:.2f}x" for v in (faster, memory, off)) + " |")
+    liger = [(side, cell(results, row, side)) for row in row_labels(results) if row.endswith("liger") for side in SIDES]
+    notes = [f"{SIDE_TITLES[side]} {e['modules_patched']}" for side, e in liger if "modules_patched" in e]
+    if notes:
+        lines += ["", "Liger, applied by transformers' `use_liger_kernel` entry point: modules (the model itself "
+                  "included) with another class or forward afterwards: " + ", ".join(notes) + "."]
+    return lines
+
+
+def decode_lines(results: dict) -> list[str]:
+    read = bandwidth(results)
+    lines = ["## Decode against the measured HBM read bandwidth", "",
+             f"Read bandwidth (roofline.memory_bandwidth, best of the jobs): "
+             f"{'not measured' if read is None else f'{read / 1e9:,.0f} GB/s'}. Bytes: every weight matrix once per "
+             "step plus the K/V cache so far (roofline.generate_bytes).", "",
+             "| row | side | tokens/s | GB/s | of read bandwidth | graphs compiled | greedy tokens = official's |",
+             "|---|---|---|---|---|---|---|"]
+    for label in [r for r in row_labels(results) if r.startswith("decode")]:
+        reference = cell(results, label, "official").get("tokens")
+        for side in SIDES:
+            entry = cell(results, label, side)
+            if "tokens_per_s" not in entry:
+                continue
+            rate = decode_bytes_per_s(results, label, entry)
+            share = "—" if read is None else f"{rate / read:.1%}"
+            same = "—" if reference is None or side == "official" else f"{agreement(entry['tokens'], reference):.0%}"
+            lines.append(f"| {label} | {SIDE_TITLES[side]} | {entry['tokens_per_s']:,.1f} | {rate / 1e9:,.1f} | {share} | "
+                         f"{entry.get('graphs_compiled', '—')} | {same} |")
+    return lines
+
+
+def agreement(tokens: list, reference: list) -> float:
+    pairs = [(a, b) for row, ref in zip(tokens, reference) for a, b in zip(row, ref)]
+    return sum(a == b for a, b in pairs) / max(len(pairs), 1)
+
+
+def host_lines(results: dict) -> list[str]:
+    """Python calls (cProfile) and aten calls per prefill / decode step, beside the wall time of one."""
+    plan = results["meta"]["plan"]
+    walls = {"host prefill": (f"prefill {Shape(*plan['prefill'][0]).label()}", 1),
+             "host decode step": (f"decode {Shape(*plan['decode'][0]).label()} eager", Shape(*plan["decode"][0]).new_tokens)}
+    lines = ["## Host work (load-independent counts, on this machine's CPU)", "",
+             "| work | side | Python calls | aten calls | wall time of one (ms) |", "|---|---|---|---|---|"]
+    for label, (timed, per) in walls.items():
+        for side in SIDES:
+            entry, timing = cell(results, label, side), cell(results, timed, side)
+            if "python_calls" not in entry:
+                continue
+            wall = "—" if "seconds" not in timing else f"{timing['seconds'] / per * 1e3:,.2f}"
+            lines.append(f"| {label.removeprefix('host ')} ({entry['shape']}) | {SIDE_TITLES[side]} | "
+                         f"{entry['python_calls']:,.0f} | {entry['aten_calls']:,.0f} | {wall} |")
+    return lines
+
+
+def longest_lines(results: dict) -> list[str]:
+    lines = ["## Longest trainable sequence at batch 1", "",
+             "One training step (forward, backward, AdamW) per probe, doubling then bisecting; the allocator emptied "
+             "between probes.", "", "| side | longest | stopped | probes (tokens: fits) |", "|---|---|---|---|"]
+    for side in ("official", "hf_tiny"):
+        entry = cell(results, "longest batch 1", side)
+        if "longest" not in entry:
+            lines.append(f"| {SIDE_TITLES[side]} | {status_of(entry)} | | |")
+            continue
+        probes = ", ".join(f"{n:,}: {'yes' if ok else 'no'}" for n, ok in entry["probes"])
+        lines.append(f"| {SIDE_TITLES[side]} | {entry['longest']:,} | {entry['stopped']} | {probes} |")
+    return lines
+
+
+def stage_lines(results: dict) -> list[str]:
+    lines = ["## Stages (one process each, in this order)", "",
+             "| stage | status | seconds | cap | estimate on an H100 | basis of the estimate |", "|---|---|---|---|---|---|"]
+    for stage in results["stages"]:
+        lines.append(f"| {stage['name']} | {stage['status']} | {stage.get('seconds', '—')} | {stage['cap_s']} | "
+                     f"{stage['estimate_s']} | {stage['basis']} |")
+    return lines

@@ -1,0 +1,326 @@
+"""The GPU check's measuring process: `python -m benchmarks.gpu_rows JOB_JSON`, started by benchmarks.gpu_check.
+
+One job per process (the checkpoints' build; one side's eager rows; one side's captured decode at one shape; one
+side's longest trainable sequence), so that a crash (official's compiled generate segfaulted under CUDA graphs on
+the first H100 run) or a stuck compile ends that job only. Each finished row is printed at once as one JSON line
+{"row": ..., "side": ..., ...}: what a job measured before it died is kept. Rows are timed with
+measure.time_interleaved (the device synchronized around each call) after warm-up calls; peak memory is
+torch.cuda.max_memory_allocated over the warm-up and timed calls, and "extra" is that peak above the memory
+allocated before them (the loaded model and the inputs), as benchmarks.run measures it.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import measure, roofline
+from .measure import time_interleaved
+from .models import HF_TINY, MODELS, OFFICIAL, convert_hf_tiny, load_model, official_folder
+from .workloads import (DECODE, PREFILL, Shape, apply_liger, build_generate, build_prefill, build_train_step,
+                        captured_decoding_config, random_ids)
+
+# the sides: which model, and what is done to it after loading
+SIDES = {"official": OFFICIAL, "hf_tiny": HF_TINY, "hf_tiny_off": HF_TINY}
+EXTRA_PREFILL = {"use_cache": False, "logits_to_keep": 1}  # generate's prefill, as workloads.prefill_kwargs gives
+
+
+def emit(row: str, side: str, **values) -> None:
+    print(json.dumps({"row": row, "side": side, **values}, default=str), flush=True)
+
+
+def free() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def shape_of(data) -> Shape:
+    """A Shape from its JSON form [batch, seq, new_tokens] (or the Shape itself)."""
+    return data if isinstance(data, Shape) else Shape(*data)
+
+
+# ---- timing and memory of one row --------------------------------------------------------------------------------
+
+def measured(fn, device: torch.device, *, warmup: int, repeats: int, warm=None) -> dict:
+    """{"seconds": median, "samples": [...], "peak_bytes", "extra_bytes"} of `repeats` timed calls after `warmup`
+    calls of `warm` (default fn); memory on CUDA only (None elsewhere). The last output under "output"."""
+    free()
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    timing = time_interleaved({"x": fn}, device=device, warmup=warmup, repeats=repeats,
+                              warmup_contenders=None if warm is None else {"x": warm})["x"]
+    peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    return {"seconds": timing.median, "samples": timing.samples, "peak_bytes": peak,
+            "extra_bytes": None if peak is None else peak - base, "output": timing.last_output}
+
+
+def emit_measured(row: str, side: str, result: dict, **extra) -> dict:
+    result = dict(result)
+    result.pop("output", None)
+    emit(row, side, **result, **extra)
+    return result
+
+
+def guarded(row: str, side: str, action) -> None:
+    """Runs one row; an exception becomes the row's status (out of memory, a missing package, a bug) instead of
+    ending the job, so the rows after it still run."""
+    try:
+        action()
+    except torch.OutOfMemoryError:
+        emit(row, side, status="out of memory")
+    except ImportError as error:
+        emit(row, side, status=f"not installed: {error.name or error}")
+    except Exception as error:  # reported in the table, the job goes on
+        emit(row, side, status=f"error: {type(error).__name__}: {str(error)[:300]}")
+    free()
+
+
+# ---- jobs --------------------------------------------------------------------------------------------------------
+
+def job_build(job: dict) -> None:
+    """The official random checkpoint (initialised on the device) and hf_tiny's, by the production converter."""
+    spec, device = MODELS[job["model"]], torch.device(job["device"])
+    start = time.perf_counter()
+    official = official_folder(spec, device=device)
+    built = time.perf_counter()
+    ours = convert_hf_tiny(spec, official)
+    emit("build", "both", official_folder=str(official), hf_tiny_folder=str(ours), device_name=device_name(device),
+         official_seconds=built - start, convert_seconds=time.perf_counter() - built)
+
+
+def device_name(device: torch.device) -> str:
+    from .machine import cpu_model
+
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_model()
+
+
+def expected_rows(job: dict) -> list[str]:
+    """The rows a job reports (those it never reported take the job's outcome in the report)."""
+    if job["kind"] == "build":
+        return ["build"]
+    if job["kind"] == "captured":
+        return [f"decode {shape_of(job['shape']).label()} captured"]
+    if job["kind"] == "longest":
+        return ["longest batch 1"]
+    train = shape_of(job["train"]).label()
+    rows = (["ceilings"] if job.get("ceilings") else []) + [f"prefill {shape_of(s).label()}" for s in job["prefill"]]
+    rows += [f"decode {shape_of(s).label()} eager" for s in job["decode"]] + ["host prefill", "host decode step"]
+    rows.append(f"train {train}")
+    if job["side"] == "hf_tiny":
+        rows.append(f"train {train} recompute")
+    if job.get("liger") and job["side"] != "hf_tiny_off":
+        rows.append(f"train {train} liger")
+    return rows
+
+
+def load(job: dict, *, max_positions: int | None = None):
+    spec, device = MODELS[job["model"]], torch.device(job["device"])
+    overrides = {"max_position_embeddings": max_positions} if max_positions else {}
+    impl = SIDES[job["side"]]
+    model = load_model(spec, impl, Path(job["folders"][impl]), dtype=getattr(torch, job["dtype"]), device=device,
+                       attn="sdpa", **overrides)
+    if job["side"] == "hf_tiny_off":
+        model.set_runtime(False)
+    return model
+
+
+def job_main(job: dict) -> None:
+    """One side's eager rows: ceilings, prefill, eager decode, host work, training step (plain, the recompute
+    switch, Liger last: it patches the model for good)."""
+    device, side = torch.device(job["device"]), job["side"]
+    if job.get("ceilings"):
+        guarded("ceilings", side, lambda: emit("ceilings", side, **ceilings(job, device)))
+    model = load(job)
+    for data in job["prefill"]:
+        shape = shape_of(data)
+        fn = build_prefill(model, "causal", shape, device, EXTRA_PREFILL)
+        guarded(f"prefill {shape.label()}", side, lambda: emit_measured(
+            f"prefill {shape.label()}", side, measured(fn, device, warmup=job["warmup"], repeats=job["repeats"])))
+    for data in job["decode"]:
+        shape = shape_of(data)
+        guarded(f"decode {shape.label()} eager", side, lambda: decode_row(model, shape, device, job, side))
+    for case, data in ((PREFILL, job["prefill"][0]), (DECODE, job["decode"][0])):
+        label = "host prefill" if case == PREFILL else "host decode step"
+        guarded(label, side, lambda: host_row(model, case, shape_of(data), device, label, side))
+    train = shape_of(job["train"])
+    guarded(f"train {train.label()}", side, lambda: train_row(model, train, device, job, f"train {train.label()}", side))
+    del model  # the rows below load the model again, changed for good
+    free()
+    if side == "hf_tiny":
+        guarded(f"train {train.label()} recompute", side, lambda: recompute_row(job, train, device, side))
+    if job.get("liger") and side != "hf_tiny_off":
+        guarded(f"train {train.label()} liger", side, lambda: liger_row(job, train, device, side))
+
+
+def ceilings(job: dict, device: torch.device) -> dict:
+    return {"gemm": roofline.gemm_peak(device, getattr(torch, job["dtype"]), job["gemm_n"]),
+            "bandwidth": roofline.memory_bandwidth(device, job["bandwidth_mb"])}
+
+
+def decode_row(model, shape: Shape, device: torch.device, job: dict, side: str, *, captured: bool = False) -> None:
+    """generate() of shape.new_tokens tokens: eager (DynamicCache; warm-up: a 4-token generate) or captured
+    (static cache, generate's auto-compile; the warm-up is one full call, which compiles and records)."""
+    label = f"decode {shape.label()} {'captured' if captured else 'eager'}"
+    config = captured_decoding_config(device) if captured else None
+    fn = build_generate(model, shape, device, static_cache=captured, compile_config=config)
+    warm = None if captured else build_generate(model, shape, device, new_tokens=4)
+    graphs_before = compiled_graphs()
+    start = time.perf_counter()
+    repeats = job["repeats"] if captured else job["decode_repeats"]
+    result = measured(fn, device, warmup=job["warmup"], repeats=repeats, warm=warm)
+    tokens = result["output"][:, shape.seq:]
+    extra = {"tokens_per_s": shape.batch * shape.new_tokens / result["seconds"], "tokens": tokens.tolist(),
+             "wall_seconds": time.perf_counter() - start}
+    if captured:
+        extra["graphs_compiled"] = compiled_graphs() - graphs_before
+    emit_measured(label, side, result, **extra)
+
+
+def compiled_graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"].get("unique_graphs", 0))
+
+
+def host_row(model, case: str, shape: Shape, device: torch.device, label: str, side: str) -> None:
+    """Python calls (cProfile) and aten calls (torch.profiler) of one prefill or one decode step, as benchmarks.run
+    counts them (a decode step: a 9-token generate minus a 1-token one, over 8)."""
+    from .run import count_ops
+
+    fns = {"x": build_prefill(model, "causal", shape, device, EXTRA_PREFILL)} if case == PREFILL else None
+    counts = count_ops(case, {"x": model}, fns, "causal", shape, device)
+    emit(label, side, shape=shape.label(), python_calls=counts["python"]["x"], aten_calls=counts["aten"]["x"])
+
+
+def train_row(model, shape: Shape, device: torch.device, job: dict, label: str, side: str, **extra) -> None:
+    """forward + backward + AdamW step; the first warm-up step creates AdamW's state, which the peak includes."""
+    step = build_train_step(model, "causal", shape, device)
+    result = measured(step, device, warmup=max(job["warmup"], 1), repeats=job["repeats"])
+    emit_measured(label, side, result, **extra)
+    del step
+    model.zero_grad(set_to_none=True)
+
+
+def recompute_row(job: dict, shape: Shape, device: torch.device, side: str) -> None:
+    """The training step with hf_tiny's opt-in recompute switch on (a model method named by --recompute-switch)."""
+    if not job.get("recompute_switch"):
+        emit(f"train {shape.label()} recompute", side, status="not run (no --recompute-switch given)")
+        return
+    model = load(job)
+    switch = getattr(model, job["recompute_switch"], None)
+    if not callable(switch):
+        raise AttributeError(f"--recompute-switch {job['recompute_switch']!r}: {type(model).__name__} has no such method")
+    switch(True)
+    train_row(model, shape, device, job, f"train {shape.label()} recompute", side, switch=job["recompute_switch"])
+
+
+def liger_row(job: dict, shape: Shape, device: torch.device, side: str) -> None:
+    import liger_kernel  # noqa: F401  (ImportError before loading: the row says "not installed")
+
+    model = load(job)
+    patched = apply_liger(model)
+    train_row(model, shape, device, job, f"train {shape.label()} liger", side, **patched)
+
+
+def job_captured(job: dict) -> None:
+    """One side's captured decode at one shape, in a process of its own (a crash ends this job only)."""
+    device, side, shape = torch.device(job["device"]), job["side"], shape_of(job["shape"])
+    model = load(job)
+    guarded(f"decode {shape.label()} captured", side,
+            lambda: decode_row(model, shape, device, job, side, captured=True))
+
+
+def job_longest(job: dict) -> None:
+    """The longest sequence one training step (forward, backward, AdamW) fits at batch 1: doubling from
+    job["start"], then bisecting to job["resolution"] tokens, every probe after the allocator is emptied."""
+    device, side = torch.device(job["device"]), job["side"]
+    model = load(job, max_positions=job["cap"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    probes = []
+
+    def fits(length: int) -> bool:
+        ok = train_probe(model, optimizer, length, device)
+        probes.append([length, ok])
+        # what is proven so far, in case the job is cut off during the next probe (the last line counts)
+        emit("longest batch 1", side, longest=max([n for n, fit in probes if fit], default=0),
+             stopped="cut off during the next probe", probes=probes)
+        return ok
+
+    deadline = time.monotonic() + job["seconds"]
+    longest, reason = search_longest(fits, start=job["start"], cap=job["cap"], resolution=job["resolution"],
+                                     deadline=deadline)
+    emit("longest batch 1", side, longest=longest, stopped=reason, probes=probes)
+
+
+def train_probe(model, optimizer, length: int, device: torch.device) -> bool:
+    """One training step on 1 x length tokens: True when it ran, False when it ran out of device memory."""
+    ids = random_ids(1, length, model.config.vocab_size, device)
+    model.train()
+    try:
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        optimizer.step()
+        ok = True
+    except torch.OutOfMemoryError:
+        ok = False
+    optimizer.zero_grad(set_to_none=True)
+    model.eval()
+    del ids
+    free()
+    return ok
+
+
+def search_longest(fits, *, start: int, cap: int, resolution: int, deadline: float) -> tuple:
+    """(the longest length found to fit, why the search stopped): doubling from `start` while `fits(length)`
+    holds (up to `cap`), then bisecting between the last fit and the first failure down to `resolution`. Stops
+    early at `deadline` (time.monotonic), reporting what was proven so far. (0, ...) when `start` does not fit."""
+    if time.monotonic() >= deadline:
+        return 0, "time cap before the first probe"
+    if not fits(start):
+        return 0, f"{start} tokens do not fit"
+    good, bad = start, None
+    while bad is None:
+        if good >= cap:
+            return good, f"cap {cap} reached"
+        if time.monotonic() >= deadline:
+            return good, "time cap while doubling"
+        candidate = min(2 * good, cap)
+        if fits(candidate):
+            good = candidate
+        else:
+            bad = candidate
+    while bad - good > resolution:
+        if time.monotonic() >= deadline:
+            return good, f"time cap while bisecting (fails at {bad})"
+        middle = (good + bad) // 2 // resolution * resolution
+        if middle <= good:
+            break
+        if fits(middle):
+            good = middle
+        else:
+            bad = middle
+    return good, f"fails at {bad}"
+
+
+JOBS = {"build": job_build, "main": job_main, "captured": job_captured, "longest": job_longest}
+
+
+def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        raise SystemExit("usage: python -m benchmarks.gpu_rows JOB_JSON (started by benchmarks.gpu_check)")
+    job = json.loads(argv[0])
+    if job.get("threads"):
+        torch.set_num_threads(job["threads"])
+    JOBS[job["kind"]](job)
+
+
+if __name__ == "__main__":
+    main()

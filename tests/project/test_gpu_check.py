@@ -1,0 +1,165 @@
+"""benchmarks.gpu_check, the GPU session's script, checked on the CPU: its dry run measures every row and writes a
+target table with every target of issue 42; the longest-sequence search, the exit of a crashed job and the
+target verdicts on hand-made results."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks import gpu_check, gpu_report
+from benchmarks.gpu_rows import search_longest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+# ---- the longest-sequence search -----------------------------------------------------------------------------------
+
+def recording(limit: int):
+    probes = []
+
+    def fits(length: int) -> bool:
+        probes.append(length)
+        return length <= limit
+
+    return fits, probes
+
+
+def test_search_doubles_then_bisects_to_the_resolution():
+    fits, probes = recording(5000)
+    found = search_longest(fits, start=1024, cap=65536, resolution=256, deadline=time.monotonic() + 60)
+    # by hand: 1024, 2048, 4096 fit, 8192 does not; then 6144 no, 5120 no, 4608 yes, 4864 yes; 5120 - 4864 = 256
+    assert found == (4864, "fails at 5120")
+    assert probes == [1024, 2048, 4096, 8192, 6144, 5120, 4608, 4864]
+
+
+def test_search_stops_at_the_cap_the_start_and_the_deadline():
+    fits, probes = recording(10**9)
+    assert search_longest(fits, start=16, cap=128, resolution=16, deadline=time.monotonic() + 60) == (128, "cap 128 reached")
+    assert probes == [16, 32, 64, 128]
+    fits, _ = recording(8)
+    assert search_longest(fits, start=16, cap=128, resolution=16, deadline=time.monotonic() + 60) == (0, "16 tokens do not fit")
+    fits, probes = recording(10**9)
+    assert search_longest(fits, start=16, cap=128, resolution=16, deadline=time.monotonic() - 1) == (
+        0, "time cap before the first probe")
+    assert probes == []
+
+
+def test_a_crashed_job_is_named_by_its_signal():
+    proc = subprocess.run([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)"], check=False)
+    assert proc.returncode == -signal.SIGSEGV
+    assert gpu_check.describe_exit(proc.returncode, "") == "crashed: signal 11 (SIGSEGV)"
+    assert gpu_check.describe_exit(3, "a\nb\nValueError: bad") == "exit 3: a | b | ValueError: bad"
+
+
+# ---- the verdicts, on hand-made results ---------------------------------------------------------------------------
+
+PLAN = {"model": "tiny", "dtype": "float32", "prefill": [[1, 32, 0]], "decode": [[1, 8, 4]], "train": [2, 32, 0],
+        "repeats": 1, "warmup": 1, "decode_repeats": 1}
+
+
+def timed(seconds: float, extra_mib: float, **more) -> dict:
+    return {"seconds": seconds, "samples": [seconds], "extra_bytes": extra_mib * 2**20, "peak_bytes": 2 * extra_mib * 2**20,
+            **more}
+
+
+def hand_made_results() -> dict:
+    rows = {
+        "host prefill": {"official": {"python_calls": 1000, "aten_calls": 1, "shape": "1x32"},
+                         "hf_tiny": {"python_calls": 900, "aten_calls": 1, "shape": "1x32"}},
+        "host decode step": {"official": {"python_calls": 1000, "aten_calls": 1, "shape": "1x8"},
+                             "hf_tiny": {"python_calls": 1100, "aten_calls": 1, "shape": "1x8"}},
+        "prefill 1x32": {"official": timed(0.010, 100), "hf_tiny": timed(0.008, 100)},  # faster, same memory
+        "decode 1x8 +4 new eager": {"official": timed(1.0, 10, tokens_per_s=4.0, tokens=[[5, 6, 7, 8]]),
+                                    "hf_tiny": timed(1.0, 11, tokens_per_s=4.0, tokens=[[5, 6, 7, 8]])},  # 1.1x memory
+        "decode 1x8 +4 new captured": {"official": {"status": "crashed: signal 11 (SIGSEGV)"},
+                                       "hf_tiny": timed(0.5, 10, tokens_per_s=8.0, tokens=[[5, 6, 7, 8]])},
+        "train 2x32": {"official": timed(1.0, 1000), "hf_tiny": timed(0.8, 500)},
+        "train 2x32 liger": {"official": {"status": "not installed: liger_kernel"},
+                             "hf_tiny": {"status": "not installed: liger_kernel"}},
+        "ceilings": {"official": {"bandwidth": {"read_bytes_per_s": 1e12}}},
+        "longest batch 1": {"official": {"longest": 1024, "stopped": "fails at 2048", "probes": []},
+                            "hf_tiny": {"longest": 4096, "stopped": "fails at 5120", "probes": []}},
+    }
+    return {"meta": {"plan": PLAN, "dry_run": True}, "rows": rows, "stages": []}
+
+
+def test_verdicts_of_hand_made_results():
+    verdicts = {name: (text, status) for name, text, status in gpu_report.targets(hand_made_results())}
+    assert verdicts["Host work: prefill Python calls <= 1.0x official's"] == ("900 / 1,000 = 0.90x", "PASS")
+    assert verdicts["Host work: decode step Python calls <= 1.0x official's"][1] == "FAIL"
+    assert verdicts["prefill 1x32: >= 1.0x official's speed at <= 1.0x its memory"] == (
+        "speed 1.25x, memory 1.00x", "PASS")
+    assert verdicts["decode 1x8 +4 new eager: >= 1.0x official's speed at <= 1.0x its memory"] == (
+        "speed 1.00x, memory 1.10x", "FAIL")
+    assert verdicts["decode 1x8 +4 new captured: >= 1.0x official's speed at <= 1.0x its memory"] == (
+        "official: crashed: signal 11 (SIGSEGV)", "not run")
+    assert verdicts["Batch-1 captured decode >= official's (where official's runs)"] == (
+        "official's did not run: crashed: signal 11 (SIGSEGV)", "PASS")
+    liger_time = verdicts["Training 2x32: time <= 0.85x official's, Liger on ours, none on official's"]
+    assert liger_time == ("hf_tiny: not installed: liger_kernel", "not run")
+    assert verdicts["Longest trainable sequence at batch 1 >= 3x official's"][1] == "PASS"  # 4096 / 1024 = 4
+
+
+def test_a_search_stopped_by_its_cap_proves_no_ratio():
+    results = hand_made_results()
+    results["rows"]["longest batch 1"]["official"]["stopped"] = "cap 1024 reached"
+    name, text, status = gpu_report.longest_target(results)
+    assert status == "not run" and "official's search did not reach its limit" in text
+
+
+# ---- the dry run ----------------------------------------------------------------------------------------------------
+
+DRY_RUN_TARGETS = [
+    "Host work: prefill Python calls <= 1.0x official's",
+    "Host work: decode step Python calls <= 1.0x official's",
+    *[f"{row}: >= 1.0x official's speed at <= 1.0x its memory" for row in (
+        "prefill 1x32", "prefill 2x32", "decode 1x8 +4 new eager", "decode 2x8 +4 new eager",
+        "decode 1x8 +4 new captured", "decode 2x8 +4 new captured", "train 2x32", "train 2x32 liger")],
+    "Batch-1 captured decode >= 40% of the measured HBM read bandwidth",
+    "Batch-1 captured decode >= official's (where official's runs)",
+    "Training 2x32: time <= 0.85x official's, Liger on ours, none on official's",
+    "Training 2x32: peak memory <= 0.6x official's, Liger on ours, none on official's",
+    "Training 2x32, Liger on both sides: no slower than official",
+    "Longest trainable sequence at batch 1 >= 3x official's",
+]
+
+
+@pytest.mark.slow
+def test_dry_run_runs_every_kind_of_job_and_lists_every_target(tmp_path):
+    """The script on the CPU, hf_tiny's side of every kind of job (the build, the eager rows, captured decode, the
+    longest-sequence search; each a process of its own; the official side runs the same functions): every selected
+    stage ends "ok" and measures its rows, the others say they were not selected, and the page and the JSON list
+    every target. (`python -m benchmarks.gpu_check --dry-run` runs all ten stages: ~5 min on 2 busy cores.)"""
+    stages = "main-hf_tiny,captured-hf_tiny-1,longest-hf_tiny"
+    env = dict(os.environ, HF_TINY_BENCH_CACHE=str(tmp_path / "checkpoints"))
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--out", str(tmp_path),
+                           "--budget-s", "600", "--stages", stages], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=700, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (page,), (data,) = tmp_path.glob("*-dry-run.md"), tmp_path.glob("*-dry-run.json")
+    results = json.loads(data.read_text())
+    ran = {stage["name"]: stage["status"] for stage in results["stages"]}
+    assert {name for name, status in ran.items() if status == "ok"} == {"build", *stages.split(",")}, ran
+    assert all(status == "not run (not in --stages)" for name, status in ran.items() if name not in stages + ",build")
+    assert [name for name, _, _ in gpu_report.targets(results)] == DRY_RUN_TARGETS
+    markdown = page.read_text()
+    assert all(f"| {name} |" in markdown for name in DRY_RUN_TARGETS)
+    rows = results["rows"]
+    measured = ["prefill 1x32", "prefill 2x32", "decode 1x8 +4 new eager", "decode 2x8 +4 new eager", "train 2x32",
+                "decode 1x8 +4 new captured"]
+    assert all("seconds" in rows[row]["hf_tiny"] for row in measured), {row: rows[row]["hf_tiny"] for row in measured}
+    assert rows["decode 2x8 +4 new captured"]["hf_tiny"] == {"status": "not run (not in --stages)"}
+    assert rows["decode 1x8 +4 new captured"]["hf_tiny"]["graphs_compiled"] >= 1
+    assert rows["host decode step"]["hf_tiny"]["python_calls"] > 0
+    assert rows["train 2x32 recompute"]["hf_tiny"]["status"] == "not run (no --recompute-switch given)"
+    assert "status" in rows["train 2x32 liger"]["hf_tiny"]  # Liger's Triton kernels need a GPU, or it is absent
+    assert rows["longest batch 1"]["hf_tiny"]["longest"] == 128  # the dry run's cap: no OOM on a CPU
+    assert rows["ceilings"]["hf_tiny"]["bandwidth"]["read_bytes_per_s"] > 0
