@@ -1,10 +1,16 @@
-"""Every figure in the top-level README.md that a benchmark measured, with the command that measures it again.
+"""Every figure in README.md and docs/*.md that a benchmark measured, with the command that measures it again.
 
     python -m benchmarks.readme_figures                 # the list, as a markdown table
-    python -m benchmarks.readme_figures --check         # which README passages the list points at are gone
+    python -m benchmarks.readme_figures --check         # which pages no longer state what their results files hold
     python -m benchmarks.readme_figures --run cheap     # rerun the cheap ones (seconds, load-independent)
-    python -m benchmarks.readme_figures --run cpu       # rerun every CPU one, one after the other (~2.5 h)
+    python -m benchmarks.readme_figures --run cpu       # rerun every CPU one, one after the other (~2.7 h)
     python -m benchmarks.readme_figures --run few-rows,fusion [--dry-run]
+
+Each entry names the page that states its figures, a passage of that page next to them (the command, as a rule),
+the results files the page links to, and the figures it quotes: each quote must stand in its page (README.md may
+quote a figure of a docs page) and in one of the results files, as the results file writes it. So `--check`
+reports a passage that is gone, a results file that is missing or no longer linked, and a figure that a page
+states differently from its results file (exit status 1).
 
 Each rerun writes its results page into benchmarks/results/ under today's date (commands that only print are
 sent to the file named in the list). Run the timed ones on a quiet machine: their figures are times and ratios.
@@ -16,83 +22,161 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import re
 import shlex
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Optional
+from pathlib import Path
+from typing import Optional, Union
 
 from .machine import REPO_ROOT, RESULTS_DIR
+
+README = "README.md"
+SPEED = "docs/speed-and-memory.md"
+FAMILIES = "docs/families.md"
+CONVERSION = "docs/conversion.md"
+ARCHITECTURE = "docs/architecture.md"
+
+
+@dataclass(frozen=True)
+class Quote:
+    page: str  # README.md or docs/<name>.md
+    text: str  # the figure as the page states it
+    source: str = ""  # as the results file writes it, where the page rounds or formats it otherwise
+
+
+def quotes(page: str, *figures: Union[str, tuple[str, str]]) -> tuple[Quote, ...]:
+    """Quotes of one page: "figure" (written alike in the page and the results file) or ("page's", "results'")."""
+    return tuple(Quote(page, f) if isinstance(f, str) else Quote(page, *f) for f in figures)
 
 
 @dataclass(frozen=True)
 class Figure:
     name: str
-    readme: str  # a passage of README.md next to the figures, to find them (--check)
-    figures: str  # what the README states from this run
+    page: str  # the page that states the figures and links the results files
+    passage: str  # a passage of that page next to the figures, to find them
+    figures: str  # what the page states from this run
     command: str  # run from the repository root
     minutes: float  # on the 2-core development machine
     kind: str  # "cheap" (seconds, load-independent), "cpu" (timed: a quiet machine) or "cuda"
     stdout_to: Optional[str] = None  # results file for a command that only prints ({date} = today)
+    results: tuple[str, ...] = ()  # files in benchmarks/results/ the page links to and quotes
+    quotes: tuple[Quote, ...] = ()
 
 
 RUN = "python -m benchmarks.run --device cpu"
 FIGURES = [
-    Figure("kv-cache", "KV cache per\ntoken and layer", "KV-cache bytes per token and layer, MHA / GQA / MQA / MLA",
-           "python -m benchmarks.kv_cache --tokens 256 --layers 2 --dtype bfloat16", 0.2, "cheap"),
-    Figure("full", "--repeats 3 --tag full", "the speed and memory table (prefill, train step, generate, peak "
+    Figure("kv-cache", FAMILIES, "python -m benchmarks.kv_cache", "KV-cache bytes per token and layer, MHA / GQA / "
+           "MQA / MLA", "python -m benchmarks.kv_cache --tokens 256 --layers 2 --dtype bfloat16", 0.2, "cheap",
+           results=("kv-cache-2026-11-26.md",), quotes=quotes(FAMILIES, "8,192", "2,048", "1,152", "0.141")),
+    Figure("full", SPEED, "--repeats 3 --tag full", "the speed and memory table (prefill, train step, generate, peak "
            "memory, the vLLM row), GEMM peak, decode GB/s and roofline shares, the fresh-process section",
-           f"{RUN} --repeats 3 --tag full", 35, "cpu"),
-    Figure("train-minilm", "--tag train-minilm", "MiniLM's training rows of the speed and memory table (after the "
-           "dropout exception)", f"{RUN} --models minilm --cases train_step --no-sweep --no-ops --repeats 3 "
-           "--tag train-minilm", 2, "cpu"),
-    Figure("prefill-fresh", "--tag prefill-fresh", "fresh-process prefill rows (report section) and its "
-           "interleaved ratios (MiniLM 0.88, SmolLM2 0.99)",
+           f"{RUN} --repeats 3 --tag full", 35, "cpu", results=("cpu-2026-11-26-full.md",),
+           quotes=quotes(SPEED, "592.1 ms", "564.4 ms", "1,426.6 ms", "1,411.6 ms", ("12,331 ms", "12,330.9 ms"),
+                         ("12,542 ms", "12,541.7 ms"), ("| 33.9 |", "33.9 tok/s"), ("| 117.7 |", "117.7 tok/s"),
+                         ("4,833 MiB", "4,833.0 MiB"), ("2,785 MiB", "2,785.1 MiB"), "168.1", "166.2",
+                         ("193 GFLOP/s", "193.2 GFLOP/s"), "51.5 GB/s", ("18.4 GB/s", "18.38 GB/s"), "651.4 ms",
+                         "589.1 ms", "1,604.8 ms", "1,477.8 ms")
+           + quotes(README, ("1.89×", "1.89"), ("1.21×", "1.21"), ("2,785 MiB", "2,785.1 MiB"),
+                    ("4,833 MiB", "4,833.0 MiB"), ("(0.58×)", "0.58"), ("1.02×", "1.02"), ("0.99×", "0.99"))),
+    Figure("train-minilm", SPEED, "--tag train-minilm", "MiniLM's training rows of the speed and memory table (after "
+           "the dropout exception)", f"{RUN} --models minilm --cases train_step --no-sweep --no-ops --repeats 3 "
+           "--tag train-minilm", 2, "cpu", results=("cpu-2026-11-26-train-minilm.md",),
+           quotes=quotes(SPEED, ("2,330 ms", "2,330.1 ms"), ("2,325 ms", "2,324.9 ms"), ("1,235 MiB", "1,235.3 MiB"))
+           + quotes(README, ("0.94×", "0.94"))),
+    Figure("prefill-fresh", SPEED, "--tag prefill-fresh", "fresh-process prefill rows (report section) and its "
+           "interleaved ratios (MiniLM 0.90, SmolLM2 0.99)",
            f"{RUN} --models minilm,smollm2 --cases prefill --no-sweep --no-memory --repeats 5 --tag prefill-fresh",
-           8, "cpu"),
-    Figure("fresh-process", "python -m benchmarks.fresh_process --models minilm,smollm2", "fresh-process prefill "
-           "rows (standalone), the page faults per call (137k / 9.9k)",
+           8, "cpu", results=("cpu-2026-11-26-prefill-fresh.md",),
+           quotes=quotes(SPEED, "630.6 ms", "552.5 ms", "1,656.0 ms", "1,440.1 ms", "135,798", "13,793")),
+    Figure("fresh-process", SPEED, "python -m benchmarks.fresh_process --models minilm,smollm2", "fresh-process "
+           "prefill rows (standalone) and their page faults per call",
            "python -m benchmarks.fresh_process --models minilm,smollm2 --repeats 5 --calls 5", 5, "cpu",
-           "fresh-process-prefill-cpu-{date}.md"),
-    Figure("prefill-overwrite", "--tag prefill-overwrite", "SmolLM2 prefill 0.94 in one shared process; decode "
-           "1.24x-1.36x", f"{RUN} --models minilm,smollm2 --cases prefill,generate --no-sweep --no-memory "
-           "--repeats 3 --tag prefill-overwrite", 12, "cpu"),
-    Figure("prefill-smollm2-9", "--tag prefill-smollm2-9", "SmolLM2 prefill 0.99 with 9 repeats",
+           "fresh-process-prefill-cpu-{date}.md", results=("fresh-process-prefill-cpu-2026-11-26.md",),
+           quotes=quotes(SPEED, "639.4 ms", "564.8 ms", "1,575.5 ms", "1,383.1 ms", "133,301")
+           + quotes(README, ("0.88×", "0.88"))),
+    Figure("prefill-overwrite", SPEED, "--tag prefill-overwrite", "MiniLM prefill 0.87 and SmolLM2 1.01 in one "
+           "shared process; decode 1.99x / 1.33x", f"{RUN} --models minilm,smollm2 --cases prefill,generate "
+           "--no-sweep --no-memory --repeats 3 --tag prefill-overwrite", 12, "cpu",
+           results=("cpu-2026-11-26-prefill-overwrite.md",),
+           quotes=quotes(SPEED, ("0.87 in the 2026-11-26 prefill-overwrite run", "0.87"),
+                         ("1.01 when it was rerun on 2026-11-26", "1.01"), ("1.99× at batch 1", "1.99"),
+                         ("1.33× at batch 8 in the same two runs", "1.33"))),
+    Figure("prefill-smollm2-9", SPEED, "--tag prefill-smollm2-9", "SmolLM2 prefill 0.98 with 9 repeats",
            f"{RUN} --models smollm2 --cases prefill --no-sweep --no-ops --no-memory --repeats 9 "
-           "--tag prefill-smollm2-9", 6, "cpu"),
-    Figure("few-rows", "python -m benchmarks.few_rows", "weight-first product: 1.2-2.0x at one row, 1.0-4.2x at "
-           "2-8 rows, LM head 2.5 -> 8.2 GB/s", "python -m benchmarks.few_rows --threads 2", 2, "cpu",
-           "few-rows-cpu-{date}.md"),
-    Figure("decode-after-fix", "decode-after-fix", "decode 1.17x / 1.36x (SmolLM2), 0.92x / 0.96x (overhead)",
+           "--tag prefill-smollm2-9", 6, "cpu", results=("cpu-2026-11-26-prefill-smollm2-9.md",),
+           quotes=quotes(SPEED, ("0.98 on 2026-11-26", "0.98"))),
+    Figure("few-rows", SPEED, "python -m benchmarks.few_rows", "weight-first product against F.linear per "
+           "projection and row count; LM head at 8 rows 6.9 -> 14.6 GB/s", "python -m benchmarks.few_rows --threads 2",
+           2, "cpu", "few-rows-cpu-{date}.md", results=("few-rows-cpu-2026-11-26.md",),
+           quotes=quotes(SPEED, ("6.9 → 14.6 GB/s", "| 8 | 6.9 | 14.6 |"), "0.72×")),
+    Figure("decode-after-fix", SPEED, "decode-after-fix", "decode 2.01x / 1.25x (SmolLM2), 0.89x / 0.92x (overhead)",
            f"{RUN} --models smollm2,overhead --cases generate --no-sweep --no-memory --repeats 3 "
-           "--tag decode-after-fix", 10, "cpu"),
-    Figure("decode-compiled", "decode-compiled-after-weight-first", "compiled decode table (default and "
+           "--tag decode-after-fix", 10, "cpu", results=("cpu-2026-11-26-decode-after-fix.md",),
+           quotes=quotes(SPEED, ("2.01× at batch 1", "2.01"), ("1.25× at batch 8", "1.25"),
+                         ("official 17.9 / 93.5 tokens/s", "93.5 tok/s"), ("the overhead model 0.89× / 0.92×", "0.92"))),
+    Figure("decode-compiled", SPEED, "decode-compiled-after-weight-first", "compiled decode table (default and "
            "compiled tokens/s both sides, first-call compile times)", f"{RUN} --models smollm2 --cases "
            "generate,generate_compiled --no-sweep --no-ops --no-memory --repeats 3 "
-           "--tag decode-compiled-after-weight-first", 15, "cpu"),
-    Figure("fusion", "python -m\nbenchmarks.fusion", "fused q/k/v and gate/up: 0.99-1.00x, 1.01-1.03x, 1.39x "
-           "loss at 8 tokens", "python -m benchmarks.fusion --threads 2", 1, "cpu", "fusion-cpu-{date}.md"),
-    Figure("train-4x512", "--tag train-4x512", "SmolLM2 train step 4x512 time and peak memory (0.96, 0.54)",
+           "--tag decode-compiled-after-weight-first", 15, "cpu",
+           results=("cpu-2026-11-26-decode-compiled-after-weight-first.md",),
+           quotes=quotes(SPEED, "35.1 tok/s", "111.7 tok/s", "108.8 tok/s", "58.4 s", "64.1 s", "63.3 s", "74.6 s",
+                         ("1.98× / 1.34×", "1.98"))),
+    Figure("fusion", SPEED, "python -m\nbenchmarks.fusion", "fused q/k/v and gate/up against separate products",
+           "python -m benchmarks.fusion --threads 2", 1, "cpu", "fusion-cpu-{date}.md",
+           results=("fusion-cpu-2026-11-26.md",), quotes=quotes(SPEED, ("0.95 (gate/up) at 8", "0.95"))),
+    Figure("train-4x512", SPEED, "--tag train-4x512", "SmolLM2 train step 4x512 time and peak memory (1.04, 0.58)",
            f"{RUN} --models smollm2 --cases train_step --no-sweep --no-ops --repeats 3 --tag train-4x512", 10,
-           "cpu"),
-    Figure("decode-profile", "--tag decode-profile", "decode-step profile table (ms per step by group, weight "
-           "GB/s), overhead 0.93x / 0.90x", f"{RUN} --models smollm2,overhead --cases generate --no-sweep "
-           "--no-memory --repeats 3 --tag decode-profile", 10, "cpu"),
-    Figure("runtime-ab", "python -m benchmarks.runtime_ab", "the training recompute's time and memory against the "
-           "runtime off (MiniLM with dropout: feed-forward alone; the overhead model: under the size limit; SmolLM2)",
+           "cpu", results=("cpu-2026-11-26-train-4x512.md",),
+           quotes=quotes(SPEED, ("12,191 ms", "12,191.2 ms"), ("12,704 ms", "12,704.0 ms"), ("2,786 MiB", "2,786.2 MiB"))),
+    Figure("decode-profile", SPEED, "--tag decode-profile", "decode-step profile table (ms per step by group, weight "
+           "GB/s); its last run is decode-after-fix's, the same command", f"{RUN} --models smollm2,overhead --cases "
+           "generate --no-sweep --no-memory --repeats 3 --tag decode-profile", 10, "cpu",
+           results=("cpu-2026-11-26-decode-after-fix.md",),
+           quotes=quotes(SPEED, "42.7", "16.8", "74.8", "41.2", "31.9 GB/s", ("| 32.0 GB/s |", "32.0"))),
+    Figure("runtime-ab", SPEED, "python -m benchmarks.runtime_ab", "the training recompute's time and memory against "
+           "the runtime off (MiniLM with dropout: feed-forward alone; the overhead model; SmolLM2)",
            "python -m benchmarks.runtime_ab --models minilm,overhead,smollm2 --repeats 3", 15, "cpu",
-           "runtime-ab-cpu-{date}.md"),
-    Figure("vllm", "python -m benchmarks.vllm_rows", "vLLM rows (tokens/s both sides, identical tokens): the "
-           "standalone 1.01x; the 67.1 / 64.1 tokens/s (0.96x) of \"Served by vLLM\" are the 2026-11-23 full "
-           "run's section (the full entry measures that section again)",
-           "python -m benchmarks.vllm_rows --prompts 8 --new-tokens 64 --repeats 3", 8, "cpu"),
-    Figure("mtp-depth1", "python -m benchmarks.mtp_speculative", "MTP depth 1 row (acceptance, tokens per "
-           "forward, tokens/s, speed-up)", "python -m benchmarks.mtp_speculative", 6, "cpu"),
-    Figure("mtp-depth2", "python -m benchmarks.mtp_speculative", "MTP depth 2 row",
-           "python -m benchmarks.mtp_speculative --depth 2", 7, "cpu"),
-    Figure("flash-kernel", "python -m benchmarks.flash_kernel", "Triton FlashAttention TFLOP/s table (H100)",
-           "python -m benchmarks.flash_kernel", 2, "cuda"),
+           "runtime-ab-cpu-{date}.md", results=("runtime-ab-cpu-2026-11-26.md", "runtime-ab-cpu-2026-11-26-minilm.md"),
+           quotes=quotes(SPEED, "3,791 ms", "3,938 ms", "3,862 ms", "1,727 ms", ("269 MiB", "268.9 MiB"), "23,172 ms",
+                         ("1,720 MiB", "1,719.9 MiB"), "22,217 ms", ("2,846 MiB", "2,845.5 MiB"))),
+    Figure("vllm", SPEED, "python -m benchmarks.vllm_rows", "vLLM rows (tokens/s both sides, identical tokens): the "
+           "standalone 166.4 / 164.4; the full entry measures the report's vLLM row again",
+           "python -m benchmarks.vllm_rows --prompts 8 --new-tokens 64 --repeats 3", 8, "cpu",
+           results=("vllm-cpu-2026-11-26.md",), quotes=quotes(SPEED, "166.4", "164.4")),
+    Figure("mtp-depth1", FAMILIES, "python -m benchmarks.mtp_speculative", "MTP depth 1 row (acceptance, tokens per "
+           "forward, tokens/s, speed-up)", "python -m benchmarks.mtp_speculative", 6, "cpu",
+           results=("mtp-speculative-cpu-2026-11-26-depth1.md",),
+           quotes=quotes(FAMILIES, "124 / 124", "1.97", "208.1 tokens/s", "299.8 tokens/s", ("1.44×", "1.44x"))
+           + quotes(README, ("1.44×", "1.44x"))),
+    Figure("mtp-depth2", FAMILIES, "python -m benchmarks.mtp_speculative", "MTP depth 2 row",
+           "python -m benchmarks.mtp_speculative --depth 2", 7, "cpu", results=("mtp-speculative-cpu-2026-11-26-depth2.md",),
+           quotes=quotes(FAMILIES, "168 / 168", "3.00", "213.8 tokens/s", "365.8 tokens/s", ("1.71×", "1.71x"))
+           + quotes(README, ("1.71×", "1.71x"))),
+    Figure("conversion-memory", CONVERSION, "python -m benchmarks.conversion_memory", "conversion's peak RSS and time "
+           "against cp -r (TinyLlama and Llama-3-8B shapes); loading the 8B folder's anonymous memory",
+           "python -m benchmarks.conversion_memory --models tinyllama,llama3_8b", 10, "cpu",
+           results=("conversion-memory-2026-11-26.md",),
+           quotes=quotes(CONVERSION, "2.05 GiB", "14.96 GiB", "0.98 GiB", "2.91 GiB", "11.7 s", "36.3 s", "25.2 s",
+                         "2.8 s", "314 MiB", "302 MiB")
+           + quotes(README, "14.96 GiB", "2.91 GiB", ("(0.19×)", "0.19x"), ("1.4×", "1.4x"))),
+    Figure("reading-path", ARCHITECTURE, "python -m benchmarks.reading_path --runtime off", "functions, lines and "
+           "files a reader follows through one causal forward (runtime off; --runtime on and --step train beside it)",
+           "python -m benchmarks.reading_path --runtime off", 0.5, "cheap", "reading-path-{date}.md",
+           quotes=quotes(ARCHITECTURE, "46 functions, 453 lines, 4 files") + quotes(README, "453 lines in 4 files")),
+    Figure("flash-kernel", SPEED, "python -m benchmarks.flash_kernel", "Triton FlashAttention TFLOP/s table (H100)",
+           "python -m benchmarks.flash_kernel", 2, "cuda", results=("flash-kernel-nvidia-h100-80gb-hbm3-2026-11-23.md",),
+           quotes=quotes(SPEED, ("398 / 311 (1.28) | 455", "398 (55%) | 311 (43%) | 455 (63%) | 1.28"),
+                         ("504 / 345 (1.46) | 655", "504 (70%) | 345 (48%) | 655 (91%) | 1.46"))
+           + quotes(README, ("1.28×", "1.28"), ("1.46×", "1.46"))),
+    Figure("gpu-check", SPEED, "benchmarks/gpu_check.sh", "one GPU session's CUDA tests and quick model-level rows "
+           "(training step 2.0x / 2.4x, prefill 1.13-1.33x official's time, decode 0.86-0.88x its tokens/s; H100)", "bash benchmarks/gpu_check.sh",
+           9, "cuda", results=("cuda-h100-2026-11-26-gpu-check.md", "cuda-nvidia-h100-80gb-hbm3-2026-11-26-quick.md"),
+           quotes=quotes(SPEED, "2.0x (overhead model)", "2.4x (random TinyLlama-1.1B, bf16, 1x64)",
+                         "1.13–1.33x official's time", "0.86–0.88x official's tokens/s", "1.6–2.8x official's")
+           + quotes(README, ("2.4×", "2.4x"))),
 ]
 
 HISTORICAL = [
@@ -104,29 +188,70 @@ HISTORICAL = [
     ("products ~40 % of a batch-1 step at ~9-11 GB/s (decode-profile-cpu-2026-11-23-before-weight-first.md)",
      "`python -m benchmarks.decode_profile` at a commit before the weight-first product"),
     ("overhead decode 0.89x / 0.97x on 2026-11-21", "cpu-2026-11-21.md, the code before the weight-first product"),
-    ("batch-1 A/B 9.7 -> 11.9 tokens/s; overhead 0.95-0.98x in A/B runs", "ad-hoc A/Bs that were not committed"),
+    ("batch-1 A/B 9.7 -> 11.9 tokens/s; MiniLM's whole-layer replay 1.17x / 0.60x", "ad-hoc A/Bs that were not committed"),
     ("official train step 30.1-32.2 s over three runs", "a range over the earlier host's runs"),
     ("first compiled calls 135-164 s", "cpu-2026-11-23-decode-compiled.md, before the weight-first product"),
     ("CUDA test counts (126 passed, 22 skipped)", "the test suite on a GPU, not a benchmark"),
+    ("Gemma 3 270M conversion 3 min 17 s, 4.3 GB peak RSS", "`/usr/bin/time -v python -m conversion ...`, by hand"),
 ]
 
 
+def doc_pages(root: Path = REPO_ROOT) -> dict[str, str]:
+    """README.md and every docs/*.md page, by their path from the repository root."""
+    paths = [root / README, *sorted((root / "docs").glob("*.md"))]
+    return {path.relative_to(root).as_posix(): path.read_text(encoding="utf-8") for path in paths}
+
+
+def _flat(text: str) -> str:
+    return " ".join(text.split())
+
+
+def states(text: str, figure: str) -> bool:
+    """Whether `text` holds `figure` as a whole number: "0.58" is not found in "10.58" nor in "0.585"."""
+    pattern = r"(?<!\d)(?<!\d[.,])" + re.escape(_flat(figure)) + r"(?!\d|[.,]\d)"
+    return re.search(pattern, _flat(text)) is not None
+
+
+def figure_problems(figure: Figure, pages: dict[str, str], results_dir: Path) -> list[str]:
+    """What no longer holds for one entry: its passage, its results files and their links, its quotes."""
+    if figure.page not in pages:
+        return [f"{figure.name}: page {figure.page} not found"]
+    page = pages[figure.page]
+    problems = [] if _flat(figure.passage) in _flat(page) else [f"{figure.name}: {figure.page} no longer holds the "
+                                                                 f"passage {figure.passage!r}"]
+    sources = []
+    for name in figure.results:
+        if not (results_dir / name).is_file():
+            problems.append(f"{figure.name}: results file {name} not found")
+            continue
+        if f"benchmarks/results/{name}" not in page:
+            problems.append(f"{figure.name}: {figure.page} does not link benchmarks/results/{name}")
+        sources.append((results_dir / name).read_text(encoding="utf-8"))
+    for quote in figure.quotes:
+        if not states(pages.get(quote.page, ""), quote.text):
+            problems.append(f"{figure.name}: {quote.page} no longer states {quote.text!r}")
+        elif sources and not any(states(source, quote.source or quote.text) for source in sources):
+            problems.append(f"{figure.name}: {quote.page} states {quote.text!r}, but {' / '.join(figure.results)} "
+                            f"hold no {quote.source or quote.text!r}")
+    return problems
+
+
+def check(pages: Optional[dict[str, str]] = None, results_dir: Path = RESULTS_DIR) -> list[str]:
+    """Every problem of every entry; none when README.md and docs/ state what the results files hold."""
+    pages = doc_pages() if pages is None else pages
+    return [problem for figure in FIGURES for problem in figure_problems(figure, pages, results_dir)]
+
+
 def markdown() -> str:
-    lines = ["| name | kind | ~min | figures in README.md | command |", "|---|---|---|---|---|"]
+    lines = ["| name | kind | ~min | page | figures | command |", "|---|---|---|---|---|---|"]
     for f in FIGURES:
         command = f.command + (f" > benchmarks/results/{f.stdout_to}" if f.stdout_to else "")
-        lines.append(f"| {f.name} | {f.kind} | {f.minutes:g} | {f.figures} | `{command}` |")
+        lines.append(f"| {f.name} | {f.kind} | {f.minutes:g} | {f.page} | {f.figures} | `{command}` |")
     cpu_minutes = sum(f.minutes for f in FIGURES if f.kind in ("cheap", "cpu"))
     lines += ["", f"The CPU ones in a row (`--run cpu`): ~{cpu_minutes:,.0f} min on the 2-core machine.", "",
               "Not reproduced by one command:", ""]
     lines += [f"- {figures}: {why}" for figures, why in HISTORICAL]
     return "\n".join(lines) + "\n"
-
-
-def missing_passages(readme_text: str) -> list[str]:
-    """Names of the figures whose README passage is no longer there (the README moved on; update the list)."""
-    flat = " ".join(readme_text.split())
-    return [f.name for f in FIGURES if " ".join(f.readme.split()) not in flat]
 
 
 def selected(choice: str) -> list[Figure]:
@@ -156,20 +281,23 @@ def rerun(figures: list[Figure], dry_run: bool) -> None:
         print(f"  done in {(time.perf_counter() - start) / 60:,.1f} min", flush=True)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--check", action="store_true", help="list the figures whose README passage is gone")
+    parser.add_argument("--check", action="store_true",
+                        help="list what README.md and docs/ no longer state as their results files hold")
     parser.add_argument("--run", help="cheap, cpu, cuda, or comma-separated names")
     parser.add_argument("--dry-run", action="store_true", help="with --run: print the commands only")
     args = parser.parse_args(argv)
     if args.check:
-        missing = missing_passages((REPO_ROOT / "README.md").read_text())
-        print("every passage found" if not missing else "README passages not found: " + ", ".join(missing))
-    elif args.run:
+        problems = check()
+        print("every figure found" if not problems else "\n".join(problems))
+        return 1 if problems else 0
+    if args.run:
         rerun(selected(args.run), args.dry_run)
     else:
         print(markdown(), end="")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

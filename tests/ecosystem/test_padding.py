@@ -5,7 +5,7 @@ sdpa; right-padded generate() gives official's tokens and official's right-paddi
 The one row allowed to differ is a query that sees no key at all (a left-padded row's leading padding queries, or a
 right-padded query further than a sliding window from the last real token): hf_tiny's attention returns zeros
 there in every backend, official's eager the average of the values it was handed (official's sdpa agrees with
-hf_tiny on CPU); see README "Compatibility". Such rows are checked only for being finite."""
+hf_tiny on CPU); see docs/compatibility.md, "Deliberate divergences". Such rows are checked only for being finite."""
 
 from __future__ import annotations
 

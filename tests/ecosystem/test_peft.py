@@ -15,7 +15,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 import hf_tiny
 
-# The documented LoRA targets (README "Fine-tuning with PEFT / LoRA"): attention projections of every attention
+# The documented LoRA targets (docs/compatibility.md, "PEFT / LoRA"): attention projections of every attention
 # module (self- and cross-attention) and the feed-forward projections; gate_proj exists only in gated MLPs.
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LAYERS = 2

@@ -1,6 +1,6 @@
 """Prints max |ours - official| of the logits at real tokens (fp32 CPU, the left-padded batch of the parity tests)
-for every MoE / DeepSeek-V3 / MPT variant the tests convert, per backend (and MLA's absorbed path). The README's
-Mixtral / Qwen-MoE / DeepSeek-V3 / MPT parity rows come from it:
+for every MoE / DeepSeek-V3 / MPT variant the tests convert, per backend (and MLA's absorbed path). The
+Mixtral / Qwen-MoE / DeepSeek-V3 / MPT parity rows of docs/parity.md come from it:
 
     python tests/helpers/architecture_parity.py
 """

@@ -1,6 +1,6 @@
 """Prints max |ours - official| per encoder variant and class (fp32 CPU, padded batch, every output the official
 class returns, per-token outputs at real tokens), worst over the shapes the parity tests use, for eager and sdpa.
-The README's encoder-variant parity rows come from it:
+The encoder-variant parity rows of docs/parity.md come from it:
 
     python tests/helpers/encoder_variant_parity.py
 """

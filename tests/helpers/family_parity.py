@@ -2,7 +2,7 @@
 official model (small random config with odd shapes, every weight random at std 0.3) loaded into hf_tiny's causal
 LM through the family's test-local key table (what conversion/ turns into a converter), then compared on a
 left-padded batch: logits per backend, greedy tokens through the cache, loss and gradients. Run as a script, it
-prints the logits errors of every variant per backend (README's parity rows): python tests/helpers/family_parity.py"""
+prints the logits errors of every variant per backend (docs/parity.md's rows): python tests/helpers/family_parity.py"""
 
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def assert_runtime_bit_identical(model, monkeypatch) -> None:
 
 
 def main() -> None:
-    """Prints, per family variant and backend, the logits error the tests bound (README's parity rows):
+    """Prints, per family variant and backend, the logits error the tests bound (docs/parity.md's rows):
     python tests/helpers/family_parity.py"""
     import llama4_models
     import olmo2_models

@@ -82,12 +82,3 @@ def test_bad_arguments_name_the_option(argv, message, capsys, monkeypatch):
     with pytest.raises(SystemExit):
         side_by_side.parse_args(argv)
     assert message in capsys.readouterr().err
-
-
-def test_every_readme_figure_entry_finds_its_passage():
-    from benchmarks import readme_figures
-
-    readme = (ROOT / "README.md").read_text()
-    assert readme_figures.missing_passages(readme) == []
-    # negative control: a README without the fusion passage
-    assert readme_figures.missing_passages(readme.replace("benchmarks.fusion", "x")) == ["fusion"]
