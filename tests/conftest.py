@@ -96,6 +96,16 @@ def single_torch_thread():
     torch.set_num_threads(previous)
 
 
+@pytest.fixture(scope="module")
+def no_tf32():
+    """fp32 products in fp32 on CUDA (TF32 off) for a module's parity tests against fp32 bounds; a module opts in with
+    `pytest.mark.usefixtures("no_tf32")`."""
+    previous = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
+
+
 @pytest.fixture
 def static_flex_compilation():
     """transformers compiles flex_attention; PyTorch's CPU code generation fails on the dynamic-shape recompiles

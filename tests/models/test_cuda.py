@@ -22,19 +22,12 @@ import hf_tiny  # noqa: F401
 from causal_helpers import left_padded_batch, max_diff, tiny_official
 from conversion import llama
 
-pytestmark = pytest.mark.cuda  # conftest skips these with a reason when CUDA is unavailable
+# conftest skips `cuda` tests with a reason when CUDA is unavailable
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("no_tf32")]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BACKENDS = ("eager", "sdpa", "flash_attention_2")
 FP32_TOLERANCE = 1e-4
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_tf32():
-    previous = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = previous
 
 
 @pytest.fixture(scope="module")
