@@ -5,7 +5,7 @@ from __future__ import annotations
 from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
-from .configuration_causal import check_layer_types
+from .layer_types import check_layer_types
 from .rope import rotary_dim, standardize_rope_parameters
 from .validation import check_bool, check_choice, check_divisible, check_finite_fields, check_positive, check_positive_number
 from .validation import check_non_negative, check_probability, check_token_ids, check_unsupported_field, init_arguments

@@ -77,7 +77,7 @@ class LatentAttention(nn.Module):
 
     @property
     def absorbed(self) -> bool:
-        return bool(getattr(self.config, "mla_absorb", False))
+        return bool(self.config.mla.mla_absorb)
 
     @property
     def num_key_value_groups(self) -> int:

@@ -10,7 +10,6 @@ from transformers import PreTrainedModel
 from .runtime import disable as disable_runtime, enable as enable_runtime, install as install_runtime
 from .attention import get_attention_interface
 from .layers import Attention, RMSNorm
-from .moe import TopKRouter
 from .saving import AtomicSaveAndCardMixin
 
 
@@ -73,12 +72,6 @@ class HfTinyPreTrainedModel(AtomicSaveAndCardMixin, PreTrainedModel):
                 module.bias.zero_()
         elif isinstance(module, RMSNorm):
             module.reset_weight()
-        elif isinstance(module, TopKRouter):
-            module.weight.normal_(mean=0.0, std=std)
-            if module.bias is not None:
-                module.bias.normal_(mean=0.0, std=std)  # as official GPT-OSS's router
-            if module.e_score_correction_bias is not None:
-                module.e_score_correction_bias.zero_()
         elif isinstance(module, Attention) and module.sinks is not None:
             module.sinks.normal_(mean=0.0, std=std)  # as official GPT-OSS
         # from_pretrained fills non-persistent buffers with garbage (empty_like on meta): modules that own such

@@ -33,11 +33,11 @@ from transformers.modeling_outputs import (
 )
 
 from .chunked_loss import labels_ahead, linear_cross_entropy, use_chunked_loss
-from .configuration_causal import TinyCausalConfig, field_value
+from .configuration_causal import TinyCausalConfig
 from .layers import Attention, ClampedSwiGLUFeedForward, RotaryEmbedding, build_norm, feed_forward, query_temperature
 from .mla import LatentAttention
 from .modeling_base import HfTinyPreTrainedModel
-from .moe import SparseMoeFeedForward, load_balancing_loss
+from .moe import SparseMoeFeedForward, TopKRouter, load_balancing_loss
 from .mtp import MtpLayer, generate_with_mtp, mtp_loss
 from .step import (
     LayerOutputs, check_extra_kwargs, check_skip_logits, format_output, output_flags, prepare_causal_step, cache_of,
@@ -63,7 +63,7 @@ def norm_of(config: TinyCausalConfig) -> nn.Module:
 def qk_norm_of(config: TinyCausalConfig, layer_idx: int) -> tuple[Optional[dict], str]:
     """(the RMSNorm arguments of the layer's q/k norm or None, where Attention applies it): qk_norm_type "head"
     and "projection" act before RoPE; Llama 4's "l2" has no weight and acts after RoPE, on rotary layers only."""
-    kind = field_value(config, "qk_norm_type")
+    kind = config.qk_norm_placement.qk_norm_type
     if not config.qk_norm or (kind == "l2" and not config.uses_rope(layer_idx)):
         return None, "head"
     if kind == "l2":
@@ -80,22 +80,22 @@ def attention_of(config: TinyCausalConfig, layer_idx: int) -> nn.Module:
         config, layer_idx, hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
         num_key_value_heads=config.num_key_value_heads, head_dim=config.head_dim, bias=config.attention_bias,
         output_bias=output_bias, scaling=config.attention_scale(), dropout=config.attention_dropout, is_causal=True,
-        qk_norm=qk_norm, qk_norm_at=qk_norm_at, sinks=field_value(config, "attention_sinks"),
+        qk_norm=qk_norm, qk_norm_at=qk_norm_at, sinks=config.sinks.attention_sinks,
     )
 
 
 def mlp_of(config: TinyCausalConfig, intermediate_size: int, *, gated: bool, bias: bool) -> nn.Module:
     """One feed-forward (a dense layer's or an expert): plain, gated, or GPT-OSS's clamped SwiGLU."""
-    limit = field_value(config, "swiglu_limit")
-    if limit is not None:
-        return ClampedSwiGLUFeedForward(config.hidden_size, intermediate_size, alpha=config.swiglu_alpha, limit=limit,
-                                        bias=bias)
+    swiglu = config.clamped_swiglu
+    if swiglu.swiglu_limit is not None:
+        return ClampedSwiGLUFeedForward(config.hidden_size, intermediate_size, alpha=swiglu.swiglu_alpha,
+                                        limit=swiglu.swiglu_limit, bias=bias)
     return feed_forward(config.hidden_size, intermediate_size, config.hidden_act, gated=gated, bias=bias)
 
 
 def feed_forward_of(config: TinyCausalConfig, layer_idx: int) -> nn.Module:
     if config.is_sparse_layer(layer_idx):
-        bias = field_value(config, "expert_bias")
+        bias = config.moe_biases.expert_bias
         return SparseMoeFeedForward(config.hidden_size, config.moe_spec(),
                                     lambda size: mlp_of(config, size, gated=True, bias=bias))
     return mlp_of(config, config.intermediate_size, gated=config.mlp_gated, bias=config.mlp_bias)
@@ -111,7 +111,7 @@ class TinyCausalDecoderLayer(GradientCheckpointingLayer):
 
     def __init__(self, config: TinyCausalConfig, layer_idx: int):
         super().__init__()
-        pre_norms = field_value(config, "pre_norms")
+        pre_norms = config.norm_layout.pre_norms
         self.input_layernorm = norm_of(config) if pre_norms else nn.Identity()
         self.self_attn = attention_of(config, layer_idx)
         self.attn_output_layernorm = norm_of(config) if config.sandwich_norms else nn.Identity()
@@ -137,13 +137,25 @@ class TinyCausalPreTrainedModel(HfTinyPreTrainedModel):
     _can_compile_fullgraph = True
     _supports_static_cache = True  # transformers 4.x name of the same promise
 
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        """The shared init (modeling_base.py), and the MoE router's, a module only this family has."""
+        super()._init_weights(module)
+        if isinstance(module, TopKRouter):
+            std = self.config.initializer_range
+            module.weight.normal_(mean=0.0, std=std)
+            if module.bias is not None:
+                module.bias.normal_(mean=0.0, std=std)  # as official GPT-OSS's router
+            if module.e_score_correction_bias is not None:
+                module.e_score_correction_bias.zero_()
+
 
 class TinyCausalModel(TinyCausalPreTrainedModel):
     """Embeddings -> N decoder layers -> final norm. Returns hidden states (and the cache)."""
 
     def __init__(self, config: TinyCausalConfig):
         super().__init__(config)
-        self.padding_idx = config.pad_token_id if field_value(config, "use_padding_idx") else None
+        self.padding_idx = config.pad_token_id if config.padding_row.use_padding_idx else None
         self.vocab_size = config.vocab_size
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         learned = config.position_embedding_type == "learned"
@@ -158,7 +170,7 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         self.rotary_emb = RotaryEmbedding(config, full, head_dim=config.rotary_head_dim()) if rope else None
         own_sliding = rope and sliding != full
         self.sliding_rotary_emb = RotaryEmbedding(config, sliding, head_dim=config.rotary_head_dim()) if own_sliding else None
-        self.nope_layers = frozenset(field_value(config, "nope_layers"))
+        self.nope_layers = frozenset(config.nope.nope_layers)
         self.is_moe = config.moe_spec() is not None
         self.cache_layout = config.cache_layout()  # (heads, key dimension) of what the KV cache holds per token
         self.gradient_checkpointing = False
@@ -188,8 +200,9 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         rotary = {kind: self.rotary_positions(hidden_states, step.position_ids, kind)
                   for kind in dict.fromkeys(self.config.layer_types)}
         nope = None
-        if self.nope_layers and field_value(self.config, "attn_temperature_tuning"):
-            nope = query_temperature(step.token_indices(), self.config.floor_scale, self.config.attn_scale)
+        temperature = self.config.attn_temperature if self.nope_layers else None
+        if temperature is not None and temperature.attn_temperature_tuning:
+            nope = query_temperature(step.token_indices(), temperature.floor_scale, temperature.attn_scale)
         return [nope if index in self.nope_layers else rotary[layer_type]
                 for index, layer_type in enumerate(self.config.layer_types)]
 
@@ -235,7 +248,7 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
             raise ValueError(
                 "output_router_logits=True needs a Mixture-of-Experts model; this one is dense (num_local_experts=0)"
             )
-        wanted = self.is_moe and (self.config.output_router_logits if output_router_logits is None else output_router_logits)
+        wanted = self.is_moe and (self.config.moe.output_router_logits if output_router_logits is None else output_router_logits)
         routers = [layer.mlp.gate for layer in self.layers if isinstance(layer.mlp, SparseMoeFeedForward)] if wanted else ()
         attention = [layer.self_attn for layer in self.layers] if flags.attentions else ()
         return LayerOutputs(flags, attention_modules=attention, routers=routers)
@@ -349,7 +362,7 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         Mixtral), and the loss with router_aux_loss_coef times it added."""
         aux_loss = self._aux_loss(router_logits, attention_mask) if router_logits else None
         if aux_loss is not None and loss is not None:
-            loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+            loss = loss + self.config.moe.router_aux_loss_coef * aux_loss.to(loss.device)
         return {"router_logits": router_logits, "aux_loss": aux_loss, "loss": loss}
 
     def _chunked_loss(self, hidden_states, labels, *, ignore_index=-100, shift_labels=None, num_items_in_batch=None):
@@ -363,7 +376,7 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
 
     def _mtp_loss(self, hidden_states, input_ids, attention_mask, position_ids, labels, kwargs, loss_kwargs):
         """L_MTP = mtp_loss_weight / D * sum_k L^k (mtp.py, eq. 21-25) while training; else None."""
-        if not self.training or not self.config.mtp_loss_weight:
+        if not self.training or not self.config.mtp.mtp_loss_weight:
             return None
         return mtp_loss(self, hidden_states, input_ids, attention_mask, position_ids, labels, kwargs, loss_kwargs)
 

@@ -1,5 +1,6 @@
 """Mixture-of-Experts feed-forward: a router picks k of E expert MLPs for each token, and the token's output is
-the weighted sum of those k experts' outputs (plus, in some models, shared experts that see every token).
+the weighted sum of those k experts' outputs (plus, in some models, shared experts that see every token). `Moe` is
+the causal config's table of its fields (causal_mechanisms.py holds the other mechanisms' tables).
 
 Parameters grow with E while the compute per token stays that of k experts. The three routings of today's
 checkpoints are options of one router:
@@ -22,14 +23,140 @@ transformers computes it for Mixtral / Qwen-MoE.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .causal_mechanisms import Mechanism
+from .validation import check_bool, check_choice, check_divisible, check_non_negative, check_non_negative_number
+from .validation import check_positive, check_positive_number, check_probability
+
 ROUTER_SCORINGS = ("softmax", "sigmoid", "topk_softmax", "topk_sigmoid")
+MLP_LAYER_TYPES = ("dense", "sparse")
+
+
+@dataclass(frozen=True)
+class Moe(Mechanism):
+    """Mixture-of-Experts (Mixtral, Qwen-MoE, DeepSeek-V3, GPT-OSS, Llama 4; moe.py), on when num_local_experts > 0:
+    - num_local_experts E routed experts (SwiGLU, moe_intermediate_size wide; default intermediate_size), of which
+      the router picks num_experts_per_tok per token.
+    - router_scoring: "softmax" (Mixtral, Qwen), "sigmoid" (DeepSeek-V3, with e_score_correction_bias),
+      "topk_softmax" (GPT-OSS: the k largest router logits, softmax over them, in their dtype) or "topk_sigmoid"
+      (Llama 4: the k largest logits choose, weighed by their sigmoid); norm_topk_prob renormalizes the k weights;
+      routed_scaling_factor multiplies them; n_group / topk_group restrict the choice to the best groups of experts
+      (DeepSeek-V3).
+    - shared_expert_intermediate_size > 0: shared experts every token goes through (DeepSeek: n_shared_experts *
+      moe_intermediate_size), scaled by sigmoid(shared_expert_gate(x)) when shared_expert_gate (Qwen2-MoE).
+    - mlp_layer_types: "dense" or "sparse" per layer (default: all sparse); first_k_dense_replace=N is accepted
+      instead and makes the first N layers dense (DeepSeek). Dense layers use intermediate_size.
+    - output_router_logits: return each sparse layer's router logits; with labels the loss then adds
+      router_aux_loss_coef times the load-balancing loss. router_jitter_noise: Mixtral's multiplicative input noise
+      while training."""
+
+    num_local_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: Optional[int] = None
+    router_scoring: str = "softmax"
+    norm_topk_prob: bool = True
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
+    mlp_layer_types: Optional[list] = None
+    router_aux_loss_coef: float = 0.001
+    router_jitter_noise: float = 0.0
+    output_router_logits: bool = False
+
+    def in_use(self, config) -> bool:
+        return bool(self.num_local_experts)
+
+    def checked(self, owner: str, config) -> "Moe":
+        """Also fills in moe_intermediate_size (intermediate_size) and mlp_layer_types (from first_k_dense_replace,
+        a keyword the config takes but does not hold)."""
+        experts, dense_first = self.num_local_experts, config.first_k_dense_replace
+        check_non_negative(owner, "0: every layer has a dense feed-forward", num_local_experts=experts)
+        if experts == 0:
+            if dense_first is not None or (self.mlp_layer_types is not None and "sparse" in self.mlp_layer_types):
+                raise ValueError(
+                    f"{owner}: first_k_dense_replace={dense_first!r} / mlp_layer_types={self.mlp_layer_types!r} ask "
+                    "for sparse (MoE) layers but num_local_experts=0; set num_local_experts"
+                )
+            return self
+        self._check_routing(owner)
+        size = config.intermediate_size if self.moe_intermediate_size is None else self.moe_intermediate_size
+        self._check_experts(owner, config, size)
+        layer_types = _mlp_layer_types(owner, self.mlp_layer_types, config.num_hidden_layers, dense_first)
+        return replace(self, moe_intermediate_size=size, mlp_layer_types=layer_types)
+
+    def _check_routing(self, owner: str) -> None:
+        experts, top_k, groups, best_groups = self.num_local_experts, self.num_experts_per_tok, self.n_group, self.topk_group
+        check_positive(owner, num_experts_per_tok=top_k, n_group=groups, topk_group=best_groups)
+        if top_k > experts:
+            raise ValueError(f"{owner}: num_experts_per_tok={top_k} exceeds num_local_experts={experts}")
+        check_divisible(owner, "num_local_experts", experts, "n_group", groups)
+        if best_groups > groups:
+            raise ValueError(f"{owner}: topk_group={best_groups} exceeds n_group={groups}")
+        if groups > 1:
+            per_group = experts // groups
+            if per_group < 2:
+                raise ValueError(
+                    f"{owner}: grouped routing scores a group by its two best experts; n_group={groups} leaves "
+                    f"{per_group} expert(s) per group of num_local_experts={experts}"
+                )
+            if top_k > best_groups * per_group:
+                raise ValueError(
+                    f"{owner}: num_experts_per_tok={top_k} exceeds the {best_groups * per_group} experts of the "
+                    f"topk_group={best_groups} groups a token may use (num_local_experts={experts}, n_group={groups})"
+                )
+        check_choice(owner, "router_scoring", self.router_scoring, ROUTER_SCORINGS)
+        if self.router_scoring == "topk_softmax" and (self.n_group != 1 or self.norm_topk_prob is not True):
+            raise ValueError(
+                f"{owner}: router_scoring='topk_softmax' (softmax over the k chosen logits, which sum to 1) takes no "
+                f"expert groups and no renormalization switch; got n_group={self.n_group}, "
+                f"norm_topk_prob={self.norm_topk_prob!r} (leave them at 1 and True)"
+            )
+
+    def _check_experts(self, owner: str, config, size: int) -> None:
+        check_positive(owner, moe_intermediate_size=size)
+        check_non_negative(owner, "0: no shared experts", shared_expert_intermediate_size=self.shared_expert_intermediate_size)
+        check_bool(owner, norm_topk_prob=self.norm_topk_prob, shared_expert_gate=self.shared_expert_gate,
+                   output_router_logits=self.output_router_logits)
+        if self.shared_expert_gate and not self.shared_expert_intermediate_size:
+            raise ValueError(f"{owner}: shared_expert_gate=True needs shared experts; shared_expert_intermediate_size=0")
+        check_positive_number(owner, routed_scaling_factor=self.routed_scaling_factor)
+        check_probability(owner, router_jitter_noise=self.router_jitter_noise)
+        check_non_negative_number(owner, router_aux_loss_coef=self.router_aux_loss_coef)
+        if not config.mlp_gated or config.mlp_bias:
+            raise ValueError(
+                f"{owner}: MoE experts are gated (SwiGLU) MLPs without biases; num_local_experts="
+                f"{self.num_local_experts} needs mlp_gated=True and mlp_bias=False, got mlp_gated={config.mlp_gated}, "
+                f"mlp_bias={config.mlp_bias}"
+            )
+
+
+def _mlp_layer_types(owner: str, mlp_layer_types, num_hidden_layers: int, first_k_dense_replace) -> list[str]:
+    if mlp_layer_types is None:
+        dense = 0 if first_k_dense_replace is None else first_k_dense_replace
+        check_non_negative(owner, first_k_dense_replace=dense)
+        if dense > num_hidden_layers:
+            raise ValueError(f"{owner}: first_k_dense_replace={dense} exceeds num_hidden_layers={num_hidden_layers}")
+        return ["dense"] * dense + ["sparse"] * (num_hidden_layers - dense)
+    if first_k_dense_replace is not None:
+        raise ValueError(f"{owner}: pass mlp_layer_types or first_k_dense_replace, not both")
+    if not isinstance(mlp_layer_types, (list, tuple)) or len(mlp_layer_types) != num_hidden_layers:
+        raise ValueError(
+            f"{owner}: mlp_layer_types must list one of {list(MLP_LAYER_TYPES)} per layer "
+            f"(num_hidden_layers={num_hidden_layers}), got {mlp_layer_types!r}"
+        )
+    for index, kind in enumerate(mlp_layer_types):
+        if kind not in MLP_LAYER_TYPES:
+            raise ValueError(f"{owner}: mlp_layer_types[{index}]={kind!r}; choose one of {list(MLP_LAYER_TYPES)}")
+    return list(mlp_layer_types)
+
 
 
 @dataclass(frozen=True)
@@ -177,4 +304,4 @@ def load_balancing_loss(
     return num_experts * torch.sum((assignments / rows) * (probabilities / rows))
 
 
-__all__ = ["MoeSpec", "TopKRouter", "SparseMoeFeedForward", "load_balancing_loss", "ROUTER_SCORINGS"]
+__all__ = ["Moe", "MoeSpec", "TopKRouter", "SparseMoeFeedForward", "load_balancing_loss", "ROUTER_SCORINGS"]

@@ -86,7 +86,7 @@ def mtp_loss(model, hidden_states, input_ids, attention_mask, position_ids, labe
             layer.norm(previous), None, ignore_index=ignore_index, shift_labels=labels_ahead(labels, depth + 1, ignore_index),
             num_items_in_batch=loss_kwargs.get("num_items_in_batch"),
         )
-    return model.config.mtp_loss_weight / len(model.mtp) * total
+    return model.config.mtp.mtp_loss_weight / len(model.mtp) * total
 
 
 _UNSET = object()  # an argument not given (None is a value: "no eos token")

@@ -674,7 +674,7 @@ def causal_masks(model, attention_mask, cache, shape: CausalShape, segment_ids) 
     masks = {}
     for layer_type in layer_types:
         window = config.sliding_window if layer_type == "sliding_attention" else None
-        chunk = config.attention_chunk_size if layer_type == "chunked_attention" else None
+        chunk = config.chunked_attention.attention_chunk_size if layer_type == "chunked_attention" else None
         if segment_ids is not None:
             masks[layer_type] = packed_causal_mask(segment_ids, sliding_window=window, chunk_size=chunk)
             continue
@@ -775,7 +775,7 @@ def _with_alibi(config, mask: AttentionMask, cache, shape: CausalShape, layer_ty
     key_length, key_offset = key_layout(cache, shape, config.layer_types.index(layer_type))
     queries = torch.arange(shape.query_length, device=shape.device) + shape.past_length
     keys = torch.arange(key_length, device=shape.device) + key_offset
-    slopes = alibi_slopes(config.num_attention_heads, config.alibi_bias_max)
+    slopes = alibi_slopes(config.num_attention_heads, config.alibi_bias.alibi_bias_max)
     return with_position_bias(mask, alibi_bias(slopes, queries, keys), dtype)
 
 
