@@ -15,11 +15,11 @@ Transformers backend reads.
 from __future__ import annotations
 
 import inspect
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
-from .attention import causal_bool_mask, visible_rows
+from .masks import causal_bool_mask, visible_rows
 
 def paged_cache_update(cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int, kwargs: dict):
     """Stores this step's K/V [1, Hkv, S, D] in transformers' PagedAttentionCache and returns the sequences' K/V

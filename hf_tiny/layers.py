@@ -284,14 +284,14 @@ def update_cache(cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int, 
 
 
 def interface_inputs(module, attention_mask, query: torch.Tensor, key: torch.Tensor, attention_kwargs: dict):
-    """(mask, is_causal, visible rows or None) from a step.AttentionMask (or None) for the function
-    module.config._attn_implementation names: ours take it as it is (packed rows' segment_ids into
-    attention_kwargs), transformers' take their own forms (engines.foreign_mask)."""
-    mask, is_causal, segment_ids = attention_mask if attention_mask is not None else (None, False, None)
+    """(mask, is_causal, visible rows or None) from a masks.AttentionMask (or None) for the function
+    module.config._attn_implementation names: ours take it as it is (its declared layout into attention_kwargs, for
+    the flash kernels), transformers' take their own forms (engines.foreign_mask)."""
+    mask, is_causal, layout = attention_mask if attention_mask is not None else (None, False, None)
     implementation = module.config._attn_implementation
     if is_hf_tiny_backend(implementation):
-        if segment_ids is not None:
-            attention_kwargs["segment_ids"] = segment_ids
+        if layout is not None:
+            attention_kwargs["layout"] = layout
         return mask, is_causal, None
     return foreign_mask(module, implementation, mask, is_causal, query, key.shape[2])
 
@@ -387,7 +387,7 @@ class Attention(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, position_embeddings=None, *, cache=None,
                 key_value_states: Optional[torch.Tensor] = None, output_attentions: bool = False, **attention_kwargs):
-        """attention_mask: a step.AttentionMask; position_embeddings: (cos, sin), a QueryTemperature or None;
+        """attention_mask: a masks.AttentionMask; position_embeddings: (cos, sin), a QueryTemperature or None;
         cache: a transformers Cache or continuous batching's paged cache (cross-attention: an EncoderDecoderCache or
         its cross-attention cache); attention_kwargs travel to the attention function."""
         batch, length = hidden_states.shape[:2]

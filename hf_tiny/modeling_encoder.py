@@ -36,10 +36,11 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .configuration_encoder import TinyEncoderConfig
 from .layers import Attention, RotaryEmbedding, feed_forward
+from .masks import encoder_masks
 from .modeling_base import HfTinyPreTrainedModel
 from .step import (
-    LayerOutputs, check_attention_mask, check_positions, check_sequence_length, check_token_inputs, encoder_masks,
-    format_output, output_flags,
+    LayerOutputs, check_attention_mask, check_positions, check_sequence_length, check_token_inputs, format_output,
+    output_flags,
 )
 from .validation import check_answer_positions, check_labels, check_sequence_labels, is_compiling, sequence_problem_type
 

@@ -31,10 +31,10 @@ from .chunked_loss import linear_cross_entropy, use_chunked_loss
 from .configuration_seq2seq import TinySeq2SeqConfig
 from .layers import Attention, build_norm, feed_forward
 from .modeling_base import HfTinyPreTrainedModel
+from .masks import AttentionMask, cross_attention_mask, self_attention_mask, with_position_bias
 from .step import (
-    AttentionMask, LayerOutputs, OutputFlags, cache_arguments, cache_of, check_attention_mask, check_sequence_length,
-    check_token_inputs, cross_attention_mask, format_output, output_flags, self_attention_mask, with_cache,
-    with_position_bias,
+    LayerOutputs, OutputFlags, cache_arguments, cache_of, check_attention_mask, check_sequence_length,
+    check_token_inputs, format_output, output_flags, with_cache,
 )
 from .transformers_api import check_cached_generation
 from .validation import check_labels
@@ -149,10 +149,12 @@ class TinySeq2SeqLayer(GradientCheckpointingLayer):
         return norm(hidden_states + self.dropout(sublayer(hidden_states)))
 
     def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None, *,
-                is_causal: bool = False, cache=None, output_attentions: bool = False) -> torch.Tensor:
+                is_causal: bool = False, layouts=(None, None), cache=None, output_attentions: bool = False) -> torch.Tensor:
         """Masks arrive as plain tensors among the positional arguments because reentrant gradient checkpointing
-        re-feeds only top-level tensors: T5's relative-position bias, folded into the mask, needs gradients."""
-        self_mask, cross_mask = AttentionMask(attention_mask, is_causal), AttentionMask(encoder_attention_mask, False)
+        re-feeds only top-level tensors: T5's relative-position bias, folded into the mask, needs gradients. layouts:
+        the masks.MaskLayout of the self-attention mask and of the cross-attention mask."""
+        self_mask = AttentionMask(attention_mask, is_causal, layouts[0])
+        cross_mask = AttentionMask(encoder_attention_mask, False, layouts[1])
         self_cache = None if cache is None else cache.self_attention_cache  # an EncoderDecoderCache's own part
         hidden_states = self._residual(hidden_states, self.input_layernorm, lambda x: self.self_attn(
             x, self_mask, cache=self_cache, output_attentions=output_attentions)[0])
@@ -245,7 +247,8 @@ class TinySeq2SeqStack(nn.Module):
                 collected.add_hidden(hidden_states)
                 # encoder states are positional so that gradient checkpointing propagates their gradients
                 hidden_states = layer(hidden_states, self_mask.mask, encoder_hidden_states, cross_mask.mask,
-                                      is_causal=self_mask.is_causal, cache=cache, output_attentions=output_attentions)
+                                      is_causal=self_mask.is_causal, layouts=(self_mask.layout, cross_mask.layout),
+                                      cache=cache, output_attentions=output_attentions)
             if self.norm is not None:
                 hidden_states = self.dropout(self.norm(hidden_states))
             collected.add_hidden(hidden_states)

@@ -23,7 +23,7 @@ from transformers.cache_utils import DynamicCache
 
 from .chunked_loss import labels_ahead
 from .layers import build_norm
-from .step import AttentionMask, CausalShape, causal_mask, packed_causal_mask, segment_ids_from_position_ids
+from .masks import AttentionMask, CausalShape, causal_mask, packed_causal_mask, segment_ids_from_position_ids
 
 
 class MtpLayer(nn.Module):

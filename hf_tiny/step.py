@@ -1,45 +1,31 @@
 """Step preparation: a forward's arguments turned, once per forward, into what the layers read.
 
-A model forward calls one function here first (`prepare_causal_step`, or the masks of the encoder and seq2seq
-stacks) and hands its layers prepared values: the cache, the position ids, and one attention mask per layer type.
-Everything about transformers' calling contract is read here and nowhere in the math: the two names of the cache
-argument (`cache` from transformers 5.24 on, `past_key_values` before), the field name of outputs, the keyword
-arguments of packing and continuous batching, the checks that turn a bad input into an error naming the field.
-
-Masks have one representation, `AttentionMask(mask, is_causal, segment_ids)`: mask is None (plain causality or
-nothing to mask, so that kernels take their fast path), a bool tensor [B, 1, Sq, Sk] (True = attend), or a float
-tensor holding an additive bias (T5's relative buckets, ALiBi) with masked entries at the dtype's lowest value.
-
-Padding rules, the same in every family and every backend: keys that are padding are never attended to; queries
-are never masked for being padding. A padded query therefore sees the real tokens before it (right padding), as in
-official transformers' eager and sdpa; a query that sees no key at all (left padding's pad positions in causal
-attention) gives zeros, where official's kernels give the average of the values they were handed. Packed
-(padding-free) rows hold several sequences one after the other: position_ids restarting at 0, or cu_seq_lens_q/k,
-give the boundaries, no token attends across them, and `segment_ids` [B, S] travel with the mask for the kernels
-that take boundaries instead of masks (flash varlen).
+A model forward calls one function here first (`prepare_causal_step`, or the checks and masks.py's masks of the
+encoder and seq2seq stacks) and hands its layers prepared values: the cache, the position ids, and one attention
+mask per layer type (masks.py: each with its layout declared). Everything about transformers' calling contract is
+read here and nowhere in the math: the two names of the cache argument (`cache` from transformers 5.24 on,
+`past_key_values` before), the field name of outputs, the keyword arguments of packing and continuous batching, the
+checks that turn a bad input into an error naming the field.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 from dataclasses import dataclass, field
-from typing import NamedTuple, Optional, Union
+from typing import Optional, Union
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.utils import ModelOutput
 
-from .attention import causal_bool_mask, is_hf_tiny_backend
+from .attention import is_hf_tiny_backend
 from .engines import interface_takes_mask
+from .masks import (
+    AttentionMask, CausalShape, alibi_mask, causal_mask, chunked_layer_mask, packed_causal_mask, refuse_alibi,
+    segment_ids_from_cu_seq_lens, segment_ids_from_position_ids, segment_ids_from_seq_idx,
+)
 
 is_compiling = torch.compiler.is_compiling
-
-
-class AttentionMask(NamedTuple):
-    mask: Optional[torch.Tensor]
-    is_causal: bool
-    segment_ids: Optional[torch.Tensor] = None  # packed rows only: [B, S] sequence index of each token
 
 
 # ---- the cache's two names, and the outputs' -----------------------------------------------------------------------
@@ -290,259 +276,6 @@ def check_extra_kwargs(owner: str, kwargs: dict, allowed: tuple, ignored: tuple 
     return {k: v for k, v in kwargs.items() if k in allowed}
 
 
-# ---- masks ----------------------------------------------------------------------------------------------------------
-
-# An additive mask value at or below this is "masked": exp(-1e4) is 0 in every dtype (the oldest convention,
-# BERT's -10000.0, and finfo.min both qualify). Values between it and 0 are biases, which a bool mask cannot hold.
-_MASKED_AT_OR_BELOW = -1e4
-
-
-def ready_4d_mask(attention_mask: torch.Tensor, *, query_length: int, key_length: int) -> torch.Tensor:
-    """A caller's 4-D mask: bool (True = attend) as it is, float additive (0 = attend, large negative = masked,
-    e.g. transformers' eager masks) as a bool, integer 1/0 as a bool."""
-    if attention_mask.dim() != 4 or attention_mask.shape[-2:] != (query_length, key_length):
-        raise ValueError(
-            f"attention_mask of shape {tuple(attention_mask.shape)} does not match {query_length} queries and "
-            f"{key_length} keys; expected [batch, 1, {query_length}, {key_length}]"
-        )
-    if attention_mask.dtype == torch.bool:
-        return attention_mask
-    if attention_mask.is_floating_point():
-        attend = attention_mask == 0
-        if not is_compiling():
-            ambiguous = ~attend & (attention_mask > _MASKED_AT_OR_BELOW)
-            if bool(ambiguous.any()):
-                raise ValueError(
-                    "a float 4-D attention_mask must hold 0 (attend) or a large negative value <= "
-                    f"{_MASKED_AT_OR_BELOW:g} (masked); it holds {attention_mask[ambiguous][0].item()!r}. Pass an "
-                    "additive bias through step.with_position_bias, or a bool mask"
-                )
-        return attend
-    return attention_mask != 0
-
-
-def self_attention_mask(attention_mask, *, batch_size: int, query_length: int, key_length: int, causal: bool,
-                        sliding_window: Optional[int] = None, device: torch.device) -> AttentionMask:
-    """Self-attention of query_length new tokens over key_length keys (cached + new), aligned bottom-right;
-    attention_mask None, 2-D [B, key_length] 1/0, or a ready 4-D mask; a query sees the last sliding_window keys."""
-    _check_self_attention(attention_mask, batch_size, query_length, key_length, causal, sliding_window)
-    if attention_mask is not None and attention_mask.dim() == 4:
-        return AttentionMask(ready_4d_mask(attention_mask, query_length=query_length, key_length=key_length), causal)
-    return _self_attention(attention_mask, batch_size, query_length, key_length, causal, sliding_window, device)
-
-
-def _self_attention(attention_mask, batch_size: int, query_length: int, key_length: int, causal: bool,
-                    sliding_window: Optional[int], device) -> AttentionMask:
-    """self_attention_mask for checked arguments and a 2-D mask or none."""
-    # under torch.compile the padding mask is always applied: no branch on the data
-    padded = attention_mask is not None and (is_compiling() or not bool(attention_mask.all()))
-    windowed = causal and sliding_window is not None and key_length > sliding_window
-    if not padded and not windowed and (not causal or query_length in (1, key_length)):
-        return AttentionMask(None, causal and query_length > 1)
-    if causal:
-        mask = causal_bool_mask(query_length, key_length, device, window=sliding_window if windowed else None)
-    else:
-        mask = torch.ones(query_length, key_length, dtype=torch.bool, device=device)
-    mask = mask[None, None].expand(batch_size, 1, query_length, key_length)
-    if padded:
-        mask = mask & attention_mask.to(device=device, dtype=torch.bool)[:, None, None, :]
-    return AttentionMask(mask, causal)
-
-
-def encoder_masks(config, attention_mask, *, batch_size: int, length: int, device: torch.device) -> dict:
-    """{layer type: AttentionMask} of a bidirectional encoder's layers, built once per forward: full attention over
-    the real tokens, and for sliding layers (ModernBERT's local attention) only the keys at most
-    config.sliding_window positions before or after the query (transformers' bidirectional sliding window). A 4-D
-    attention_mask is the caller's whole mask, for every layer type, as official masks take it."""
-    full = self_attention_mask(attention_mask, batch_size=batch_size, query_length=length, key_length=length,
-                               causal=False, device=device)
-    masks = {"full_attention": full}
-    if "sliding_attention" in config.attention_types():
-        given = attention_mask is not None and attention_mask.dim() == 4
-        masks["sliding_attention"] = full if given else _within_reach(full, config.sliding_window, batch_size, length, device)
-    return masks
-
-
-def _within_reach(mask: AttentionMask, reach: int, batch_size: int, length: int, device) -> AttentionMask:
-    """The bidirectional mask `mask` limited to keys at most `reach` positions from the query."""
-    if length <= reach + 1:  # every key is within reach
-        return mask
-    positions = torch.arange(length, device=device)
-    near = (positions[:, None] - positions[None, :]).abs() <= reach
-    if mask.mask is None:
-        return AttentionMask(near[None, None].expand(batch_size, 1, length, length), False)
-    return AttentionMask(mask.mask & near, False)
-
-
-def _check_self_attention(attention_mask, batch_size, query_length, key_length, causal, sliding_window) -> None:
-    if not 1 <= query_length <= key_length:
-        raise ValueError(
-            f"self-attention needs 1 <= query_length <= key_length (keys = cached + new tokens); got "
-            f"query_length={query_length}, key_length={key_length}"
-        )
-    if sliding_window is not None and (not causal or isinstance(sliding_window, bool) or sliding_window < 1):
-        raise ValueError(
-            f"sliding_window={sliding_window!r}: a sliding window must be a positive int and applies to causal "
-            f"self-attention only (causal={causal})"
-        )
-    if attention_mask is not None and attention_mask.dim() == 4 and attention_mask.shape[0] not in (1, batch_size):
-        raise ValueError(f"attention_mask of shape {tuple(attention_mask.shape)} does not match batch_size={batch_size}")
-    if attention_mask is not None and attention_mask.dim() not in (2, 4):
-        raise ValueError(
-            f"attention_mask must be 2-D [batch, key_length] or 4-D [batch, 1, query, key]; got shape "
-            f"{tuple(attention_mask.shape)}"
-        )
-    if attention_mask is not None and attention_mask.dim() == 2 and tuple(attention_mask.shape) != (batch_size, key_length):
-        raise ValueError(
-            f"attention_mask of shape {tuple(attention_mask.shape)} does not match batch_size={batch_size} and "
-            f"key_length={key_length} (cached + new tokens); expected [{batch_size}, {key_length}]"
-        )
-
-
-def cross_attention_mask(encoder_attention_mask, *, query_length: int) -> AttentionMask:
-    """Decoder queries over encoder keys: only the encoder's padding is masked."""
-    if encoder_attention_mask is None:
-        return AttentionMask(None, False)
-    if encoder_attention_mask.dim() == 4:
-        key_length = encoder_attention_mask.shape[-1]
-        return AttentionMask(ready_4d_mask(encoder_attention_mask, query_length=query_length, key_length=key_length), False)
-    if encoder_attention_mask.dim() != 2:
-        raise ValueError(
-            f"encoder_attention_mask must be 2-D [batch, encoder_length]; got shape {tuple(encoder_attention_mask.shape)}"
-        )
-    if not is_compiling() and bool(encoder_attention_mask.all()):  # no padding (compiled: always the mask)
-        return AttentionMask(None, False)
-    batch, key_length = encoder_attention_mask.shape
-    return AttentionMask(encoder_attention_mask.to(torch.bool)[:, None, None, :].expand(batch, 1, query_length, key_length), False)
-
-
-def _broadcasts(*shapes) -> bool:
-    try:
-        torch.broadcast_shapes(*shapes)
-    except RuntimeError:
-        return False
-    return True
-
-
-def with_position_bias(mask: AttentionMask, bias: torch.Tensor, dtype: torch.dtype) -> AttentionMask:
-    """Folds an additive position bias (T5 relative buckets, ALiBi; [1|B, H, Sq, Sk]) and the mask into one float
-    mask."""
-    if bias.dim() != 4 or (mask.mask is not None and not _broadcasts(mask.mask.shape, bias.shape)):
-        mask_shape = None if mask.mask is None else tuple(mask.mask.shape)
-        raise ValueError(
-            f"position bias of shape {tuple(bias.shape)} must be [1 or batch, heads, query, key] and match the "
-            f"mask of shape {mask_shape}"
-        )
-    bias = bias.to(dtype)
-    if mask.mask is None and mask.is_causal:
-        sq, sk = bias.shape[-2:]
-        mask = AttentionMask(causal_bool_mask(sq, sk, bias.device)[None, None], True)
-    if mask.mask is None:
-        return AttentionMask(bias, mask.is_causal)
-    lowest = torch.tensor(torch.finfo(dtype).min, dtype=dtype, device=bias.device)
-    return AttentionMask(torch.where(mask.mask, bias, lowest), mask.is_causal)
-
-
-def alibi_slopes(num_heads: int, max_bias: float = 8.0) -> torch.Tensor:
-    """ALiBi (Press et al. 2022): [num_heads] float32 slopes as BLOOM and MPT compute them: for n heads with p = the
-    largest power of two <= n, the geometric sequence m_k = 2^(-max_bias * k / p), k = 1 .. p, then (n > p) the
-    n - p slopes halfway between those, 2^(-max_bias * (2k - 1) / (2p)), k = 1 .. n - p."""
-    power = 2 ** math.floor(math.log2(num_heads))
-    slopes = [2.0 ** (-max_bias * k / power) for k in range(1, power + 1)]
-    slopes += [2.0 ** (-max_bias * (2 * k - 1) / (2 * power)) for k in range(1, num_heads - power + 1)]
-    return torch.tensor(slopes, dtype=torch.float32)
-
-
-def alibi_bias(slopes: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
-    """[1, H, Sq, Sk] bias -m_h * (query position - key position), in float32 (masked entries are set by the mask)."""
-    distance = (query_positions[:, None] - key_positions[None, :]).to(torch.float32)
-    return -(slopes.to(distance.device)[:, None, None] * distance)[None]
-
-
-def segment_ids_from_position_ids(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
-    """[B, S] index of the sequence each token belongs to, where a sequence starts wherever position ids do not
-    continue by +1 (transformers' `find_packed_sequence_indices` rule); None when every row holds one sequence.
-    Under torch.compile the ids are always returned (no data-dependent branch)."""
-    first = position_ids[:, :1] - 1
-    segment_ids = (torch.diff(position_ids, prepend=first, dim=-1) != 1).cumsum(-1)
-    if not is_compiling() and not bool(segment_ids[:, -1].any()):
-        return None
-    return segment_ids
-
-
-def _split_at_chunks(segment_ids: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """[B, S] segment ids split further at every chunk_size-th token of each segment."""
-    index = torch.arange(segment_ids.shape[-1], device=segment_ids.device).expand_as(segment_ids)
-    starts = torch.ones_like(segment_ids, dtype=torch.bool)
-    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
-    segment_start = torch.where(starts, index, 0).cummax(-1).values
-    chunk_starts = starts | ((index - segment_start) % chunk_size == 0)
-    return chunk_starts.long().cumsum(-1) - 1
-
-
-def segment_ids_from_cu_seq_lens(cu_seq_lens, *, batch_size: int, length: int, field: str = "cu_seq_lens_q") -> torch.Tensor:
-    """[1, S] sequence index of each token from cumulative sequence lengths [0, l0, l0 + l1, ..., S] (the flash
-    varlen convention that `DataCollatorWithFlattening(return_flash_attn_kwargs=True)` produces)."""
-    if not isinstance(cu_seq_lens, torch.Tensor) or cu_seq_lens.dim() != 1 or cu_seq_lens.is_floating_point():
-        shape = tuple(cu_seq_lens.shape) if isinstance(cu_seq_lens, torch.Tensor) else type(cu_seq_lens).__name__
-        raise ValueError(f"{field} must be a 1-D integer tensor [0, len0, len0 + len1, ...], got {shape}")
-    if batch_size != 1:
-        raise ValueError(f"{field} describes sequences packed into one row; the input has batch_size={batch_size} (expected 1)")
-    if not is_compiling():
-        values = cu_seq_lens.tolist()
-        if len(values) < 2 or values[0] != 0 or values[-1] != length or any(b <= a for a, b in zip(values, values[1:])):
-            raise ValueError(f"{field}={values} must start at 0, increase strictly and end at the packed length {length}")
-    token = torch.arange(length, device=cu_seq_lens.device)
-    return (torch.searchsorted(cu_seq_lens[1:-1].to(token.dtype), token, right=True))[None, :]
-
-
-def segment_ids_from_seq_idx(seq_idx, *, batch_size: int, length: int) -> torch.Tensor:
-    """[B, S] sequence index of each token as TRL's padding-free collator gives it (seq_idx, one row of int32)."""
-    if not isinstance(seq_idx, torch.Tensor) or seq_idx.is_floating_point() or seq_idx.dim() != 2 or (
-        seq_idx.shape[-1] != length or seq_idx.shape[0] not in (1, batch_size)
-    ):
-        shape = tuple(seq_idx.shape) if isinstance(seq_idx, torch.Tensor) else type(seq_idx).__name__
-        raise ValueError(f"seq_idx must be an integer tensor of shape ({batch_size}, {length}) (each token's sequence "
-                         f"index), got {shape}")
-    return seq_idx.expand(batch_size, -1)
-
-
-def packed_causal_mask(segment_ids: torch.Tensor, *, sliding_window: Optional[int] = None,
-                       chunk_size: Optional[int] = None) -> AttentionMask:
-    """Causal attention inside each packed sequence and none across them: bool [B, 1, S, S]. With chunk_size each
-    sequence's chunks (of its own positions 0, 1, ..) attend as sequences of their own, and are segments of their
-    own for the kernels that read segment ids."""
-    if chunk_size is not None:
-        segment_ids = _split_at_chunks(segment_ids, chunk_size)
-    seq = segment_ids.shape[-1]
-    mask = causal_bool_mask(seq, seq, segment_ids.device)
-    if sliding_window is not None:
-        rows = torch.arange(seq, device=segment_ids.device)[:, None]
-        mask = mask & (rows - torch.arange(seq, device=segment_ids.device)[None, :] < sliding_window)
-    same_sequence = segment_ids[:, :, None] == segment_ids[:, None, :]
-    return AttentionMask((mask[None] & same_sequence)[:, None], True, segment_ids)
-
-
-def static_cache_mask(attention_mask, past_length, key_offset, key_length: int, batch_size: int, query_length: int,
-                      window: Optional[int], device: torch.device) -> AttentionMask:
-    """Causal bool mask [B, 1, Sq, key_length] for caches whose keys are not simply the last keys (static caches).
-    Key slot j holds absolute position key_offset + j; query i sits at absolute position past_length + i. Slots not
-    filled yet lie after the newest position, so causality masks them. Tensor ops only (past_length may be a 0-d
-    tensor), so it compiles without graph breaks."""
-    query_pos = (torch.arange(query_length, device=device) + past_length)[:, None]
-    key_pos = (torch.arange(key_length, device=device) + key_offset)[None, :]
-    mask = key_pos <= query_pos
-    if window is not None:
-        mask = mask & (key_pos > query_pos - window)
-    mask = mask[None, None].expand(batch_size, 1, query_length, key_length)
-    if attention_mask is not None:
-        valid = attention_mask.to(device=device, dtype=torch.bool)
-        known = valid.shape[-1]
-        key_valid = valid[:, key_pos[0].clamp(max=known - 1)] & (key_pos[0] < known)[None, :]
-        mask = mask & key_valid[:, None, None, :]
-    return AttentionMask(mask, True)
-
-
 # ---- the causal step ------------------------------------------------------------------------------------------------
 
 # Keyword arguments a causal forward takes besides its named ones.
@@ -628,14 +361,6 @@ def _cache_to_fill(model, cache, use_cache: Optional[bool], batch_size: int):
     return DynamicCache(config=model.config) if use_cache and not checkpointed else None
 
 
-@dataclass(frozen=True)
-class CausalShape:
-    batch_size: int
-    query_length: int
-    past_length: object  # int, or a 0-d tensor under torch.compile
-    device: torch.device
-
-
 def packed_segments(position_ids, attention_mask, cache, shape: CausalShape, extras: dict) -> Optional[torch.Tensor]:
     """Sequence index of each token when the row holds several packed sequences (no padding mask, no cached
     tokens): from cu_seq_lens_q/k when given, else from restarting (given) position_ids. None otherwise."""
@@ -682,10 +407,10 @@ def causal_masks(model, attention_mask, cache, shape: CausalShape, segment_ids) 
         layer_idx = config.layer_types.index(layer_type)
         masks[layer_type] = causal_mask(given, cache, shape, window, layer_idx=layer_idx)
         if chunk is not None and (given is None or given.dim() == 2):  # a 4-D mask is complete as given
-            masks[layer_type] = _chunked_layer_mask(masks[layer_type], given, cache, shape, chunk, layer_idx)
+            masks[layer_type] = chunked_layer_mask(masks[layer_type], given, cache, shape, chunk, layer_idx)
     if config.position_embedding_type == "alibi":
         dtype = model.get_input_embeddings().weight.dtype
-        masks = {kind: _with_alibi(config, mask, cache, shape, kind, dtype) for kind, mask in masks.items()}
+        masks = {kind: alibi_mask(config, mask, cache, shape, kind, dtype) for kind, mask in masks.items()}
     return masks
 
 
@@ -702,81 +427,6 @@ def _masks_by_layer_type(config, attention_mask: dict) -> dict:
             f"layer type of this model {sorted(set(config.layer_types))}; wrong or missing: {missing}"
         )
     return attention_mask
-
-
-def key_layout(cache: Optional[Cache], shape: CausalShape, layer_idx: int):
-    """(key_length, key_offset): the keys layer `layer_idx` attends to after its cache update are the absolute
-    positions key_offset .. key_offset + key_length - 1 (a static cache also holds unfilled slots, a sliding layer's
-    cache only the last window)."""
-    if cache is None:
-        return shape.past_length + shape.query_length, 0
-    return cache.get_mask_sizes(shape.query_length, layer_idx)
-
-
-def causal_mask(attention_mask, cache, shape: CausalShape, window: Optional[int], *, layer_idx: int) -> AttentionMask:
-    """The mask of the layers of one type: `window` is their sliding window (None: full causal), `layer_idx` the
-    first such layer (its cache tells which keys they hold)."""
-    key_length, key_offset = key_layout(cache, shape, layer_idx)
-    if attention_mask is not None and attention_mask.dim() == 4:
-        return self_attention_mask(attention_mask, batch_size=shape.batch_size, query_length=shape.query_length,
-                                   key_length=key_length, causal=True, device=shape.device)
-    if cache is None or not getattr(cache, "is_compileable", False):
-        # Dynamic caches return exactly the keys at positions key_offset .. past + new - 1: causality is bottom-right
-        # aligned and the padding mask's last key_length columns belong to them.
-        if attention_mask is not None:
-            attention_mask = attention_mask[:, attention_mask.shape[-1] - key_length :]
-        return _self_attention(attention_mask, shape.batch_size, shape.query_length, key_length, True, window, shape.device)
-    return static_cache_mask(attention_mask, shape.past_length, key_offset, key_length, shape.batch_size,
-                             shape.query_length, window, shape.device)
-
-
-def _chunked_layer_mask(mask: AttentionMask, attention_mask, cache, shape: CausalShape, chunk_size: int,
-                        layer_idx: int) -> AttentionMask:
-    """The causal mask of chunked-attention layers: the new queries at past_length .. and the keys where the
-    layer's cache holds them (a chunked layer's cache keeps the last chunk_size - 1 keys, as a sliding one)."""
-    key_length, key_offset = key_layout(cache, shape, layer_idx)
-    queries = torch.arange(shape.query_length, device=shape.device) + shape.past_length
-    keys = torch.arange(key_length, device=shape.device) + key_offset
-    return within_chunks(mask, attention_mask, queries, keys, chunk_size)
-
-
-def within_chunks(mask: AttentionMask, attention_mask, queries: torch.Tensor, keys: torch.Tensor,
-                  chunk_size: int) -> AttentionMask:
-    """Chunked attention (Llama 4): the causal `mask` of queries at positions `queries` [Sq] over keys at `keys`
-    [Sk], restricted to the keys of each query's own chunk of chunk_size positions. Chunks count from each row's
-    first real token (the 2-D attention_mask's leading padding skipped), as transformers' chunked_overlay."""
-    if attention_mask is None:
-        first = torch.zeros(1, dtype=torch.long, device=queries.device)
-    else:
-        first = (attention_mask.cumsum(-1) == 0).sum(-1).to(queries.device)  # [B] leading padding tokens
-    query_chunk = (queries[None, :] - first[:, None]).div(chunk_size, rounding_mode="floor")
-    key_chunk = (keys[None, :] - first[:, None]).div(chunk_size, rounding_mode="floor")
-    same_chunk = query_chunk[:, :, None] == key_chunk[:, None, :]  # [B | 1, Sq, Sk]
-    if not is_compiling() and bool(same_chunk.all()):
-        return mask  # every key lies in its query's chunk: nothing to restrict (and the fast path stays)
-    base = mask.mask
-    if base is None:
-        sq, sk = len(queries), len(keys)
-        base = causal_bool_mask(sq, sk, queries.device) if mask.is_causal else torch.ones(sq, sk, dtype=torch.bool, device=queries.device)
-    return AttentionMask(base & same_chunk[:, None], mask.is_causal, mask.segment_ids)
-
-
-def refuse_alibi(config, where: str) -> None:
-    if config.position_embedding_type == "alibi":
-        raise ValueError(
-            f"ALiBi adds a distance bias to the attention scores through the mask, which {where} does not take; use "
-            "attn_implementation='sdpa' or 'eager'"
-        )
-
-
-def _with_alibi(config, mask: AttentionMask, cache, shape: CausalShape, layer_type: str, dtype) -> AttentionMask:
-    """The layer type's mask with ALiBi's distance bias folded in (queries at past_length .., keys where the cache
-    holds them after the update)."""
-    key_length, key_offset = key_layout(cache, shape, config.layer_types.index(layer_type))
-    queries = torch.arange(shape.query_length, device=shape.device) + shape.past_length
-    keys = torch.arange(key_length, device=shape.device) + key_offset
-    slopes = alibi_slopes(config.num_attention_heads, config.alibi_bias.alibi_bias_max)
-    return with_position_bias(mask, alibi_bias(slopes, queries, keys), dtype)
 
 
 def _paged_step(model, attention_mask, position_ids, paged_cache, flags: OutputFlags, extras: dict) -> CausalStep:

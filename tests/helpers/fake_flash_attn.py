@@ -6,7 +6,7 @@ import sys
 import types
 from typing import Optional
 import torch
-from hf_tiny import attention
+from hf_tiny import flash
 
 
 def causal_allowed(sq: int, sk: int) -> torch.Tensor:
@@ -58,6 +58,6 @@ class FakeFlashAttn(types.ModuleType):
 
 def flash_on_cpu(monkeypatch_context, *, package: Optional[FakeFlashAttn]):
     """The flash backend on CPU: PyTorch's real CPU flash kernel (package=None), or the fake flash-attn package."""
-    monkeypatch_context.setattr(attention, "flash_attn_package_available", lambda device=None: package is not None)
+    monkeypatch_context.setattr(flash, "flash_attn_package_available", lambda device=None: package is not None)
     if package is not None:
         monkeypatch_context.setitem(sys.modules, "flash_attn", package)

@@ -15,7 +15,7 @@ import hf_tiny  # noqa: F401  (registers the Auto classes)
 from causal_helpers import left_padded_batch, max_diff, real_logits
 from conversion import ConversionError, mpt
 from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM
-from hf_tiny.step import alibi_slopes
+from hf_tiny.masks import alibi_slopes
 from mpt_models import tiny_mpt
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")

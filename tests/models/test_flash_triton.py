@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hf_tiny import attention
+from hf_tiny import flash
 
 pytest.importorskip("triton")
 
@@ -474,23 +474,29 @@ def test_backend_refuses_what_it_cannot_do(kernel):
     _, device = kernel
     q = torch.randn(1, 2, 4, 16, device=device)
     with pytest.raises(ValueError, match="no attention dropout, got dropout_p=0.1"):
-        attention.hf_tiny_flash_attention(q, q, q, scale=0.25, dropout_p=0.1)
+        flash.hf_tiny_flash_attention(q, q, q, scale=0.25, dropout_p=0.1)
     with pytest.raises(ValueError, match="output_attentions=True.*'eager'"):
-        attention.hf_tiny_flash_attention(q, q, q, scale=0.25, output_attentions=True)
+        flash.hf_tiny_flash_attention(q, q, q, scale=0.25, output_attentions=True)
     with pytest.raises(ValueError, match="additive"):
-        attention.hf_tiny_flash_attention(q, q, q, torch.zeros(1, 1, 4, 4, device=device), scale=0.25)
+        flash.hf_tiny_flash_attention(q, q, q, torch.zeros(1, 1, 4, 4, device=device), scale=0.25)
 
 
-def test_read_mask_finds_sliding_windows_over_real_tokens():
-    """The mask reading the backend relies on: a causal sliding window over left-padded rows comes back as
-    (causal, W); the flash_attention_2 reading (no windows) still refuses it."""
-    from hf_tiny.step import self_attention_mask
+def test_sliding_windows_over_real_tokens_run_in_the_kernel_only():
+    """A causal sliding window over left-padded rows, as the step declares it: our kernel gets (causal, W) over the
+    real tokens; flash_attention_2 without it (PyTorch's flash kernel) refuses the window; padding between real
+    tokens (the window would count positions, the kernel counts real tokens) is refused by both."""
+    from hf_tiny.masks import self_attention_mask
 
     padding = torch.tensor([[1] * 8, [0, 0, 0] + [1] * 5])
-    mask, is_causal, _ = self_attention_mask(padding, batch_size=2, query_length=8, key_length=8, causal=True,
-                                             sliding_window=3, device=torch.device("cpu"))
+    built = self_attention_mask(padding, batch_size=2, query_length=8, key_length=8, causal=True, sliding_window=3,
+                                device=torch.device("cpu"))
     q = torch.zeros(2, 2, 8, 16)
-    query_valid, key_valid, causal, window = attention._read_mask(mask, q, 8, is_causal, allow_window=True)
-    assert causal and window == 3 and torch.equal(key_valid, padding.bool())
-    with pytest.raises(ValueError, match="padding and causal masks only"):
-        attention._padding_pattern(mask, q, 8, is_causal)
+    found = flash.varlen(built.layout, q)
+    assert found.causal and found.window == 3 and torch.equal(found.key_valid, padding.bool())
+    with pytest.raises(ValueError, match="padding and causal masks only.*sliding window of 3"):
+        flash.flash_attention(q, q, q, built.mask, scale=0.25, is_causal=True, layout=built.layout)
+    holes = torch.tensor([[1] * 8, [1, 0, 1, 1, 0, 1, 1, 1]])
+    built = self_attention_mask(holes, batch_size=2, query_length=8, key_length=8, causal=True, sliding_window=3,
+                                device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="not contiguous.*'sdpa' or 'eager'"):
+        flash.varlen(built.layout, q)

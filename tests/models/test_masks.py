@@ -16,7 +16,7 @@ from transformers.masking_utils import (
     sliding_window_causal_mask_function,
 )
 
-from hf_tiny.step import AttentionMask, cross_attention_mask, self_attention_mask, with_position_bias
+from hf_tiny.masks import AttentionMask, cross_attention_mask, self_attention_mask, with_position_bias
 
 CPU = torch.device("cpu")
 HYPO = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -25,7 +25,7 @@ HYPO = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 def brute_force_mask(
     key_padding: Optional[list[list[int]]], batch: int, sq: int, sk: int, causal: bool, window: Optional[int]
 ) -> torch.Tensor:
-    """The rules of step.py's masks as loops: padding keys are never seen; causal query i sits at position i + sk - sq and
+    """The rules of masks.py's masks as loops: padding keys are never seen; causal query i sits at position i + sk - sq and
     sees keys at or before it, the last `window` of them with a sliding window; a query is never masked for being
     padding (a right-padded one sees the real tokens before it, as in official transformers)."""
     offset = sk - sq

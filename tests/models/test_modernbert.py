@@ -22,7 +22,7 @@ from conversion import ConversionError
 from conversion import modernbert
 from conversion.registry import detect_family
 from hf_tiny import TinyEncoderConfig, runtime
-from hf_tiny.step import encoder_masks
+from hf_tiny.masks import encoder_masks
 from runtime_checks import ops_of
 from tolerances import relative_error
 

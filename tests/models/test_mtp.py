@@ -9,7 +9,7 @@ import torch
 from torch.nn import functional as F
 
 from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM
-from hf_tiny.step import AttentionMask
+from hf_tiny.masks import AttentionMask
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
