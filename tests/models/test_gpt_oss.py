@@ -21,7 +21,9 @@ from causal_helpers import left_padded_batch, real_logits
 from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM, runtime
 from conversion.mxfp4 import dequantize_mxfp4
 from tolerances import relative_error
-from gpt_oss_models import FIELDS, TOLERANCE, official_to_ours, ours_config, ours_from, tiny_official
+from gpt_oss_models import (  # noqa: F401 (official: a fixture the tests take)
+    FIELDS, TOLERANCE, official, official_to_ours, ours_config, ours_from, tiny_official,
+)
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
