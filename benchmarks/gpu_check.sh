@@ -14,6 +14,7 @@
 #   GPU_CHECK_SKIP_TESTS=1 GPU_CHECK_ARGS="--stages longest-official,longest-hf_tiny" bash benchmarks/gpu_check.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # the GPU machine has no network: never wait on a download
 OUT=${OUT:-/tmp/gpu_check}
 BUDGET_S=${GPU_CHECK_BUDGET_S:-525}
 START=$(date +%s)
