@@ -16,7 +16,7 @@ from conversion import ConversionError, detect_family, gguf_architecture
 from conversion.__main__ import main
 
 RESULT_KEYS = {"dst", "family", "source_kind", "architecture", "hf_tiny_class", "config", "parity", "parity_layers",
-               "parity_inputs", "bytes", "files"}
+               "parity_inputs", "card", "bytes", "files"}
 
 
 write_gguf = write_stub_gguf
@@ -95,6 +95,7 @@ def test_every_family_returns_the_same_result_shape(sources, tmp_path):
         result = module.convert(sources / name, tmp_path / name)
         assert set(result) == RESULT_KEYS, module.__name__
         assert result["family"] == module.FAMILY.name and result["parity"]
+        assert result["card"] == tmp_path / name / "README.md" and result["card"].is_file()
         reverse = module.convert_back(tmp_path / name, tmp_path / f"{name}_back")
         assert set(reverse) == {"dst", "family", "architecture", "bytes", "files"}
 
