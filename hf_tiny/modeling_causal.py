@@ -35,6 +35,7 @@ from transformers.modeling_outputs import (
 from .chunked_loss import labels_ahead, linear_cross_entropy, use_chunked_loss
 from .configuration_causal import TinyCausalConfig
 from .layers import Attention, ClampedSwiGLUFeedForward, RotaryEmbedding, build_norm, feed_forward, query_temperature
+from .liger import register_liger_kernels
 from .mla import LatentAttention
 from .modeling_base import HfTinyPreTrainedModel
 from .moe import SparseMoeFeedForward, TopKRouter, load_balancing_loss
@@ -459,6 +460,8 @@ class TinyCausalForSequenceClassification(TinyCausalPreTrainedModel):
         indices = torch.arange(input_ids.shape[-1], device=logits.device, dtype=torch.int32)
         return (indices * not_pad).argmax(-1)
 
+
+register_liger_kernels()  # TrainingArguments(use_liger_kernel=True) finds this family in Liger-Kernel's table
 
 __all__ = [
     "TinyCausalPreTrainedModel",

@@ -4,6 +4,7 @@ a swapped norm or a dropped bias shows in the logits, and left-padded batches.""
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 import transformers
@@ -67,6 +68,29 @@ def left_padded_batch(vocab_size: int, lengths=(24, 17, 5), pad_token_id: int = 
     ids = ids.masked_fill(mask == 0, pad_token_id)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     return {"input_ids": ids, "attention_mask": mask, "position_ids": positions}
+
+
+def training_loss_and_grads(model, batch: dict, **extra) -> tuple[torch.Tensor, dict]:
+    """The training loss of a batch (its padding labelled -100) and the gradients of the parameters that got one; the
+    model is left in the mode it was in."""
+    labels = batch["input_ids"].masked_fill(batch["attention_mask"] == 0, -100)
+    was_training = model.training
+    model.train().zero_grad()
+    loss = model(**batch, labels=labels, **extra).loss
+    loss.backward()
+    model.train(was_training)
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def official_and_converted(official, folder) -> Path:
+    """Saves an official causal model to folder/"official" and its conversion (conversion.llama) to folder/"ours";
+    returns folder."""
+    from conversion import llama
+
+    folder = Path(folder)
+    official.save_pretrained(folder / "official")
+    llama.convert(folder / "official", folder / "ours")
+    return folder
 
 
 def real_logits(model, batch: dict) -> torch.Tensor:

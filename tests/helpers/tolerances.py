@@ -70,6 +70,13 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return difference / scale if scale > 0 else difference
 
 
+def worst_relative_error(actual: dict, expected: dict) -> float:
+    """The largest relative_error over tensors of the same names (a model's gradients)."""
+    if actual.keys() != expected.keys():
+        raise ValueError(f"different tensors: {sorted(actual.keys() ^ expected.keys())}")
+    return max(relative_error(actual[name], expected[name]) for name in expected)
+
+
 def _first(config, *names, default=None):
     for name in names:
         value = getattr(config, name, None)
