@@ -195,17 +195,20 @@ def test_flash_refuses_a_sliding_window_over_packed_rows_on_pytorchs_kernel():
 
 
 def test_our_triton_kernel_applies_a_sliding_window_over_packed_rows():
-    """hf_tiny_flash (under Triton's interpreter without a GPU) runs the window inside each packed sequence."""
+    """hf_tiny_flash (compiled on a GPU, under Triton's interpreter without one) runs the window inside each packed
+    sequence."""
     pytest.importorskip("triton")
-    model = causal_model(sliding_window=3)
-    ids = torch.randint(1, 64, PACKED.shape, generator=torch.Generator().manual_seed(5))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = causal_model(sliding_window=3).to(device)
+    ids = torch.randint(1, 64, PACKED.shape, generator=torch.Generator().manual_seed(5)).to(device)
+    positions = PACKED.to(device)
     logits = {}
     with torch.no_grad():
         for backend in ("eager", "hf_tiny_flash"):
             model.set_attn_implementation(backend)
-            logits[backend] = model(input_ids=ids, position_ids=PACKED).logits
-        unwindowed = causal_model(sliding_window=16)
+            logits[backend] = model(input_ids=ids, position_ids=positions).logits
+        unwindowed = causal_model(sliding_window=16).to(device)
         unwindowed.set_attn_implementation("eager")
-        without_window = unwindowed(input_ids=ids, position_ids=PACKED).logits
+        without_window = unwindowed(input_ids=ids, position_ids=positions).logits
     assert float((logits["hf_tiny_flash"] - logits["eager"]).abs().max()) <= 1e-4
     assert float((without_window - logits["eager"]).abs().max()) > 1e-2  # negative control: the window matters
