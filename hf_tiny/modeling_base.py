@@ -8,9 +8,10 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .runtime import disable as disable_runtime, enable as enable_runtime, install as install_runtime
-from .attention import get_attention_interface
+from .attention import get_attention_interface, is_hf_tiny_backend, registered_attention_names
 from .layers import Attention, RMSNorm
 from .saving import AtomicSaveAndCardMixin
+from .transformers_api import warn_if_torch_untested
 
 
 def resolve_attn_implementation(requested) -> str:
@@ -21,6 +22,14 @@ def resolve_attn_implementation(requested) -> str:
         raise TypeError(f"attn_implementation must be a string, got {type(requested).__name__}")
     get_attention_interface(name)  # raises, listing what is registered
     return name
+
+
+def _transformers_flash(name) -> bool:
+    """A FlashAttention function transformers provides (flash_attention_3, a hub kernel "org/repo"), not one of our
+    backends. Unknown names are not: our error lists what exists."""
+    if not isinstance(name, str) or "flash" not in name or is_hf_tiny_backend(name):
+        return False
+    return "/" in name or name in registered_attention_names()
 
 
 class HfTinyPreTrainedModel(AtomicSaveAndCardMixin, PreTrainedModel):
@@ -35,10 +44,16 @@ class HfTinyPreTrainedModel(AtomicSaveAndCardMixin, PreTrainedModel):
     # Our backends live in hf_tiny/attention.py, so transformers' own checks (the flash-attn package, hub
     # kernels) do not apply to them: we validate names ourselves (ours, or registered with transformers). Overriding these keeps
     # `from_pretrained(attn_implementation=...)` and `set_attn_implementation(...)` working without warnings.
+    # transformers' own flash functions (flash_attention_3, hub flash kernels) keep its checks, and their clear errors
+    # where the package is missing or the device cannot run it.
     def _check_and_adjust_attn_implementation(self, attn_implementation, is_init_check=False, *args, **kwargs):
+        if _transformers_flash(attn_implementation):
+            return super()._check_and_adjust_attn_implementation(attn_implementation, is_init_check, *args, **kwargs)
         return resolve_attn_implementation(attn_implementation)
 
     def get_correct_attn_implementation(self, requested_attention, is_init_check=False, *args, **kwargs):
+        if _transformers_flash(requested_attention):
+            return super().get_correct_attn_implementation(requested_attention, is_init_check, *args, **kwargs)
         return resolve_attn_implementation(requested_attention)
 
     @classmethod
@@ -46,9 +61,11 @@ class HfTinyPreTrainedModel(AtomicSaveAndCardMixin, PreTrainedModel):
         return True
 
     def post_init(self) -> None:
-        """transformers' post_init, then the runtime's forwards (runtime.py) on this model's modules."""
+        """transformers' post_init, then the runtime's forwards (runtime.py) on this model's modules; warns once per
+        process when the installed torch lies outside the tested range (transformers_api.py)."""
         super().post_init()
         install_runtime(self)
+        warn_if_torch_untested()
 
     def set_runtime(self, enabled: bool) -> "HfTinyPreTrainedModel":
         """The runtime (runtime.py) on or off for this model: off, every module runs its modeling file's forward."""
