@@ -1,0 +1,217 @@
+"""Captured decoding the transformers way (issue 42 item 3): generate() with cache_implementation="static" and a
+CompileConfig compiles the decoding step once (generate's auto-compile) and replays it; with mode="reduce-overhead"
+on CUDA, inductor captures it in a CUDA graph.
+
+CPU: the compiled generate gives official Llama's tokens (greedy and sampled with a fixed seed, a left-padded batch
+of 3), through one graph for every decoding step (no recompilation as positions and the cache advance); fullgraph=True
+proves there is no graph break. The compile backend here is dynamo's "eager" (it traces and checks the graph, then
+runs it with the same kernels, so tokens equal eager's exactly and the test stays within seconds on 2 cores).
+
+CUDA (marked `cuda`): mode="reduce-overhead" (inductor + CUDA graphs) on both sides, each in its own process (official's
+compiled generate segfaulted under CUDA graphs on an H100: a crash there is recorded, not fatal; ours must run), with
+the decoding steps after warm-up under torch.cuda.set_sync_debug_mode("error"): no host synchronisation in a step.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, CompileConfig
+
+import hf_tiny  # noqa: F401  (registers the Auto classes)
+from causal_helpers import left_padded_batch, official_and_converted, tiny_official
+from fresh_interpreter import clean_env
+from markers import cuda_only
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+NEW_TOKENS = 8
+LENGTHS = (9, 6, 3)  # a left-padded batch of 3
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    return official_and_converted(tiny_official("llama"), tmp_path_factory.mktemp("captured_decoding"))
+
+
+def settings(**extra) -> dict:
+    return dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0, **extra)
+
+
+class GraphCounter:
+    """A compile backend that records each graph dynamo hands it and runs it as traced (CompileConfig deep-copies
+    its backend; a function is copied as itself, so the list is this one)."""
+
+    def __init__(self):
+        self.graphs = []
+
+        def backend(graph_module, example_inputs):
+            self.graphs.append(graph_module)
+            return graph_module.forward
+
+        self.backend = backend
+
+
+def compiled_generate(model, batch: dict, *, fullgraph: bool = True, **extra):
+    """generate() with a static cache and generate's auto-compile (on a CPU: CompileConfig._compile_all_devices, as
+    transformers' own tests do). Returns (output, graphs compiled, recompilations, calls of the compiled step)."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    counter = GraphCounter()
+    config = CompileConfig(fullgraph=fullgraph, backend=counter.backend, mode=None)
+    config._compile_all_devices = True
+    compiled, calls = model.get_compiled_call(config), []
+
+    def counted(*args, **kwargs):  # what generate calls for each decoding step
+        calls.append(1)
+        return compiled(*args, **kwargs)
+
+    model._compiled_call = counted
+    with torch.no_grad():
+        out = model.generate(batch["input_ids"], attention_mask=batch["attention_mask"], cache_implementation="static",
+                             compile_config=config, **settings(**extra))
+    recompiles = sum(torch._dynamo.utils.counters["recompiles"].values())
+    return out, len(counter.graphs), recompiles, len(calls)
+
+
+@pytest.mark.slow
+def test_compiled_static_cache_generate_gives_official_greedy_tokens_with_one_graph(folders):
+    official = AutoModelForCausalLM.from_pretrained(folders / "official").eval()
+    ours = AutoModelForCausalLM.from_pretrained(folders / "ours").eval()
+    batch = left_padded_batch(97, LENGTHS, seed=1)
+    with torch.no_grad():
+        expected = official.generate(batch["input_ids"], attention_mask=batch["attention_mask"], do_sample=False,
+                                     **settings())
+    produced, graphs, recompiles, steps = compiled_generate(ours, batch, do_sample=False)
+    assert torch.equal(produced, expected)
+    # the prefill runs eagerly; the NEW_TOKENS - 1 decoding steps all run the one graph compiled at the first
+    assert steps == NEW_TOKENS - 1 and graphs == 1 and recompiles == 0
+    # negative control: another prompt gives other tokens
+    other = left_padded_batch(97, LENGTHS, seed=2)
+    assert not torch.equal(compiled_generate(ours, other, do_sample=False)[0][:, -NEW_TOKENS:], expected[:, -NEW_TOKENS:])
+
+
+@pytest.mark.slow
+def test_compiled_static_cache_sampling_gives_official_tokens_with_the_same_seed(folders):
+    official = AutoModelForCausalLM.from_pretrained(folders / "official").eval()
+    ours = AutoModelForCausalLM.from_pretrained(folders / "ours").eval()
+    batch = left_padded_batch(97, LENGTHS, seed=1)
+    sampling = dict(do_sample=True, top_k=20, temperature=0.9)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        expected = official.generate(batch["input_ids"], attention_mask=batch["attention_mask"], **settings(**sampling))
+    torch.manual_seed(7)
+    produced, graphs, recompiles, steps = compiled_generate(ours, batch, **sampling)
+    assert torch.equal(produced, expected) and (steps, graphs, recompiles) == (NEW_TOKENS - 1, 1, 0)
+    torch.manual_seed(8)  # negative control: another seed samples other tokens
+    assert not torch.equal(compiled_generate(ours, batch, **sampling)[0], expected)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, raises=RecursionError,
+                   reason="issue 41 item 7: compiled generate with output_attentions=True recurses in hf_tiny/runtime.py")
+def test_compiled_generate_returns_official_attentions(folders):
+    """What transformers' GenerationTesterMixin.test_generate_compilation_all_outputs asks (CompileConfig's default
+    fullgraph=False, eager attention so that weights exist)."""
+    official = AutoModelForCausalLM.from_pretrained(folders / "official", attn_implementation="eager").eval()
+    ours = AutoModelForCausalLM.from_pretrained(folders / "ours", attn_implementation="eager").eval()
+    batch = left_padded_batch(97, LENGTHS, seed=1)
+    extra = dict(do_sample=False, output_attentions=True, return_dict_in_generate=True)
+    with torch.no_grad():
+        expected = official.generate(batch["input_ids"], attention_mask=batch["attention_mask"], **settings(**extra))
+    produced = compiled_generate(ours, batch, fullgraph=False, **extra)[0]
+    assert torch.equal(produced.sequences, expected.sequences)
+    assert len(produced.attentions) == len(expected.attentions) == NEW_TOKENS
+    for step, (ours_step, official_step) in enumerate(zip(produced.attentions, expected.attentions)):
+        for layer, (got, want) in enumerate(zip(ours_step, official_step)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0, msg=f"step {step} layer {layer}")
+
+
+# ---- CUDA: mode="reduce-overhead" (CUDA graphs) ---------------------------------------------------------------
+
+CAPTURED = r'''
+import json, sys
+import torch
+from pathlib import Path
+from transformers import AutoModelForCausalLM, CompileConfig
+sys.path[:0] = [sys.argv[3], sys.argv[3] + "/tests/helpers"]
+import hf_tiny
+from causal_helpers import left_padded_batch
+
+torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], attn_implementation="sdpa").cuda().eval()
+config = CompileConfig(fullgraph=True, mode="reduce-overhead")
+compiled = model.get_compiled_call(config)
+calls = {"count": 0, "checked": 0}
+
+def checked(*args, **kwargs):
+    """The compiled decoding step; after 3 warm-up calls (CUDA graph recording) under sync debug mode "error"."""
+    calls["count"] += 1
+    if calls["count"] <= 3:
+        return compiled(*args, **kwargs)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return compiled(*args, **kwargs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        calls["checked"] += 1
+
+model._compiled_call = checked
+batch = {k: v.cuda() for k, v in left_padded_batch(97, (9, 6, 3), seed=1).items()}
+common = dict(max_new_tokens=int(sys.argv[2]), min_new_tokens=int(sys.argv[2]), pad_token_id=0,
+              cache_implementation="static", compile_config=config)
+torch._dynamo.utils.counters.clear()
+with torch.no_grad():
+    greedy = model.generate(batch["input_ids"], attention_mask=batch["attention_mask"], do_sample=False, **common)
+    torch.manual_seed(7)
+    sampled = model.generate(batch["input_ids"], attention_mask=batch["attention_mask"], do_sample=True, top_k=20,
+                             temperature=0.9, **common)
+counters = torch._dynamo.utils.counters
+print("RESULT " + json.dumps({
+    "greedy": greedy.tolist(), "sampled": sampled.tolist(), "calls": calls,
+    "graphs": counters["stats"]["unique_graphs"], "recompiles": sum(counters["recompiles"].values()),
+    "cudagraph_skips": counters["inductor"]["cudagraph_skips"],
+}))
+'''
+
+
+def run_captured(folder: Path, tmp_path: Path) -> dict:
+    """CAPTURED in a fresh process: {"crashed": exit code} when it died (a signal), else its results."""
+    import subprocess
+    import sys
+
+    env = clean_env()
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    result = subprocess.run([sys.executable, "-c", CAPTURED, str(folder), str(NEW_TOKENS), str(Path(__file__).parents[2])],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420)
+    if result.returncode < 0:
+        return {"crashed": result.returncode}
+    assert result.returncode == 0, result.stderr[-6000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+@cuda_only
+@pytest.mark.slow
+def test_cuda_graph_decoding_gives_official_tokens_without_recompiling_or_syncing(folders, tmp_path):
+    """fp32 (TF32 off). Ours must run; official's side is compared where it runs (its compiled generate segfaulted
+    under CUDA graphs on an H100 with torch 2.11 / transformers 5.17)."""
+    official = AutoModelForCausalLM.from_pretrained(folders / "official", attn_implementation="sdpa").cuda().eval()
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    batch = {k: v.cuda() for k, v in left_padded_batch(97, LENGTHS, seed=1).items()}
+    with torch.no_grad():
+        eager = official.generate(batch["input_ids"], attention_mask=batch["attention_mask"], do_sample=False,
+                                  **settings()).tolist()
+    ours = run_captured(folders / "ours", tmp_path / "ours")
+    assert "crashed" not in ours, f"hf_tiny's captured generate crashed (exit {ours.get('crashed')})"
+    assert ours["greedy"] == eager
+    assert ours["graphs"] == 1 and ours["recompiles"] == 0 and ours["cudagraph_skips"] == 0, ours
+    # two generates of NEW_TOKENS - 1 decoding steps each; all but 3 warm-up steps ran under sync debug mode "error"
+    assert ours["calls"] == {"count": 2 * (NEW_TOKENS - 1), "checked": 2 * (NEW_TOKENS - 1) - 3}
+    theirs = run_captured(folders / "official", tmp_path / "official")
+    if "crashed" in theirs:
+        pytest.xfail(f"official's captured generate crashed (exit {theirs['crashed']}); ours ran and matched its eager tokens")
+    assert ours["greedy"] == theirs["greedy"] and ours["sampled"] == theirs["sampled"]
