@@ -266,7 +266,7 @@ def _refuse_window(found: Varlen, backend: str, device: torch.device, *, in_kern
     raise ValueError(
         f"attn_implementation={backend!r} supports padding and causal masks only on {device.type} without our Triton "
         f"kernel (PyTorch's flash kernel, the flash-attn package); this layer's sliding window of {found.window} needs "
-        "attn_implementation='hf_tiny_flash' (CUDA), 'sdpa' or 'eager'"
+        "attn_implementation='sdpa' or 'eager', or 'hf_tiny_flash' (our Triton kernel, which applies windows)"
     )
 
 
