@@ -8,7 +8,7 @@ import string
 from collections.abc import Mapping
 from pathlib import Path
 
-from hf_tiny.transformers_api import TESTED_TORCH, tested_range_text
+from hf_tiny.transformers_api import tested_range_text, tested_torch_text
 
 from .errors import list_names
 
@@ -97,7 +97,7 @@ def render_model_card(template_name: str = "hf_tiny", **fields) -> str:
     tags = list(ALWAYS_TAGS) + [tag for tag in values["tags"] if tag not in ALWAYS_TAGS]
     derived = {
         "tested_transformers": tested_range_text(),
-        "tested_torch": TESTED_TORCH,
+        "tested_torch": tested_torch_text(),
         "tags_yaml": "\n".join(f"  - {_yaml_str(tag)}" for tag in tags),
         "attention_backends_list": ", ".join(f"`{name}`" for name in values["attention_backends"]),
         "license_yaml": _yaml_str(values["license"]),

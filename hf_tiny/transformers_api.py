@@ -1,7 +1,8 @@
 """The parts of transformers' contract that differ across the versions hf_tiny supports, each read in one place.
 
-- The tested range (TESTED_TRANSFORMERS): the suite passes on both ends. Outside it hf_tiny warns once, naming the
-  installed and the tested versions, and before a model class first generates it checks that cached greedy
+- The tested ranges (TESTED_TRANSFORMERS, TESTED_TORCH): the version-sensitive part of the suite passes on both ends
+  of each (.ci/run). Outside either range hf_tiny warns once per process, naming the installed and the tested
+  versions. Outside the transformers range, before a model class first generates, it also checks that cached greedy
   decoding gives the logits of uncached decoding: a release that renames what generation passes then stops with a
   clear error instead of producing garbage text (transformers 5.24 did exactly that to the cache argument).
 - The cache's two names (`cache` from 5.24 on, `past_key_values` before) are read where every forward's arguments
@@ -17,19 +18,27 @@ from typing import Optional
 import torch
 import transformers
 
-# Oldest and newest transformers the whole suite passed on (CI runs both ends). Raise the upper bound here, in
-# pyproject.toml and in the README together, after the suite passes on the new version.
+# Oldest and newest releases the version-sensitive tests passed on (CI runs both ends of each). Change a range here,
+# in pyproject.toml and in the README together, after those tests pass on the new end.
 TESTED_TRANSFORMERS = ("5.16.1", "5.24.0")
-# The torch the README's set-up commands pin and CI runs.
-TESTED_TORCH = "2.13.0"
+TESTED_TORCH = ("2.13.0", "2.13.0")
+
+
+def _range_text(tested: tuple[str, str]) -> str:
+    return f">={tested[0]},<={tested[1]}"
 
 
 def tested_range_text() -> str:
-    return f">={TESTED_TRANSFORMERS[0]},<={TESTED_TRANSFORMERS[1]}"
+    return _range_text(TESTED_TRANSFORMERS)
+
+
+def tested_torch_text() -> str:
+    return _range_text(TESTED_TORCH)
 
 
 def _release(version: str) -> tuple[int, int, int]:
-    """The release numbers of a version string: "5.25.0.dev0" -> (5, 25, 0), "5.24" -> (5, 24, 0)."""
+    """The release numbers of a version string: "5.25.0.dev0" -> (5, 25, 0), "5.24" -> (5, 24, 0),
+    "2.13.0+cpu" -> (2, 13, 0)."""
     match = re.match(r"\d+(?:\.\d+)*", version)
     if match is None:
         raise ValueError(f"not a version number: {version!r}")
@@ -37,33 +46,57 @@ def _release(version: str) -> tuple[int, int, int]:
     return tuple(numbers + [0] * (3 - len(numbers)))
 
 
+def _in_range(version: str, tested: tuple[str, str]) -> bool:
+    oldest, newest = (_release(v) for v in tested)
+    return oldest <= _release(version) <= newest
+
+
 def in_tested_range(version: Optional[str] = None) -> bool:
     """Whether `version` (default: the installed transformers) lies in the tested range; a pre-release counts as
     the release it leads to (5.25.0.dev0 is 5.25.0)."""
-    release = _release(transformers.__version__ if version is None else version)
-    oldest, newest = (_release(v) for v in TESTED_TRANSFORMERS)
-    return oldest <= release <= newest
+    return _in_range(transformers.__version__ if version is None else version, TESTED_TRANSFORMERS)
 
 
-_warned_untested = False
+def torch_in_tested_range(version: Optional[str] = None) -> bool:
+    """Whether `version` (default: the installed torch) lies in the tested range; a local build tag does not count
+    (2.13.0+cpu is 2.13.0) and a pre-release counts as the release it leads to."""
+    return _in_range(torch.__version__ if version is None else version, TESTED_TORCH)
+
+
+_warned_untested: set = set()  # the packages already warned about in this process
+
+
+def _warn_once(package: str, installed: str, tested: tuple[str, str], advice: str) -> bool:
+    """Warns once per process and package when `installed` lies outside `tested`; returns whether it does."""
+    if _in_range(installed, tested):
+        return False
+    if package not in _warned_untested:
+        _warned_untested.add(package)
+        warnings.warn(
+            f"hf_tiny was tested with {package} {_range_text(tested)}; {package} {installed} is installed. {advice}",
+            UserWarning,
+            stacklevel=4,
+        )
+    return True
 
 
 def warn_if_untested() -> bool:
     """Warns once per process when the installed transformers lies outside the tested range; returns whether it
     does."""
-    global _warned_untested
-    if in_tested_range():
-        return False
-    if not _warned_untested:
-        _warned_untested = True
-        warnings.warn(
-            f"hf_tiny was tested with transformers {tested_range_text()}; transformers {transformers.__version__} is "
-            "installed. Models check their cached generation once before generating; if a result looks wrong, "
-            f"install a tested version (pip install 'transformers{tested_range_text()}')",
-            UserWarning,
-            stacklevel=3,
-        )
-    return True
+    return _warn_once(
+        "transformers", transformers.__version__, TESTED_TRANSFORMERS,
+        "Models check their cached generation once before generating; if a result looks wrong, install a tested "
+        f"version (pip install 'transformers{tested_range_text()}')",
+    )
+
+
+def warn_if_torch_untested() -> bool:
+    """Warns once per process when the installed torch lies outside the tested range (every model's post_init asks);
+    returns whether it does."""
+    return _warn_once(
+        "torch", torch.__version__, TESTED_TORCH,
+        f"If a result looks wrong, install a tested version (pip install 'torch{tested_torch_text()}')",
+    )
 
 
 # ---- the one-time generation check outside the tested range -------------------------------------------------------

@@ -90,7 +90,7 @@ def test_outputs_declare_the_installed_cache_field():
 def untested_transformers(monkeypatch):
     """transformers as if it lay outside the tested range, with the once-per-process memory reset."""
     monkeypatch.setattr(api, "TESTED_TRANSFORMERS", ("0.0.1", "0.0.2"))
-    monkeypatch.setattr(api, "_warned_untested", False)
+    monkeypatch.setattr(api, "_warned_untested", set())
     monkeypatch.setattr(api, "_checked_classes", {})
 
 
