@@ -173,6 +173,13 @@ def test_the_apply_function_reports_what_it_replaced_and_refuses_what_liger_refu
     assert replaced == {"rms_norm": 7, "swiglu": 3, "rope": 3, "fused_linear_cross_entropy": 1}
     with pytest.raises(ValueError, match="cross_entropy and fused_linear_cross_entropy"):
         apply_liger_kernel_to_hf_tiny(cross_entropy=True, model=ours)
+    # cross_entropy=True is Liger's process-wide swap of the cross-entropy transformers' losses call, as for Llama
+    from liger_kernel.transformers.functional import liger_cross_entropy
+    from transformers.loss import loss_utils
+
+    assert loss_utils.nn.functional.cross_entropy is not liger_cross_entropy
+    apply_liger_kernel(ours, {"cross_entropy": True, "fused_linear_cross_entropy": False})
+    assert loss_utils.nn.functional.cross_entropy is liger_cross_entropy
     with pytest.raises(ValueError, match="model instance.*apply_liger_kernel_to_hf_tiny\\(model=model\\)"):
         apply_liger_kernel_to_hf_tiny()
 
@@ -486,3 +493,18 @@ def test_cuda_trainer_use_liger_kernel_bf16_trains_as_official(tmp_path):
     assert swaps(ours) == {"LigerRMSNorm": 7, "LigerSwiGLUMLP": 3, "rope": 3, "loss": 1}
     assert all(math.isfinite(loss) for loss in ours_losses) and len(ours_losses) == 3
     assert ours_losses == pytest.approx(official_losses, rel=2e-2)
+
+
+@cuda_only
+def test_cuda_trl_sft_config_use_liger_kernel_trains_as_official(tmp_path):
+    """TRL's default bf16 SFT with use_liger_kernel=True: Liger's RMSNorm, SwiGLU and RoPE in ours (TRL turns the
+    fused linear cross-entropy off for its own fused LM head), first loss as official Llama's with the same switch."""
+    official, ours = pair()
+    with pytest.warns(FutureWarning, match="use_liger_kernel"):
+        ours_losses = sft_losses(ours, tmp_path / "ours", use_liger_kernel=True)
+    found = swaps(ours)
+    assert (found["LigerRMSNorm"], found["LigerSwiGLUMLP"], found["rope"]) == (7, 3, 3)
+    assert "_chunked_loss" not in vars(ours)
+    official_losses = sft_losses(official, tmp_path / "official", use_liger_kernel=True)
+    assert all(math.isfinite(loss) for loss in ours_losses)
+    assert ours_losses[0] == pytest.approx(official_losses[0], rel=2e-2)
