@@ -20,6 +20,8 @@ weights at a time, so peak memory is a few tensors, not the checkpoint. The modu
     cards.py         render_model_card, write_model_card
     registry.py      FAMILIES, family_for, detect_family
     causal.py        what the causal families share (classes, GGUF sources); llama_configs.py, meta_llama.py
+    causal_variant.py  CausalVariant: one official type of the llama family (dense.py, moe.py, deepseek.py,
+                     smollm3.py, olmo2.py, llama4.py, gpt_oss.py fill one in each)
 """
 
 import importlib

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from .causal_variant import CausalVariant, llama_named_classes
 from .errors import ConversionError
 from .keymap import Rule, Transform
 from .moe import EXPERT_PROJECTIONS
 
-MODEL_TYPE = "deepseek_v3"
 # The MLA fields, named alike in DeepseekV3Config and TinyCausalConfig
 MLA_FIELDS = ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "attention_bias")
 
@@ -121,6 +121,11 @@ def fields_from_official(official, *, src) -> dict:
     return values
 
 
+def claims(config) -> bool:
+    """Multi-head Latent Attention: only DeepSeek-V3 among the official classes has it."""
+    return config.mla_spec() is not None
+
+
 def check_holds(config) -> None:
     """Errors naming what official DeepseekV3 cannot hold (config.kv_lora_rank is set)."""
     problems = []
@@ -170,6 +175,12 @@ def official_fields(config) -> dict:
     else:
         values.update(first_k_dense_replace=config.num_hidden_layers)
     return values
+
+
+VARIANT = CausalVariant(
+    "deepseek_v3", "DeepseekV3Config", llama_named_classes("DeepseekV3"), fields_from_official=fields_from_official,
+    official_fields=official_fields, claims=claims, check_holds=check_holds, sparse_rules=sparse_rules,
+)
 
 
 def mtp_layers_held(config, state: dict, class_name: str, *, src):

@@ -22,18 +22,12 @@ import torch
 
 from hf_tiny.configuration_causal import field_value
 
+from .causal_variant import CausalVariant, llama_named_classes
 from .errors import ConversionError
 from .keymap import Rule, Transform
 from .lazy import LazyTensors, TensorInfo
 from .mxfp4 import dequantize_mxfp4
 
-MODEL_TYPE = "gpt_oss"
-CONFIG_CLASS = "GptOssConfig"
-OFFICIAL_CLASSES = {
-    "TinyCausalForCausalLM": "GptOssForCausalLM",
-    "TinyCausalForSequenceClassification": "GptOssForSequenceClassification",
-    "TinyCausalModel": "GptOssModel",
-}
 # transformers before 5.2x has no swiglu fields and hard-codes these
 DEFAULT_SWIGLU = {"swiglu_limit": 7.0, "swiglu_alpha": 1.702}
 FIXED = dict(router_scoring="topk_softmax", router_bias=True, expert_bias=True, attention_sinks=True)
@@ -136,6 +130,13 @@ def official_fields(config) -> dict:
         raise ConversionError(f"transformers {transformers.__version__}'s GPT-OSS hard-codes {DEFAULT_SWIGLU}; this "
                               f"config has {swiglu}")
     return values
+
+
+VARIANT = CausalVariant(
+    "gpt_oss", "GptOssConfig", llama_named_classes("GptOss"), fields_from_official=fields_from_official,
+    official_fields=official_fields, claims=claims, check_holds=check_holds, adapt_layer_rules=adapt_layer_rules,
+    sparse_rules=sparse_rules,
+)
 
 
 MXFP4_NOTE = ("The source's experts were stored in MXFP4 (`*_blocks` / `*_scales`, quantization_config "

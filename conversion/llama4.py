@@ -20,12 +20,10 @@ import torch
 
 from hf_tiny.configuration_causal import field_value
 
+from .causal_variant import CausalVariant
 from .errors import ConversionError
 from .keymap import Rule, Transform
 
-MODEL_TYPE = "llama4_text"
-CONFIG_CLASS = "Llama4TextConfig"
-OFFICIAL_CLASSES = {"TinyCausalForCausalLM": "Llama4ForCausalLM", "TinyCausalModel": "Llama4TextModel"}
 FIXED = dict(router_scoring="topk_sigmoid", norm_topk_prob=False, apply_router_weight_on_input=True)
 MOE_FIELDS = ("num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "router_jitter_noise")
 
@@ -54,6 +52,8 @@ def check_holds(config) -> None:
 
 
 def fields_from_official(official, *, src) -> dict:
+    """The Llama 4 fields; the MoE ones only where the config has experts (num_local_experts=0 builds dense layers
+    only)."""
     layers = official.num_hidden_layers
     nope = [i for i, rotates in enumerate(official.no_rope_layers[:layers]) if not rotates]
     chunked = "chunked_attention" in official.layer_types
@@ -61,10 +61,13 @@ def fields_from_official(official, *, src) -> dict:
         intermediate_size=official.intermediate_size_mlp, attention_bias=official.attention_bias,
         attention_chunk_size=official.attention_chunk_size if chunked else None, nope_layers=nope,
         qk_norm=official.use_qk_norm, qk_norm_type="l2" if official.use_qk_norm else "head",
-        mlp_layer_types=["sparse" if i in official.moe_layers else "dense" for i in range(layers)],
-        moe_intermediate_size=official.intermediate_size, shared_expert_intermediate_size=official.intermediate_size,
-        **FIXED, **{name: getattr(official, name) for name in MOE_FIELDS},
     )
+    if official.num_local_experts:
+        values.update(
+            mlp_layer_types=["sparse" if i in official.moe_layers else "dense" for i in range(layers)],
+            moe_intermediate_size=official.intermediate_size, shared_expert_intermediate_size=official.intermediate_size,
+            **FIXED, **{name: getattr(official, name) for name in MOE_FIELDS},
+        )
     if official.attn_temperature_tuning and nope:  # it acts on NoPE layers only
         values.update(attn_temperature_tuning=True, floor_scale=official.floor_scale, attn_scale=official.attn_scale)
     return values
@@ -151,3 +154,10 @@ def _fused_gate_up(experts: int) -> Transform:
 def _fused_down(experts: int) -> Transform:
     return Transform(f"llama4_down({experts} experts)", lambda fused: tuple(w.T.contiguous() for w in fused),
                      lambda *parts: torch.stack([w.T for w in parts]))
+
+
+VARIANT = CausalVariant(
+    "llama4_text", "Llama4TextConfig", {"TinyCausalForCausalLM": "Llama4ForCausalLM", "TinyCausalModel": "Llama4TextModel"},
+    fields_from_official=fields_from_official, official_fields=official_fields, claims=claims, check_holds=check_holds,
+    adapt_layer_rules=adapt_layer_rules, sparse_rules=sparse_rules,
+)

@@ -15,7 +15,9 @@ when it loads, and splits them again when it saves); so do we, under Llama's pro
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
+from .causal_variant import CausalVariant, llama_named_classes
 from .errors import ConversionError
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -37,7 +39,7 @@ MOE_MODEL_TYPES = tuple(MOE_LAYOUTS)
 OFFICIAL_PREFIXES = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe"}
 
 
-def moe_rules(config, family: str, layer: str) -> list:
+def moe_rules(config, layer: str, family: str) -> list:
     """Key rules of the sparse layers (layer: the layer prefix template with {i} already filled in for one
     layer index), and the dense feed-forward rules of the dense layers, for one layer."""
     layout = MOE_LAYOUTS[family]
@@ -54,7 +56,8 @@ def moe_rules(config, family: str, layer: str) -> list:
 
 
 def moe_fields_from_official(official, *, src) -> dict:
-    """TinyCausalConfig's MoE fields for an official Mixtral / Qwen2-MoE / Qwen3-MoE config."""
+    """TinyCausalConfig's MoE fields (and the attention fields that differ by type) for an official Mixtral /
+    Qwen2-MoE / Qwen3-MoE config."""
     model_type = official.model_type
     num_layers = official.num_hidden_layers
     values = dict(
@@ -82,8 +85,11 @@ def moe_fields_from_official(official, *, src) -> dict:
         norm_topk_prob=official.norm_topk_prob,
         mlp_layer_types=["sparse" if s else "dense" for s in sparse],
     )
-    if model_type == "qwen2_moe":
-        values.update(shared_expert_intermediate_size=official.shared_expert_intermediate_size, shared_expert_gate=True)
+    if model_type == "qwen2_moe":  # biases on q/k/v (qkv_bias), none on o_proj
+        values.update(shared_expert_intermediate_size=official.shared_expert_intermediate_size, shared_expert_gate=True,
+                      attention_bias=official.qkv_bias, attention_output_bias=False, sliding_window=None)
+    else:
+        values.update(attention_bias=official.attention_bias, qk_norm=True, sliding_window=None)
     return values
 
 
@@ -142,9 +148,10 @@ def official_moe_config_fields(config, family: str) -> dict:
         router_aux_loss_coef=config.router_aux_loss_coef,
         output_router_logits=config.output_router_logits,
     )
-    if family == "mixtral":
+    if family == "mixtral":  # Mixtral's experts are intermediate_size wide; it has no dense layers
         values.update(num_local_experts=config.num_local_experts, router_jitter_noise=config.router_jitter_noise,
-                      sliding_window=config.sliding_window, head_dim=config.head_dim)
+                      sliding_window=config.sliding_window, head_dim=config.head_dim,
+                      intermediate_size=config.moe_intermediate_size)
         return values
     values.update(
         num_experts=config.num_local_experts,
@@ -157,7 +164,17 @@ def official_moe_config_fields(config, family: str) -> dict:
     )
     if family == "qwen2_moe":
         values.update(shared_expert_intermediate_size=config.shared_expert_intermediate_size,
-                      qkv_bias=config.attention_bias)
+                      qkv_bias=config.attention_bias, layer_types=list(config.layer_types))
     else:
         values.update(attention_bias=config.attention_bias)
     return values
+
+
+def _variant(model_type: str, prefix: str) -> CausalVariant:
+    return CausalVariant(model_type, f"{prefix}Config", llama_named_classes(prefix),
+                         fields_from_official=moe_fields_from_official,
+                         official_fields=partial(official_moe_config_fields, family=model_type),
+                         sparse_rules=partial(moe_rules, family=model_type))
+
+
+VARIANTS = tuple(_variant(model_type, prefix) for model_type, prefix in OFFICIAL_PREFIXES.items())

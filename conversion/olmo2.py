@@ -11,15 +11,9 @@ from __future__ import annotations
 
 from hf_tiny.configuration_causal import field_value
 
+from .causal_variant import CausalVariant, llama_named_classes
 from .errors import ConversionError
 
-MODEL_TYPE = "olmo2"
-CONFIG_CLASS = "Olmo2Config"
-OFFICIAL_CLASSES = {
-    "TinyCausalForCausalLM": "Olmo2ForCausalLM",
-    "TinyCausalForSequenceClassification": "Olmo2ForSequenceClassification",
-    "TinyCausalModel": "Olmo2Model",
-}
 NORMS = {"post_attention_layernorm": "attn_output_layernorm", "post_feedforward_layernorm": "mlp_output_layernorm"}
 LAYOUT = dict(pre_norms=False, sandwich_norms=True, qk_norm=True, qk_norm_type="projection")
 
@@ -51,3 +45,9 @@ def official_fields(config) -> dict:
         raise ConversionError(f"OLMo 2 has no head_dim field: head_dim={config.head_dim} must equal hidden_size // "
                               "num_attention_heads")
     return dict(attention_bias=config.attention_bias)
+
+
+VARIANT = CausalVariant(
+    "olmo2", "Olmo2Config", llama_named_classes("Olmo2"), fields_from_official=fields_from_official,
+    official_fields=official_fields, claims=claims, check_holds=check_holds, layer_norms=NORMS,
+)

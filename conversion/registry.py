@@ -105,7 +105,7 @@ def _encoder_variant_of(raw: dict, src: Path) -> tuple[str, str]:
 
     config = hf_tiny_config_from_dict(raw, TinyEncoderConfig, src=src)
     defaults = TinyEncoderConfig()
-    variants = [(name, family_for(name).variant) for name in FAMILIES if hasattr(family_for(name), "variant")]
+    variants = [(name, family_for(name).variant) for name in FAMILIES if family_for(name).modality == "encoder"]
     name, variant = next(
         (name, variant) for name, variant in sorted(variants, key=lambda item: -len(item[1].fixed_config))
         if all(getattr(config, field) == value for field, value in variant.fixed_config.items())

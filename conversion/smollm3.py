@@ -6,19 +6,23 @@ from __future__ import annotations
 
 from hf_tiny.configuration_causal import field_value
 
+from .causal_variant import CausalVariant, llama_named_classes
 from .errors import ConversionError
-
-MODEL_TYPE = "smollm3"
-CONFIG_CLASS = "SmolLM3Config"
-OFFICIAL_CLASSES = {
-    "TinyCausalForCausalLM": "SmolLM3ForCausalLM",
-    "TinyCausalForSequenceClassification": "SmolLM3ForSequenceClassification",
-    "TinyCausalModel": "SmolLM3Model",
-}
 
 
 def claims(config) -> bool:
-    return bool(field_value(config, "nope_layers"))
+    """NoPE layers; or, in a plain Llama block (no q/k norm, no MoE), sliding windows that neither Mistral (on every
+    layer, no biases) nor Qwen2 (biases on q/k/v only) holds. SmolLM3 holds any full / sliding mix with one bias
+    switch for q/k/v/o; Qwen3 and Gemma 3, the other official homes of per-layer windows, have q/k norms."""
+    if field_value(config, "nope_layers"):
+        return True
+    if "sliding_attention" not in config.layer_types or config.qk_norm or config.moe_spec() is not None:
+        return False
+    out_bias = config.attention_bias if config.attention_output_bias is None else config.attention_output_bias
+    mistral = set(config.layer_types) == {"sliding_attention"} and not (config.attention_bias or out_bias
+                                                                         or config.mlp_bias)
+    qwen2 = config.attention_bias and not out_bias and not config.mlp_bias
+    return not (mistral or qwen2)
 
 
 def check_holds(config) -> None:
@@ -54,3 +58,9 @@ def official_fields(config) -> dict:
         use_sliding_window=sliding, sliding_window=config.sliding_window if sliding else None,
         layer_types=list(config.layer_types), attention_bias=config.attention_bias, mlp_bias=config.mlp_bias,
     )
+
+
+VARIANT = CausalVariant(
+    "smollm3", "SmolLM3Config", llama_named_classes("SmolLM3"), fields_from_official=fields_from_official,
+    official_fields=official_fields, claims=claims, check_holds=check_holds,
+)

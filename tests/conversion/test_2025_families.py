@@ -5,6 +5,7 @@ conversion/test_gpt_oss.py; the models' own parity tests: models/test_smollm3.py
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -13,7 +14,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 import hf_tiny  # noqa: F401
-from conversion import ConversionError, detect_family, llama, llama4, olmo2
+from conversion import ConversionError, detect_family, llama, llama4, llama_configs, olmo2
 from conversion.__main__ import main
 from family_parity import TOLERANCE, greedy_tokens, logits_error
 from llama4_models import tiny_llama4
@@ -65,8 +66,8 @@ def test_llama4_rotary_rows_not_permuted_fail_parity(tmp_path, monkeypatch):
 
 def test_olmo2_norms_swapped_fail_parity(tmp_path, monkeypatch):
     """Negative control: OLMo 2's two post-norms read the wrong way round."""
-    monkeypatch.setattr(olmo2, "NORMS", {"post_attention_layernorm": "mlp_output_layernorm",
-                                         "post_feedforward_layernorm": "attn_output_layernorm"})
+    swapped = {"post_attention_layernorm": "mlp_output_layernorm", "post_feedforward_layernorm": "attn_output_layernorm"}
+    monkeypatch.setitem(llama_configs.OFFICIAL_TYPES, "olmo2", dataclasses.replace(olmo2.VARIANT, layer_norms=swapped))
     with pytest.raises(ConversionError, match="does not match the official"):
         convert("olmo2_gqa", tmp_path)
 
