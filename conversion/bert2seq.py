@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from . import bert as bert_conversion
+from .errors import ConversionError
 from .keymap import KeyMap, Rule, check_shapes, expected_shapes, layer_rules
 from .pipeline import Plan, Source
 from .pipeline import convert as run_conversion

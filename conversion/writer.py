@@ -18,7 +18,7 @@ import torch
 
 from .errors import ConversionError
 from .keymap import check_shapes, expected_shapes
-from .lazy import LazyTensors, TensorInfo, read_safetensors
+from .lazy import LazyTensors, TensorInfo
 
 def save_state_dict_safetensors(
     state_dict: Mapping[str, torch.Tensor], path: str | os.PathLike, *, metadata: Mapping[str, str] | None = None
