@@ -21,6 +21,7 @@ import inspect
 import torch
 
 from hf_tiny.configuration_causal import field_value
+from hf_tiny.transformers_api import TESTED_TRANSFORMERS
 
 from .causal_variant import CausalVariant, llama_named_classes
 from .errors import ConversionError
@@ -94,13 +95,34 @@ def adapt_layer_rules(config, layer: str, rules: list) -> list:
     return [*rules, (f"{layer}self_attn.sinks",) * 2]
 
 
+def official_reads_swiglu() -> bool:
+    """Whether the installed transformers' GPT-OSS reads swiglu_limit / swiglu_alpha from its config (5.24 does);
+    before 5.2x (5.16.1) GptOssExperts hard-codes DEFAULT_SWIGLU and a config.json's values are ignored."""
+    import transformers
+
+    return "swiglu_limit" in inspect.signature(transformers.GptOssConfig.__init__).parameters
+
+
+def _ignored_swiglu(swiglu: dict, what: str) -> ConversionError:
+    import transformers
+
+    return ConversionError(
+        f"{what} has {swiglu}, but transformers {transformers.__version__}'s GptOssForCausalLM ignores these fields "
+        f"and computes with {DEFAULT_SWIGLU}, so the official model is not this checkpoint's; transformers "
+        f"{TESTED_TRANSFORMERS[-1]} reads them"
+    )
+
+
 def fields_from_official(official, *, src) -> dict:
-    """TinyCausalConfig's fields for an official GptOssConfig beyond the Llama ones."""
+    """TinyCausalConfig's fields for an official GptOssConfig beyond the Llama ones; a SwiGLU clamp the installed
+    transformers ignores is an error naming that cause (parity could only fail)."""
     values = {name: getattr(official, name) for name in MOE_FIELDS}
     values.update(FIXED, attention_bias=official.attention_bias, moe_intermediate_size=official.intermediate_size,
                   mlp_layer_types=["sparse"] * official.num_hidden_layers)
-    values.update({name: getattr(official, name, default) for name, default in DEFAULT_SWIGLU.items()})
-    return values
+    swiglu = {name: getattr(official, name, default) for name, default in DEFAULT_SWIGLU.items()}
+    if swiglu != DEFAULT_SWIGLU and not official_reads_swiglu():
+        raise _ignored_swiglu(swiglu, f"{src}: config.json")
+    return {**values, **swiglu}
 
 
 def check_holds(config) -> None:
@@ -118,17 +140,14 @@ def check_holds(config) -> None:
 
 def official_fields(config) -> dict:
     """The official GptOssConfig's fields beyond the Llama ones, for an hf_tiny config check_holds accepted."""
-    import transformers
-
     values = {name: field_value(config, name) for name in MOE_FIELDS}
     values.update(head_dim=config.head_dim, sliding_window=config.sliding_window, layer_types=list(config.layer_types),
                   attention_bias=config.attention_bias, intermediate_size=config.moe_intermediate_size)
     swiglu = {name: field_value(config, name) for name in DEFAULT_SWIGLU}
-    if "swiglu_limit" in inspect.signature(transformers.GptOssConfig.__init__).parameters:
+    if official_reads_swiglu():
         values.update(swiglu)
     elif swiglu != DEFAULT_SWIGLU:
-        raise ConversionError(f"transformers {transformers.__version__}'s GPT-OSS hard-codes {DEFAULT_SWIGLU}; this "
-                              f"config has {swiglu}")
+        raise _ignored_swiglu(swiglu, "this hf_tiny config")
     return values
 
 

@@ -119,3 +119,24 @@ def test_a_config_gpt_oss_cannot_hold_is_refused_naming_the_fields(converted, tm
     (edited / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConversionError, match=r"GPT-OSS needs .*'router_bias': False"):
         llama.convert_back(edited, tmp_path / "back")
+
+
+def test_a_swiglu_limit_the_installed_official_class_ignores_is_named(tmp_path):
+    """transformers 5.16.1's GptOssForCausalLM computes with swiglu_limit 7 whatever config.json says; 5.24 reads
+    the field. A checkpoint with limit 2 converts with parity where the official class reads it, and elsewhere is
+    refused naming that cause (parity could only fail, "3.1 > 5.93e-05", with no hint). Which release does which is
+    measured here on the official class itself (limit 2 against limit 7 on the same weights)."""
+    official = tiny_official(swiglu_limit=2.0)
+    official.save_pretrained(tmp_path / "src")
+    assert json.loads((tmp_path / "src" / "config.json").read_text())["swiglu_limit"] == 2.0
+    batch = left_padded_batch(FIELDS["vocab_size"])
+    honours_the_limit = not torch.equal(real_logits(official, batch), real_logits(tiny_official(swiglu_limit=7.0), batch))
+    assert gpt_oss.official_reads_swiglu() == honours_the_limit
+    if honours_the_limit:
+        result = llama.convert(tmp_path / "src", tmp_path / "ours")  # raises if an fp32 row is over tolerance
+        assert result["config"].swiglu_limit == 2.0 and result["parity"]
+    else:
+        with pytest.raises(ConversionError, match=r"'swiglu_limit': 2\.0.* ignores these fields and computes with "
+                                                  r"\{'swiglu_limit': 7\.0"):
+            llama.convert(tmp_path / "src", tmp_path / "ours")
+        assert not (tmp_path / "ours").exists()

@@ -29,8 +29,10 @@ pytestmark = pytest.mark.usefixtures("single_torch_thread")
 SHAPES = dict(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.3)
 SMOLLM3 = dict(intermediate_size=48, use_sliding_window=True, sliding_window=4, no_rope_layers=[1, 1])
+# Every layer full attention (layer_types given; transformers 5.16.1 builds the chunked mask whatever the layer types,
+# so the chunk size stays set, unused)
 LLAMA4 = dict(intermediate_size=16, intermediate_size_mlp=48, head_dim=8, num_local_experts=0, moe_layers=[],
-              use_qk_norm=False, no_rope_layers=[1, 1], attention_chunk_size=None, attn_temperature_tuning=False)
+              use_qk_norm=False, no_rope_layers=[1, 1], layer_types=["full_attention"] * 2, attn_temperature_tuning=False)
 CASES = {  # case -> (official config class, its fields, official class, the model type it goes back to)
     # the checkpoint: windows on layer 0, full attention on layer 1, no NoPE layer
     "smollm3_windows_and_full_no_nope": (
