@@ -79,10 +79,11 @@ def mask_for_interface(
         if name == "flex_attention":
             from torch.nn.attention.flex_attention import create_block_mask
 
-            dense = mask[:, :1].expand(batch, 1, query_length, key_length).contiguous()
+            # 3-D, indexed by the three batched indices alone: torch 2.10 cannot vmap `dense[b, 0, q_idx, kv_idx]`
+            dense = mask[:, 0].expand(batch, query_length, key_length).contiguous()
 
             def mask_mod(b, h, q_idx, kv_idx):
-                return dense[b, 0, q_idx, kv_idx]
+                return dense[b, q_idx, kv_idx]
 
             return create_block_mask(mask_mod, batch, None, query_length, key_length, device=mask.device), visible
         mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)

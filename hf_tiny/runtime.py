@@ -155,7 +155,8 @@ def _runs_runtime(module: nn.Module) -> bool:
 
 
 def _math(module: nn.Module) -> Callable:
-    return type(module).forward.__get__(module)
+    # A partial, not `forward.__get__(module)`: dynamo in torch 2.10 cannot trace a call of function.__get__.
+    return functools.partial(type(module).forward, module)
 
 
 # ---- when the runtime may act -------------------------------------------------------------------------------------

@@ -111,8 +111,6 @@ def test_compiled_static_cache_sampling_gives_official_tokens_with_the_same_seed
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=RecursionError,
-                   reason="issue 41 item 7: compiled generate with output_attentions=True recurses in hf_tiny/runtime.py")
 def test_compiled_generate_returns_official_attentions(folders):
     """What transformers' GenerationTesterMixin.test_generate_compilation_all_outputs asks (CompileConfig's default
     fullgraph=False, eager attention so that weights exist), against official Llama's eager generate with the same
