@@ -21,7 +21,7 @@ import transformers
 # Oldest and newest releases the version-sensitive tests passed on (CI runs both ends of each). Change a range here,
 # in pyproject.toml and in the README together, after those tests pass on the new end.
 TESTED_TRANSFORMERS = ("5.16.1", "5.24.0")
-TESTED_TORCH = ("2.13.0", "2.13.0")
+TESTED_TORCH = ("2.10.0", "2.15.0")
 
 
 def _range_text(tested: tuple[str, str]) -> str:

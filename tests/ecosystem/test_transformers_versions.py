@@ -1,4 +1,4 @@
-"""The supported transformers range and the cache's two names (hf_tiny/transformers_api.py).
+"""The supported transformers and torch ranges and the cache's two names (hf_tiny/transformers_api.py).
 
 transformers 5.24 renamed the cache argument `past_key_values` -> `cache`: a model that read only the old name ran
 every decoding step without its cache and generated garbage without an error. These tests pin the range in one
@@ -154,3 +154,89 @@ def test_inside_the_range_nothing_is_checked(monkeypatch):
         warnings.simplefilter("error")
         model.generate(IDS[:, :4], max_new_tokens=2, do_sample=False)
     assert api._checked_classes == {}
+
+
+# ---- torch -----------------------------------------------------------------------------------------------------------
+
+TORCH_WARNING = "hf_tiny was tested with torch"
+
+
+def test_pyproject_code_and_card_state_one_torch_range():
+    oldest, newest = api.TESTED_TORCH
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    assert re.search(rf'"torch>={re.escape(oldest)},<={re.escape(newest)}"', pyproject)
+    assert api.tested_torch_text() == f">={oldest},<={newest}"
+    assert api.torch_in_tested_range(), f"the suite runs with torch {torch.__version__}, outside the range"
+    from conversion import render_model_card
+
+    card = render_model_card(
+        model_name="m", model_id="me/m", base_model="b/m", pipeline_tag="text-generation", family="llama",
+        auto_class="AutoModelForCausalLM", description="d.",
+        parity_rows=[("eager", "float32", "cpu", 1e-6, 1e-4)],
+    )
+    assert f"`torch>={oldest},<={newest}`" in card and f"`transformers{api.tested_range_text()}`" in card
+
+
+@pytest.mark.parametrize(
+    "version, inside", [("2.10.0", True), ("2.13.0+cpu", True), ("2.15.0+cu132", True), ("2.9.1", False),
+                        ("2.15.1", False), ("2.16.0.dev20261101", False), ("2.5.1", False)],
+)
+def test_torch_tested_range_boundaries(version, inside):
+    assert api.torch_in_tested_range(version) is inside
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch):
+    """The once-per-process memory of both warnings reset for one test."""
+    monkeypatch.setattr(api, "_warned_untested", set())
+
+
+def test_outside_the_torch_range_building_a_model_warns_once(fresh_warnings, monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.16.0")
+    with pytest.warns(UserWarning) as recorded:
+        causal_model()
+    messages = [str(w.message) for w in recorded if TORCH_WARNING in str(w.message)]
+    assert messages == [
+        f"hf_tiny was tested with torch {api.tested_torch_text()}; torch 2.16.0 is installed. If a result looks "
+        f"wrong, install a tested version (pip install 'torch{api.tested_torch_text()}')"
+    ]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process, whichever model comes next
+        seq2seq_model()
+        causal_model()
+
+
+def test_inside_the_torch_range_building_a_model_does_not_warn(fresh_warnings, monkeypatch):
+    for version in api.TESTED_TORCH:
+        monkeypatch.setattr(torch, "__version__", f"{version}+cu130")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            causal_model()
+            seq2seq_model()
+    assert api._warned_untested == set()
+
+
+def test_the_torch_and_transformers_warnings_are_separate(fresh_warnings, monkeypatch):
+    monkeypatch.setattr(torch, "__version__", "2.5.1")
+    monkeypatch.setattr(api, "TESTED_TRANSFORMERS", ("0.0.1", "0.0.2"))
+    with pytest.warns(UserWarning, match=rf"tested with torch {re.escape(api.tested_torch_text())}; torch 2\.5\.1"):
+        assert api.warn_if_torch_untested()
+    with pytest.warns(UserWarning, match=r"tested with transformers >=0\.0\.1,<=0\.0\.2"):
+        assert api.warn_if_untested()
+    assert api._warned_untested == {"torch", "transformers"}
+
+
+def test_every_test_the_version_ends_run_exists():
+    """CI's runs at the ends of the ranges (tests/helpers/version_ends.py) name test files and tests by path: a
+    renamed one would otherwise drop out of them (pytest stops on a missing path, after the venv is built)."""
+    import version_ends
+
+    for end in version_ends.ENDS.values():
+        for entry in end.tests:
+            path, _, name = entry.partition("::")
+            assert (ROOT / path).is_file(), f"{entry} (version_ends.ENDS)"
+            if name:
+                assert re.search(rf"^def {re.escape(name)}\(", (ROOT / path).read_text(), re.M), entry
+    assert version_ends.ENDS["torch-oldest"].version == api.TESTED_TORCH[0]
+    assert version_ends.ENDS["torch-newest"].version == api.TESTED_TORCH[1]
+    assert version_ends.ENDS["transformers-oldest"].version == api.TESTED_TRANSFORMERS[0]

