@@ -121,7 +121,8 @@ def torch_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0,
     """torch's scaled_dot_product_attention (it picks the flash, memory-efficient or math kernel). A row that sees
     no key is handed to the kernel as seeing every key and zeroed after: some kernels return NaN for a fully masked
     row, forward and backward (CUDA memory-efficient, pytorch#110213). Sinks: sink_as_first_key."""
-    _no_weights(output_attentions, "sdpa")
+    if output_attentions:
+        _no_weights(output_attentions, "sdpa")
     value_dim, gqa = v.shape[-1], q.shape[1] != k.shape[1]
     if sinks is not None:
         q, k, v, mask = sink_as_first_key(q, k, v, mask, sinks, scale)
@@ -225,9 +226,12 @@ HF_TINY_INTERFACES: dict[str, AttentionInterfaceFn] = {
 }
 
 
+# Our own backends, also under transformers' "paged|" prefix (our wrappers handle paged caches).
+HF_TINY_BACKEND_NAMES = frozenset(HF_TINY_INTERFACES) | {f"paged|{name}" for name in HF_TINY_INTERFACES}
+
+
 def is_hf_tiny_backend(name: str) -> bool:
-    """Our own backends, also under transformers' "paged|" prefix (our wrappers handle paged caches)."""
-    return name.removeprefix("paged|") in HF_TINY_INTERFACES
+    return name in HF_TINY_BACKEND_NAMES
 
 
 def _hf_tiny_attention_functions():

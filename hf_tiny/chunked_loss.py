@@ -20,7 +20,7 @@ from typing import Optional, Union
 import torch
 from torch.autograd.function import once_differentiable
 
-from .runtime import plain_linear
+from .runtime import path_on, plain_linear
 from .step import check_skip_logits
 
 # Logits elements per chunk (fp32: 32 MiB): large enough that each chunk's matrix product runs at full speed.
@@ -114,12 +114,13 @@ def linear_cross_entropy(
     return _LinearCrossEntropy.apply(hidden, weight, bias, targets, divisor, ignore_index, softcap, chunk)
 
 
-def use_chunked_loss(skip_logits: Optional[bool], labels, *, training: bool, head) -> bool:
+def use_chunked_loss(skip_logits: Optional[bool], labels, *, model, head) -> bool:
     """An LM head's choice: skip_logits (Liger-Kernel's name) True = the loss without logits, False = logits as
-    usual, None = skip while training with labels. Skipping needs labels and a plain linear head."""
+    usual, None = skip while training with labels where the runtime's "chunked_loss" path is on for the labels' device
+    (runtime.ON_BY_DEFAULT: the CPU). Skipping needs labels and a plain linear head."""
     check_skip_logits(skip_logits, labels)
     if skip_logits is None:
-        skip_logits = training and labels is not None
+        skip_logits = model.training and labels is not None and path_on(model, "chunked_loss", labels.device)
     return bool(skip_logits) and plain_linear(head)  # a PEFT-wrapped, quantized or hooked head: unchunked
 
 

@@ -81,7 +81,7 @@ class TinyEncoderConfig(PretrainedConfig):
     """
 
     model_type = "hf_tiny_encoder"
-    # Parallel plans, module paths relative to TinyEncoderModel (see tests/test_distributed.py, which runs them).
+    # Parallel plans, module paths relative to TinyEncoderModel (see tests/ecosystem/test_distributed.py, which runs them).
     # Tensor parallelism (DistributedConfig(tp_size=N)): attention heads and feed-forward columns split across ranks.
     base_model_tp_plan = {
         "layers.*.self_attn.q_proj": "colwise",

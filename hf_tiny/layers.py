@@ -1,8 +1,9 @@
-"""The modules every family is built from: norms, feed-forwards, rotary positions and the one attention module.
+"""The modules every family is built from: norms, feed-forwards, the pre-norm residual layer, rotary positions and
+the one attention module.
 
 Each is the math of its paper (and of transformers' own file) and nothing else: projections are plain nn.Linear, so
 quantizers, PEFT and vLLM find and replace them as in official models. Making them faster or leaner is the
-runtime's job (runtime.py), which leaves these forwards as they are written here.
+runtime's job (runtime.py): a forward it may run differently carries its declaration (`@runtime_layer`, `@runtime_feed_forward`, ...).
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from torch import nn
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, EncoderDecoderCache
 
-from .attention import ALL_ATTENTION_FUNCTIONS, is_hf_tiny_backend, sinks_for
+from .runtime import runtime_feed_forward, runtime_layer
+from .attention import ALL_ATTENTION_FUNCTIONS, HF_TINY_BACKEND_NAMES, sinks_for
 from .engines import foreign_mask, paged_cache_update
 from .rope import MAX_TABLE_POSITIONS, SEQUENCE_DEPENDENT_TYPES, compute_inv_freq, rotary_dim, standardize_rope_parameters
 
@@ -78,7 +80,8 @@ def _activation(hidden_act: str) -> nn.Module:
 
 
 class FeedForward(nn.Module):
-    """down(act(up(x))): BERT, GPT-2, BART (c_fc / c_proj, intermediate / output)."""
+    """down(act(up(x))): BERT, GPT-2, BART (c_fc / c_proj, intermediate / output); activation_dropout drops the
+    activation while training (BART)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, *, bias: bool,
                  activation_dropout: float = 0.0):
@@ -86,10 +89,12 @@ class FeedForward(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = _activation(hidden_act)
-        self.dropout = nn.Dropout(activation_dropout)
+        self.dropout = nn.Dropout(activation_dropout) if activation_dropout else None
 
+    @runtime_feed_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.dropout(self.act_fn(self.up_proj(x))))
+        hidden = self.act_fn(self.up_proj(x))
+        return self.down_proj(hidden if self.dropout is None else self.dropout(hidden))
 
 
 class GatedFeedForward(nn.Module):
@@ -103,10 +108,12 @@ class GatedFeedForward(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         self.act_fn = _activation(hidden_act)
-        self.dropout = nn.Dropout(activation_dropout)
+        self.dropout = nn.Dropout(activation_dropout) if activation_dropout else None
 
+    @runtime_feed_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.dropout(self.act_fn(self.gate_proj(x)) * self.up_proj(x)))
+        hidden = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(hidden if self.dropout is None else self.dropout(hidden))
 
 
 class ClampedSwiGLUFeedForward(nn.Module):
@@ -137,6 +144,31 @@ def feed_forward(hidden_size: int, intermediate_size: int, hidden_act: str, *, g
     return kind(hidden_size, intermediate_size, hidden_act, bias=bias, activation_dropout=activation_dropout)
 
 
+class PreNormResidual:
+    """The forward of a pre-norm residual layer: h = x + attn(norm(x)); out = h + mlp(norm(h)). The layer classes
+    that mix it in (TinyCausalDecoderLayer, TinyEncoderPreNormLayer) build its modules, None where a variant has none:
+    norms on the sublayers' outputs too (`attn_output_layernorm`, `mlp_output_layernorm`: Gemma 3's sandwich norms),
+    or only there (OLMo 2: no `input_layernorm` / `post_attention_layernorm`, h = x + norm(attn(x))); `dropout` of
+    each sublayer's output while training (GPT-2, Phi-3, ModernBERT)."""
+
+    @runtime_layer(in_place="pre_norm_in_place")
+    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, **attention_kwargs) -> torch.Tensor:
+        normed = hidden_states if self.input_layernorm is None else self.input_layernorm(hidden_states)
+        attended, _ = self.self_attn(normed, attention_mask, position_embeddings, **attention_kwargs)
+        if self.attn_output_layernorm is not None:
+            attended = self.attn_output_layernorm(attended)
+        if self.dropout is not None:
+            attended = self.dropout(attended)
+        hidden_states = hidden_states + attended
+        normed = hidden_states if self.post_attention_layernorm is None else self.post_attention_layernorm(hidden_states)
+        transformed = self.mlp(normed)
+        if self.mlp_output_layernorm is not None:
+            transformed = self.mlp_output_layernorm(transformed)
+        if self.dropout is not None:
+            transformed = self.dropout(transformed)
+        return hidden_states + transformed
+
+
 # ---- rotary positions ------------------------------------------------------------------------------------------
 
 
@@ -146,13 +178,24 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, H, S, D]; cos, sin [B, S, R], the same for every head. R < D (partial rotary): only x[..., :R] is
-    rotated. Returns x rotated, in x's dtype."""
-    cos, sin, rotary_dim = cos.unsqueeze(1), sin.unsqueeze(1), cos.shape[-1]
+def apply_rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """query [B, H, S, D] and key [B, Hkv, S, D] rotated by cos, sin [B, S, R], the same for every head; R < D
+    (partial rotary): only [..., :R] is rotated. Returns both, each in its own dtype."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if cos.shape[-1] < query.shape[-1]:
+        return partially_rotated(query, cos, sin), partially_rotated(key, cos, sin)
+    query_rotated = query * cos + rotate_half(query) * sin
+    key_rotated = key * cos + rotate_half(key) * sin
+    if query_rotated.dtype != query.dtype or key_rotated.dtype != key.dtype:  # cos / sin in a wider dtype
+        query_rotated, key_rotated = query_rotated.to(query.dtype), key_rotated.to(key.dtype)
+    return query_rotated, key_rotated
+
+
+def partially_rotated(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, H, S, D] with x[..., :R] rotated by cos, sin [B, 1, S, R] and the rest as it is, in x's dtype."""
+    rotary_dim = cos.shape[-1]
     rotated = x[..., :rotary_dim] * cos + rotate_half(x[..., :rotary_dim]) * sin
-    rotated = rotated if rotated.dtype == x.dtype else rotated.to(x.dtype)
-    return rotated if rotary_dim == x.shape[-1] else torch.cat((rotated, x[..., rotary_dim:]), dim=-1)
+    return torch.cat((rotated.to(x.dtype), x[..., rotary_dim:]), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
@@ -275,21 +318,13 @@ def query_temperature(token_indices: torch.Tensor, floor_scale: float, attn_scal
 # ---- attention ---------------------------------------------------------------------------------------------------
 
 
-def update_cache(cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int, attention_kwargs: dict):
-    """Stores this step's K/V [B, Hkv, S, D] in the cache and returns the keys and values to attend to: a
-    transformers Cache's update, or continuous batching's paged cache (which also fills attention_kwargs)."""
-    if isinstance(cache, Cache):
-        return cache.update(key, value, layer_idx)
-    return paged_cache_update(cache, key, value, layer_idx, attention_kwargs)
-
-
-def interface_inputs(module, attention_mask, query: torch.Tensor, key: torch.Tensor, attention_kwargs: dict):
-    """(mask, is_causal, visible rows or None) from a masks.AttentionMask (or None) for the function
-    module.config._attn_implementation names: ours take it as it is (its declared layout into attention_kwargs, for
-    the flash kernels), transformers' take their own forms (engines.foreign_mask)."""
+def interface_inputs(module, implementation: str, attention_mask, query: torch.Tensor, key: torch.Tensor,
+                     attention_kwargs: dict):
+    """(mask, is_causal, visible rows or None) from a masks.AttentionMask (or None) for the attention function
+    `implementation`: ours take it as it is (its declared layout into attention_kwargs, for the flash kernels),
+    transformers' take their own forms (engines.foreign_mask)."""
     mask, is_causal, layout = attention_mask if attention_mask is not None else (None, False, None)
-    implementation = module.config._attn_implementation
-    if is_hf_tiny_backend(implementation):
+    if implementation in HF_TINY_BACKEND_NAMES:
         if layout is not None:
             attention_kwargs["layout"] = layout
         return mask, is_causal, None
@@ -298,11 +333,6 @@ def interface_inputs(module, attention_mask, query: torch.Tensor, key: torch.Ten
 
 # Where an Attention module applies its q/k norm (see Attention.__init__).
 QK_NORM_PLACES = ("head", "projection", "rotated")
-
-
-def zero_invisible_rows(out: torch.Tensor, visible: Optional[torch.Tensor]) -> torch.Tensor:
-    """Query rows that see no key (padding) give zeros, as in our own backends; out is [B, S, H, D]."""
-    return out if visible is None else out.masked_fill(~visible[:, 0, :, 0, None, None], 0.0)
 
 
 class Attention(nn.Module):
@@ -351,7 +381,7 @@ class Attention(nn.Module):
         or over each head."""
         if norm is not None and self.qk_norm_at == "projection":
             states = norm(states)
-        states = states.unflatten(-1, (-1, self.head_dim))  # one call, so vLLM's fx trace passes through it
+        states = torch.unflatten(states, -1, (-1, self.head_dim))  # one call, so vLLM's fx trace passes through it
         if norm is not None and self.qk_norm_at == "head":
             states = norm(states)
         return states.transpose(1, 2)
@@ -362,7 +392,7 @@ class Attention(nn.Module):
         if isinstance(position_embeddings, QueryTemperature):
             query = position_embeddings.apply(query)
         elif position_embeddings is not None:
-            query, key = apply_rotary(query, *position_embeddings), apply_rotary(key, *position_embeddings)
+            query, key = apply_rotary(query, key, *position_embeddings)
         if self.q_norm is not None and self.qk_norm_at == "rotated":
             query, key = self.q_norm(query), self.k_norm(key)
         return query, key
@@ -401,16 +431,20 @@ class Attention(nn.Module):
             value_states = self.v_proj(hidden_states)
             query, key, value = self._heads(query_states, self.q_norm), self._heads(key_states, self.k_norm), self._heads(value_states)
             query, key = self._positioned(query, key, position_embeddings)
-            if cache is not None:
-                key, value = update_cache(cache, key, value, self.layer_idx, attention_kwargs)
+            if isinstance(cache, Cache):
+                key, value = cache.update(key, value, self.layer_idx)
+            elif cache is not None:
+                key, value = paged_cache_update(cache, key, value, self.layer_idx, attention_kwargs)
 
-        mask, is_causal, visible = interface_inputs(self, attention_mask, query, key, attention_kwargs)
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+        implementation = self.config._attn_implementation
+        mask, is_causal, visible = interface_inputs(self, implementation, attention_mask, query, key, attention_kwargs)
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, None)
         if self.sinks is not None:
-            attention_kwargs["s_aux"] = sinks_for(self.config._attn_implementation, attention_interface, self.sinks)
+            attention_kwargs["s_aux"] = sinks_for(implementation, attention_interface, self.sinks)
         out, weights = attention_interface(
             self, query, key, value, mask, scaling=self.scaling, dropout=self.dropout if self.training else 0.0,
             is_causal=is_causal, output_attentions=output_attentions, **attention_kwargs,
         )
-        out = zero_invisible_rows(out, visible).reshape(batch, length, -1)  # the function returns [B, S, H, D]
-        return self.o_proj(out), weights
+        if visible is not None:  # query rows that see no key (padding) give zeros, as in our own backends
+            out = out.masked_fill(~visible[:, 0, :, 0, None, None], 0.0)
+        return self.o_proj(out.reshape(batch, length, -1)), weights  # the function returns [B, S, H, D]

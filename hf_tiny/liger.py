@@ -36,7 +36,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .layers import Attention, GatedFeedForward, RMSNorm
-from .runtime import disable as disable_runtime
+from .runtime import configure as configure_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -76,14 +76,16 @@ def apply_liger_kernel_to_hf_tiny(rope: bool = True, cross_entropy: bool = False
         replaced["rope"], kept["attention without full RoPE"] = _patch_rotary(base)
     if cross_entropy:  # Liger's own switch: the cross-entropy transformers' losses call, process-wide
         liger.loss_utils_nn.functional.cross_entropy = liger.cross_entropy
+    if fused_linear_cross_entropy and hasattr(model, "_chunked_loss"):
+        # the head's loss without logits on every device, as Liger computes it for official Llama
+        model._chunked_loss = types.MethodType(_liger_causal_lm_loss, model)
+        configure_runtime(model, chunked_loss=True)
+        replaced["fused_linear_cross_entropy"] += 1
     for layer in base.layers if sum(replaced.values()) else ():
         # The runtime's replay (selective recompute) cannot see inside Liger's kernels, and Liger's RoPE writes q and
         # k in place into the projections' outputs, which the replay keeps: replayed, the layer rotates twice. The
         # layers Liger runs in run their modeling file's forward (gradient checkpointing still works, as on Llama).
-        disable_runtime(layer)
-    if fused_linear_cross_entropy and hasattr(model, "_chunked_loss"):
-        model._chunked_loss = types.MethodType(_liger_causal_lm_loss, model)
-        replaced["fused_linear_cross_entropy"] += 1
+        configure_runtime(layer, False)
     logger.info("hf_tiny: Liger-Kernel replaced %s; kept %s", dict(+replaced), dict(+kept))
     return +replaced
 
@@ -156,7 +158,7 @@ def _norms(base):
                   (layer.attn_output_layernorm, False), (layer.mlp_output_layernorm, False)]
         found += [(norm, False) for norm in layer.self_attn.modules() if isinstance(norm, RMSNorm)]
     found.append((base.norm, True))
-    return [(norm, in_place) for norm, in_place in found if not isinstance(norm, nn.Identity)]
+    return [(norm, in_place) for norm, in_place in found if norm is not None and not isinstance(norm, nn.Identity)]
 
 
 def _liger_can_norm(norm: nn.Module) -> bool:
@@ -165,12 +167,11 @@ def _liger_can_norm(norm: nn.Module) -> bool:
 
 
 def _forward_replaceable(module: nn.Module) -> bool:
-    """The module runs its class's forward, the runtime's (runtime.py) or Liger's: not one another tool set on it
-    (accelerate's offloading hooks), which replacing would silently undo."""
+    """The module runs its class's forward or Liger's: not one another tool set on it (accelerate's offloading
+    hooks), which replacing would silently undo."""
     forward = vars(module).get("forward")
     function = getattr(forward, "__func__", None)
-    return (forward is None or getattr(function, "hf_tiny_runtime", False)
-            or getattr(function, "__module__", "").startswith("liger_kernel."))
+    return forward is None or getattr(function, "__module__", "").startswith("liger_kernel.")
 
 
 def _feed_forwards(base):
@@ -189,7 +190,7 @@ def _feed_forwards(base):
 def _gated_kind(mlp: nn.Module) -> Optional[str]:
     """"swiglu" for down(silu(gate(x)) * up(x)) (LigerSwiGLUMLP's forward), "geglu" for the tanh-approximated GELU
     gate (LigerGEGLUMLP's: Gemma's), with nothing in between; None for any other feed-forward."""
-    if type(mlp) is not GatedFeedForward or mlp.dropout.p != 0.0 or not _forward_replaceable(mlp):
+    if type(mlp) is not GatedFeedForward or mlp.dropout is not None or not _forward_replaceable(mlp):
         return None
     act = mlp.act_fn
     if "forward" in vars(act):

@@ -30,7 +30,8 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from .attention import ALL_ATTENTION_FUNCTIONS
-from .layers import RMSNorm, apply_rotary, interface_inputs, update_cache, zero_invisible_rows
+from .engines import paged_cache_update
+from .layers import RMSNorm, apply_rotary, interface_inputs
 
 # DeepSeek's latent norms use this epsilon whatever config.rms_norm_eps says (official DeepseekV3RMSNorm default).
 LATENT_NORM_EPS = 1e-6
@@ -100,8 +101,7 @@ class LatentAttention(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(hidden_states).split([self.rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent).unsqueeze(1)  # [B, 1, S, rank]
         k_rope = k_rope.unsqueeze(1)  # [B, 1, S, rope]
-        q_rope = apply_rotary(q_rope, *position_embeddings)
-        k_rope = apply_rotary(k_rope, *position_embeddings)
+        q_rope, k_rope = apply_rotary(q_rope, k_rope, *position_embeddings)
         paged_cache = None
         if isinstance(cache, Cache):
             latent, k_rope = cache.update(latent, k_rope, self.layer_idx)
@@ -120,9 +120,10 @@ class LatentAttention(nn.Module):
             key = torch.cat((k_nope, k_rope.expand(-1, self.num_heads, -1, -1)), dim=-1)
             query = torch.cat((q_nope, q_rope), dim=-1)
         if paged_cache is not None:
-            key, value = update_cache(paged_cache, key, value, self.layer_idx, attention_kwargs)
-        mask, is_causal, visible = interface_inputs(self, attention_mask, query, key, attention_kwargs)
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, None)
+            key, value = paged_cache_update(paged_cache, key, value, self.layer_idx, attention_kwargs)
+        implementation = self.config._attn_implementation
+        mask, is_causal, visible = interface_inputs(self, implementation, attention_mask, query, key, attention_kwargs)
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, None)
         out, weights = attention_interface(
             self,
             query,
@@ -135,7 +136,8 @@ class LatentAttention(nn.Module):
             output_attentions=output_attentions,
             **attention_kwargs,
         )
-        out = zero_invisible_rows(out, visible)  # [B, S, H, rank] absorbed, [B, S, H, v_head_dim] expanded
+        if visible is not None:  # query rows that see no key (padding) give zeros, as in our own backends
+            out = out.masked_fill(~visible[:, 0, :, 0, None, None], 0.0)  # [B, S, H, rank] or [B, S, H, v_head_dim]
         if self.absorbed:
             out = torch.einsum("bshr,hvr->bshv", out, w_uv)
         return self.o_proj(out.reshape(batch, seq_len, -1)), weights

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from .runtime import disable as disable_runtime, enable as enable_runtime, install as install_runtime
+from .runtime import configure as configure_runtime
 from .attention import get_attention_interface, is_hf_tiny_backend, registered_attention_names
 from .layers import Attention, RMSNorm
 from .saving import AtomicSaveAndCardMixin
@@ -61,15 +61,17 @@ class HfTinyPreTrainedModel(AtomicSaveAndCardMixin, PreTrainedModel):
         return True
 
     def post_init(self) -> None:
-        """transformers' post_init, then the runtime's forwards (runtime.py) on this model's modules; warns once per
-        process when the installed torch lies outside the tested range (transformers_api.py)."""
+        """transformers' post_init; warns once per process when the installed torch lies outside the tested range
+        (transformers_api.py)."""
         super().post_init()
-        install_runtime(self)
         warn_if_torch_untested()
 
-    def set_runtime(self, enabled: bool) -> "HfTinyPreTrainedModel":
-        """The runtime (runtime.py) on or off for this model: off, every module runs its modeling file's forward."""
-        return enable_runtime(self) if enabled else disable_runtime(self)
+    def set_runtime(self, enabled: bool = True, **paths: bool) -> "HfTinyPreTrainedModel":
+        """The runtime (runtime.py) of this model. set_runtime(False): every module runs its modeling file's forward;
+        set_runtime(True): each path at its device default (runtime.ON_BY_DEFAULT); a path named with True or False
+        (recompute=, in_place=, few_rows=) on or off on every device, e.g. set_runtime(recompute=True) to recompute
+        training activations on a GPU (a named option there, as gradient checkpointing is)."""
+        return configure_runtime(self, enabled, **paths)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

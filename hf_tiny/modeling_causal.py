@@ -33,8 +33,11 @@ from transformers.modeling_outputs import (
 )
 
 from .chunked_loss import labels_ahead, linear_cross_entropy, use_chunked_loss
+from .runtime import runtime_decoding, runtime_stack
 from .configuration_causal import TinyCausalConfig
-from .layers import Attention, ClampedSwiGLUFeedForward, RotaryEmbedding, build_norm, feed_forward, query_temperature
+from .layers import (
+    Attention, ClampedSwiGLUFeedForward, PreNormResidual, RotaryEmbedding, build_norm, feed_forward, query_temperature,
+)
 from .liger import register_liger_kernels
 from .mla import LatentAttention
 from .modeling_base import HfTinyPreTrainedModel
@@ -102,32 +105,21 @@ def feed_forward_of(config: TinyCausalConfig, layer_idx: int) -> nn.Module:
     return mlp_of(config, config.intermediate_size, gated=config.mlp_gated, bias=config.mlp_bias)
 
 
-class TinyCausalDecoderLayer(GradientCheckpointingLayer):
-    """A pre-norm residual layer: h = x + attn(norm(x)); out = h + mlp(norm(h)). Gemma 3 also norms each sublayer's
-    output before the add (`attn_output_layernorm`, `mlp_output_layernorm`; identities elsewhere), OLMo 2 norms
-    only the outputs (`input_layernorm`, `post_attention_layernorm` identities: h = x + norm(attn(x))); GPT-2 and
-    Phi-3 drop the sublayer outputs at hidden_dropout while training."""
-
-    residual_form = "pre-norm"  # runtime.py runs this form in place
+class TinyCausalDecoderLayer(PreNormResidual, GradientCheckpointingLayer):
+    """A pre-norm residual layer (layers.PreNormResidual): h = x + attn(norm(x)); out = h + mlp(norm(h)). Gemma 3 also
+    norms each sublayer's output before the add (`sandwich_norms`), OLMo 2 norms only the outputs (`pre_norms=False`:
+    h = x + norm(attn(x))); GPT-2 and Phi-3 drop the sublayer outputs at hidden_dropout while training."""
 
     def __init__(self, config: TinyCausalConfig, layer_idx: int):
         super().__init__()
-        pre_norms = config.norm_layout.pre_norms
-        self.input_layernorm = norm_of(config) if pre_norms else nn.Identity()
+        pre_norms, sandwich = config.norm_layout.pre_norms, config.sandwich_norms
+        self.input_layernorm = norm_of(config) if pre_norms else None
         self.self_attn = attention_of(config, layer_idx)
-        self.attn_output_layernorm = norm_of(config) if config.sandwich_norms else nn.Identity()
-        self.post_attention_layernorm = norm_of(config) if pre_norms else nn.Identity()
+        self.attn_output_layernorm = norm_of(config) if sandwich else None
+        self.post_attention_layernorm = norm_of(config) if pre_norms else None
         self.mlp = feed_forward_of(config, layer_idx)
-        self.mlp_output_layernorm = norm_of(config) if config.sandwich_norms else nn.Identity()
-        self.dropout = nn.Dropout(config.hidden_dropout)
-
-    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, *, cache=None,
-                output_attentions: bool = False, **attention_kwargs) -> torch.Tensor:
-        attended, _ = self.self_attn(self.input_layernorm(hidden_states), attention_mask, position_embeddings,
-                                     cache=cache, output_attentions=output_attentions, **attention_kwargs)
-        hidden_states = hidden_states + self.dropout(self.attn_output_layernorm(attended))
-        transformed = self.mlp(self.post_attention_layernorm(hidden_states))
-        return hidden_states + self.dropout(self.mlp_output_layernorm(transformed))
+        self.mlp_output_layernorm = norm_of(config) if sandwich else None
+        self.dropout = nn.Dropout(config.hidden_dropout) if config.hidden_dropout else None
 
 
 class TinyCausalPreTrainedModel(HfTinyPreTrainedModel):
@@ -161,7 +153,7 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         learned = config.position_embedding_type == "learned"
         self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size) if learned else None
-        self.embedding_dropout = nn.Dropout(config.embedding_dropout)
+        self.embedding_dropout = nn.Dropout(config.embedding_dropout) if config.embedding_dropout else None
         self.layers = nn.ModuleList(TinyCausalDecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = norm_of(config)
         # One rotary module per distinct rope_parameters: `rotary_emb` for full-attention layers (and every layer when
@@ -207,6 +199,7 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         return [nope if index in self.nope_layers else rotary[layer_type]
                 for index, layer_type in enumerate(self.config.layer_types)]
 
+    @runtime_stack
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 use_cache=None, output_attentions=None, output_hidden_states=None, return_dict=None,
                 output_router_logits=None, *, past_key_values=None, **kwargs):
@@ -219,11 +212,13 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         hidden_states = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         if self.embed_positions is not None:
             hidden_states = hidden_states + self.embed_positions(self._learned_positions(step.position_ids))
-        hidden_states = self.embedding_dropout(hidden_states)
+        if self.embedding_dropout is not None:
+            hidden_states = self.embedding_dropout(hidden_states)
         positions = self.layer_positions(hidden_states, step)
         with self._collected_outputs(step.flags, output_router_logits) as collected:
             for layer, layer_type, layer_positions in zip(self.layers, self.config.layer_types, positions):
-                collected.add_hidden(hidden_states)
+                if step.flags.hidden_states:
+                    collected.add_hidden(hidden_states)
                 hidden_states = layer(hidden_states, step.masks[layer_type], layer_positions, cache=step.cache,
                                       output_attentions=step.flags.attentions, **step.attention_kwargs)
             hidden_states = self.norm(hidden_states)
@@ -303,6 +298,7 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
                 kwargs["next_sequence_length"] = None
         return super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)
 
+    @runtime_decoding(head="lm_head")
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 labels=None, use_cache=None, output_attentions=None, output_hidden_states=None, return_dict=None,
                 logits_to_keep=0, output_router_logits=None, *, past_key_values=None, **kwargs):
@@ -345,7 +341,7 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         if "shift_labels" not in loss_kwargs:  # labels align with the input tokens (unshifted)
             check_labels(labels, num_classes=self.config.vocab_size, expected_shape=tuple(hidden_states.shape[:2]),
                          ignore_index=loss_kwargs.get("ignore_index", -100))
-        chunked = use_chunked_loss(head_kwargs.get("skip_logits"), labels, training=self.training, head=self.lm_head)
+        chunked = use_chunked_loss(head_kwargs.get("skip_logits"), labels, model=self, head=self.lm_head)
         # under torch.compile / torch.export the plain loss: the chunked one's backward branches on the data
         chunked = chunked and not torch.compiler.is_compiling()
         if chunked and isinstance(logits_to_keep, int) and logits_to_keep == 0:

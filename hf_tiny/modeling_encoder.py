@@ -35,7 +35,8 @@ from transformers.utils import ModelOutput
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .configuration_encoder import TinyEncoderConfig
-from .layers import Attention, RotaryEmbedding, feed_forward
+from .runtime import runtime_layer, runtime_stack
+from .layers import Attention, PreNormResidual, RotaryEmbedding, feed_forward
 from .masks import encoder_masks
 from .modeling_base import HfTinyPreTrainedModel
 from .step import (
@@ -90,8 +91,6 @@ class TinyEncoderLayer(GradientCheckpointingLayer):
     `input_layernorm` belongs to attention (BERT's attention.output.LayerNorm), `post_attention_layernorm` to the
     feed-forward (BERT's output.LayerNorm)."""
 
-    residual_form = "post-norm"  # runtime.py runs this form in place
-
     def __init__(self, config: TinyEncoderConfig, layer_idx: int):
         super().__init__()
         self.self_attn = attention_of(config, layer_idx)
@@ -100,6 +99,7 @@ class TinyEncoderLayer(GradientCheckpointingLayer):
         self.post_attention_layernorm = norm_of(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
+    @runtime_layer(in_place="post_norm_in_place")
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, *,
                 output_attentions: bool = False) -> torch.Tensor:
         attended, _ = self.self_attn(hidden_states, attention_mask, position_embeddings, output_attentions=output_attentions)
@@ -107,29 +107,20 @@ class TinyEncoderLayer(GradientCheckpointingLayer):
         return self.post_attention_layernorm(hidden_states + self.dropout(self.mlp(hidden_states)))
 
 
-class TinyEncoderPreNormLayer(GradientCheckpointingLayer):
-    """A pre-norm residual layer (ModernBERT): h = x + attn(norm(x)); out = h + mlp(norm(h)). The first layer's
-    input comes out of the embeddings' norm, so it has no input norm of its own."""
-
-    residual_form = "pre-norm"  # runtime.py runs this form in place
+class TinyEncoderPreNormLayer(PreNormResidual, GradientCheckpointingLayer):
+    """A pre-norm residual layer (ModernBERT; layers.PreNormResidual): h = x + attn(norm(x)); out = h + mlp(norm(h)).
+    The first layer's input comes out of the embeddings' norm, so it has no input norm of its own (official's
+    nn.Identity)."""
 
     def __init__(self, config: TinyEncoderConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = nn.Identity() if layer_idx == 0 else norm_of(config)
         self.self_attn = attention_of(config, layer_idx)
+        self.attn_output_layernorm = None
         self.post_attention_layernorm = norm_of(config)
         self.mlp = feed_forward_of(config)
+        self.mlp_output_layernorm = None
         self.dropout = nn.Dropout(config.hidden_dropout)
-        # No norms on the sublayers' outputs (those are Gemma 3's sandwich norms); the runtime's pre-norm form reads
-        # these two places.
-        self.attn_output_layernorm, self.mlp_output_layernorm = nn.Identity(), nn.Identity()
-
-    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, *,
-                output_attentions: bool = False) -> torch.Tensor:
-        attended, _ = self.self_attn(self.input_layernorm(hidden_states), attention_mask, position_embeddings,
-                                     output_attentions=output_attentions)
-        hidden_states = hidden_states + self.dropout(attended)
-        return hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
 
 
 class TinyEncoderPreTrainedModel(HfTinyPreTrainedModel):
@@ -333,6 +324,7 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         hidden = self.dropout(self.embed_norm(hidden))
         return self.embed_projection(hidden) if self.embed_projection is not None else hidden
 
+    @runtime_stack
     def forward(
         self,
         input_ids: Optional[torch.Tensor] = None,
@@ -424,7 +416,7 @@ class _WithMaskedLMHead:
 
     _tied_weights_keys = {"lm_head.decoder.weight": "model.embed_tokens.weight"}
     # Tensor parallelism splits the (tied) word embeddings by vocabulary row; the decoder must then be split the same
-    # way and gather its logits (tests/test_distributed.py)
+    # way and gather its logits (tests/ecosystem/test_distributed.py)
     _tp_plan = {"lm_head.decoder": "colwise_gather_output"}
 
     def get_output_embeddings(self) -> nn.Linear:

@@ -29,6 +29,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 from .chunked_loss import linear_cross_entropy, use_chunked_loss
 from .configuration_seq2seq import TinySeq2SeqConfig
+from .runtime import runtime_decoding, runtime_layer
 from .layers import Attention, build_norm, feed_forward
 from .modeling_base import HfTinyPreTrainedModel
 from .masks import AttentionMask, cross_attention_mask, self_attention_mask, with_position_bias
@@ -116,8 +117,6 @@ class TinySeq2SeqLayer(GradientCheckpointingLayer):
     sublayer: `input_layernorm` to self-attention, `cross_attn_layernorm` to cross-attention,
     `post_attention_layernorm` to the feed-forward."""
 
-    residual_form = "encoder-decoder"  # runtime.py recomputes it in training; no in-place path
-
     def __init__(self, config: TinySeq2SeqConfig, layer_idx: int, *, decoder: bool):
         super().__init__()
         self.pre_norm = config.norm_placement == "pre"
@@ -148,6 +147,7 @@ class TinySeq2SeqLayer(GradientCheckpointingLayer):
             return hidden_states + self.dropout(sublayer(norm(hidden_states)))
         return norm(hidden_states + self.dropout(sublayer(hidden_states)))
 
+    @runtime_layer()
     def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None, *,
                 is_causal: bool = False, layouts=(None, None), cache=None, output_attentions: bool = False) -> torch.Tensor:
         """Masks arrive as plain tensors among the positional arguments because reentrant gradient checkpointing
@@ -553,6 +553,7 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
         loss = F.cross_entropy(flat_logits, flat_labels, ignore_index=-100, reduction="sum")
         return logits, loss / torch.as_tensor(num_items_in_batch, device=loss.device, dtype=loss.dtype)
 
+    @runtime_decoding(head="lm_head", tokens="decoder_input_ids")
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                 encoder_outputs=None, cache: Optional[Cache] = None, inputs_embeds=None, decoder_inputs_embeds=None,
                 labels: Optional[torch.LongTensor] = None, use_cache=None, output_attentions=None,
@@ -565,7 +566,7 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
         accumulation): the loss is summed and divided by it instead of averaged over this batch.
         skip_logits: while training with labels the loss is computed a chunk of tokens at a time without the full
         logits (chunked_loss.py) and `logits` is None; skip_logits=False returns the logits as usual."""
-        chunked = use_chunked_loss(skip_logits, labels, training=self.training, head=self.lm_head)
+        chunked = use_chunked_loss(skip_logits, labels, model=self, head=self.lm_head)
         if labels is not None:
             self._check_labels(labels, input_ids, inputs_embeds)
             use_cache = False

@@ -1,41 +1,35 @@
-"""The runtime: the same math, run faster or leaner, beside the modeling files and switched as one.
+"""The runtime: the same math, run faster or leaner, declared on the classes it may run differently.
 
-The modeling files hold the math only. When a model is built, `install` gives some of its modules a forward of
-this file's (set on the instance: the module's class, its parameters and what tools see are unchanged), which
-runs the module's own forward unless one of these applies:
+A modeling class whose forward the runtime may run differently says so where the forward is defined, with one of this
+file's decorators on it (`runtime_layer`, `runtime_feed_forward`, `runtime_stack`, `runtime_decoding`), as transformers marks
+its hub kernels. The decorator keeps the forward as written (the math) and puts a dispatcher in its place, in the class:
+nothing is set on module instances, so copies, pickles and DataParallel replicas run their own weights, and tools see
+the forward's own signature. The dispatcher calls the math unless one of these paths applies:
 
-- Training memory (`_recomputed`): a layer run in training mode while gradients are recorded keeps only the
-  outputs of its matrix products and attention kernels; everything element-wise (norms, activations, rotations,
-  residual sums) is recomputed in backward. torch's selective activation checkpointing replays the layer's own
-  forward, so losses and gradients are bit-identical to keeping everything. Off under gradient checkpointing
-  (which recomputes whole layers already), torch.compile (whose partitioner makes this choice itself), for layers
-  with hooks inside (a replay would run them twice) or a cache to fill. Like every selective checkpoint, it allows
-  one backward per forward: a second one through the same graph (backward(retain_graph=True) twice) needs the
-  runtime off for that forward (`with hf_tiny.runtime.disabled():`) or the model in eval mode.
-  On an accelerator, only layers of at least MIN_RECOMPUTE_ELEMENTS of hidden states: there the kernels of a small
-  layer take microseconds and the replay's per-operator Python cost dominates (an H100, TinyLlama-1.1B at 1x64
-  tokens: 2.4x official's step time, for no memory saved next to AdamW's state). On a CPU the element-wise kernels
-  themselves take about as long as that cost, and every size is replayed: even the 96-wide overhead model at 4x512
-  keeps 0.6x the memory for 1.16x the time (benchmarks/runtime_ab.py).
-  A layer that draws random numbers (dropout in training, BERT's fine-tuning) is not replayed whole: the replay
-  would draw its dropout masks again, which costs more on a CPU than everything else recomputed (MiniLM's training
-  step: 1.17x the time at 0.60x the memory). Its feed-forward, which draws none, is recomputed alone instead.
-- Inference on many tokens (`_in_place`): with autograd off and at least MIN_ELEMENTS of hidden states, a
-  layer writes each residual sum into its sublayer's fresh output and a feed-forward writes its activation and
-  gated product into the first projection's output, with the gate / up products in a workspace all layers of one
-  forward share. On a CPU every new multi-MiB tensor is memory mapped from the OS and faulted in page by page;
-  the same kernels on the same operands (a + b and b + a are the same IEEE result) give bit-identical outputs.
-- Decoding's few rows (`_few_rows_linear`): an nn.Linear of at least MIN_WEIGHT_ELEMENTS fp32 weights, on a CPU,
-  without gradients, multiplies 1 to MAX_FEW_ROWS rows weight-first (W @ xᵀ), which reads the weight 1.0-4.2x
-  faster than x @ Wᵀ there (benchmarks/few_rows.py). The result equals F.linear's up to the order of additions:
-  the one part of the runtime that is not bit-identical (greedy tokens are unchanged in every test).
+- recompute (training memory; `runtime_layer`, `runtime_feed_forward`): a layer run in training while gradients are recorded
+  keeps only the outputs of its matrix products and attention kernels; everything element-wise is recomputed in
+  backward by replaying the layer's own forward (torch's selective activation checkpointing), so losses and gradients
+  are bit-identical to keeping everything. A layer that draws random numbers (dropout) is not replayed whole (its
+  masks would be drawn again); its feed-forward is recomputed alone. Off under gradient checkpointing, torch.compile,
+  hooks inside the layer, or a cache to fill. One backward per forward, as every selective checkpoint.
+- in place (inference at scale; `runtime_layer(in_place=...)`, `runtime_stack`, `runtime_feed_forward`): with autograd off and
+  at least MIN_ELEMENTS of hidden states, a layer runs `in_place`, its forward with each residual sum written into the
+  sublayer's fresh output (the forms are in runtime_forms.py, each proven equal to its layer's forward), and a
+  feed-forward writes its activation and gated product into its first projection's output, in a workspace the
+  layers of one forward share.
+- chunked loss (training; chunked_loss.py, asked by the language models' heads): the loss of a training forward with
+  labels computed a chunk of tokens at a time, without the full logits (`skip_logits`, Liger-Kernel's name, decides
+  when given).
+- few rows (decoding; `runtime_decoding`): on a model's forward over 1 to MAX_FEW_ROWS fp32 tokens without gradients,
+  each nn.Linear product with a weight of at least MIN_WEIGHT_ELEMENTS is taken weight-first (W @ xT), which reads
+  the weight faster than x @ WT on a CPU (benchmarks/few_rows.py). The one path that is not bit-identical: the same
+  sum in another order (greedy tokens are unchanged in every test).
 
-Nothing here runs where something could tell: under torch.compile or fx tracing, on modules with hooks (a hook may
-keep an output this would overwrite, or expect a call this would skip), on modules whose forward someone else set
-(accelerate's offloading, vLLM), on projections that are not plain nn.Linear (PEFT, quantizers, DTensor).
-
-Switches: `disable(model)` / `enable(model)` (also `model.set_runtime(False)`), and `with disabled():` for all
-models in the block. Off, every module runs the forward its modeling file defines.
+A path is on by default only on the device types where a benchmark showed it winning at the shapes users run
+(ON_BY_DEFAULT). `model.set_runtime(False)` runs the math only; `model.set_runtime(recompute=True)` (any path, True or
+False) overrides the default on every device; `with hf_tiny.runtime.disabled():` turns everything off in a block.
+Nothing runs where something could tell: under torch.compile or fx tracing, on modules with hooks or a forward someone
+else set (accelerate's offloading), on projections that are not plain nn.Linear (PEFT, quantizers, DTensor).
 """
 
 from __future__ import annotations
@@ -43,27 +37,39 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-import types
+import inspect
 from typing import Callable, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules import module as module_globals
+from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
-from transformers import activations
 
-from .layers import FeedForward, GatedFeedForward, RMSNorm
+PATHS = ("recompute", "in_place", "few_rows", "chunked_loss")
+ON_BY_DEFAULT = {
+    # benchmarks/runtime_ab.py (2-core CPU): 0.6x the training memory at 1.0-1.16x the time. On an H100 the step took
+    # 2.0-2.4x official's time at 1x64 for no memory saved (results/cuda-nvidia-h100-80gb-hbm3-2026-11-26-quick.md):
+    # on accelerators it is a named option (set_runtime(recompute=True)) until a GPU benchmark shows where it wins.
+    "recompute": frozenset({"cpu"}),
+    # A CPU allocator effect: glibc maps each new multi-MiB tensor from the OS and faults it in page by page; CUDA's
+    # caching allocator reuses its blocks.
+    "in_place": frozenset({"cpu"}),
+    # A CPU BLAS effect (benchmarks/few_rows.py): weight-first reads the weight 1.0-4.2x faster for 1 to 128 rows.
+    "few_rows": frozenset({"cpu"}),
+    # chunked_loss.py: a training loss without the [tokens, vocab] logits (the CPU side by side's training memory).
+    # On a GPU the field's kernel does it through the ecosystem's switch (use_liger_kernel=True: Liger's fused linear
+    # cross-entropy); skip_logits=True asks for ours anywhere.
+    "chunked_loss": frozenset({"cpu"}),
+}
 
-# Inference in place: 128 KiB of fp32, glibc's smallest threshold for mapping an allocation from the OS (smaller
-# tensors come from its free lists).
+# In place: 128 KiB of fp32, glibc's smallest threshold for mapping an allocation from the OS (smaller tensors come
+# from its free lists).
 MIN_ELEMENTS = 1 << 15
-# Training recompute on an accelerator: 2 MiB of fp32 hidden states per layer, 4x the one measured case that lost
-# (TinyLlama at 1x64: 131K elements); a guess above it, not a measured crossover.
-MIN_RECOMPUTE_ELEMENTS = 1 << 19
-# Few rows (benchmarks/few_rows.py, SmolLM2's shapes, 2 threads): weight-first wins for 2 to 128 rows when the
-# weight has at least 8 output rows per input row, and for one row when each thread's slice has at least 256 output
-# rows; weights of fewer than 100,000 elements keep F.linear (their product is over before the extra operators pay).
+# Few rows (benchmarks/few_rows.py, SmolLM2's shapes, 2 threads): weight-first wins for 2 to 128 rows when the weight
+# has at least 8 output rows per input row, and for one row when each thread's slice has at least 256 output rows;
+# weights of fewer than 100,000 elements keep F.linear (their product is over before the extra operators pay).
 MAX_FEW_ROWS = 128
 MIN_OUTPUTS_PER_ROW = 8
 MIN_SLICE = 256
@@ -82,135 +88,98 @@ def disabled() -> Iterator[None]:
         _disabled.reset(token)
 
 
-def install(model: nn.Module) -> nn.Module:
-    """Gives the model's modules their runtime forwards (idempotent; a module replaced later by a tool simply has
-    none). Called by every hf_tiny model at the end of its __init__."""
+# ---- the switch: per model, per path -----------------------------------------------------------------------------
+
+
+def configure(model: nn.Module, enabled: bool = True, **paths: bool) -> nn.Module:
+    """The runtime of `model`'s modules: enabled=False, every path off; enabled=True alone, every path back to its
+    device default (ON_BY_DEFAULT); each path named here on (True) or off (False) on every device, the others as
+    they were."""
+    if not isinstance(enabled, bool):
+        raise TypeError(f"set_runtime: enabled must be True or False, got {enabled!r}")
+    for name, value in paths.items():
+        if name not in PATHS:
+            raise ValueError(f"set_runtime: unknown runtime path {name!r}; the paths are {list(PATHS)}")
+        if not isinstance(value, bool):
+            raise TypeError(f"set_runtime: {name} must be True or False, got {value!r}")
     for module in model.modules():
-        runtime = _runtime_class(module)
-        if runtime is not None and "forward" not in vars(module):
-            module.forward = types.MethodType(_specialized(runtime.forward, type(module)), module)
-        if runtime is _Layer or module is getattr(model, "lm_head", None):
-            install_few_rows(module)
+        if not declared(type(module)):
+            continue
+        if not enabled:
+            module.runtime_paths = dict.fromkeys(PATHS, False)
+        elif paths:
+            module.runtime_paths = {**vars(module).get("runtime_paths", {}), **paths}
+        else:
+            vars(module).pop("runtime_paths", None)
     return model
-
-
-def install_few_rows(part: nn.Module) -> None:
-    """Decoding's few-row product on the projections of a layer, or on an LM head: what decoding multiplies by
-    (other heads, poolers and classifiers keep nn.Linear's product)."""
-    for linear in part.modules():
-        if type(linear) is nn.Linear and "forward" not in vars(linear):
-            linear.forward = types.MethodType(_specialized(_FewRowsLinear.forward, nn.Linear), linear)
-
-
-_SPECIALIZED: dict = {}
-
-
-def _specialized(runtime_forward: Callable, module_class: type) -> Callable:
-    """A copy of runtime_forward presenting module_class.forward's signature and docstring: tools read a module's
-    forward signature (transformers passes an encoder only the arguments its forward names). Named "forward", so a
-    pickled module unpickles with its class's forward instead of failing. The signature comes through __wrapped__
-    (what inspect.signature follows by default), not __signature__: torch.compile binds a compiled frame's
-    arguments with inspect.signature(fn, follow_wrapped=False) and needs the copy's own (*args, **kwargs)."""
-    key = (runtime_forward, module_class)
-    if key not in _SPECIALIZED:
-        code = runtime_forward.__code__
-        copy = types.FunctionType(code, runtime_forward.__globals__, "forward", runtime_forward.__defaults__,
-                                  runtime_forward.__closure__)
-        copy.__wrapped__ = module_class.forward
-        copy.__doc__ = module_class.forward.__doc__
-        copy.hf_tiny_runtime = True
-        _SPECIALIZED[key] = copy
-    return _SPECIALIZED[key]
-
-
-def disable(model: nn.Module) -> nn.Module:
-    """Removes the runtime forwards: the model runs its modeling files' math only."""
-    for module in model.modules():
-        if _runs_runtime(module):
-            del module.forward
-    return model
-
-
-def enable(model: nn.Module) -> nn.Module:
-    return install(model)
 
 
 def is_enabled(model: nn.Module) -> bool:
-    return any(_runs_runtime(module) for module in model.modules())
+    """Whether any path may act on the model (at its device defaults, or a path turned on)."""
+    for module in model.modules():
+        chosen = vars(module).get("runtime_paths")
+        if declared(type(module)) and (chosen is None or len(chosen) < len(PATHS) or any(chosen.values())):
+            return True
+    return False
 
 
-def _runtime_class(module: nn.Module):
-    if type(module) in (FeedForward, GatedFeedForward):
-        return _FeedForwardInPlace
-    if getattr(type(module), "residual_form", None) is not None:
-        return _Layer
-    if isinstance(getattr(module, "layers", None), nn.ModuleList) and any(_runtime_class(m) is _Layer for m in module.layers):
-        return _Stack
-    return None
+_DECLARED: dict = {}
 
 
-def _runs_runtime(module: nn.Module) -> bool:
-    method = vars(module).get("forward")
-    return isinstance(method, types.MethodType) and getattr(method.__func__, "hf_tiny_runtime", False)
+def declared(cls: type) -> bool:
+    """Whether the class's forward carries one of this file's declarations (through any wrappers of it, such as
+    transformers' GradientCheckpointingLayer's)."""
+    if cls not in _DECLARED:
+        forward, found = getattr(cls, "forward", None), False
+        while forward is not None and not found:
+            found = getattr(forward, "runtime_declaration", None) is not None
+            forward = getattr(forward, "__wrapped__", None)
+        _DECLARED[cls] = found
+    return _DECLARED[cls]
 
 
-def _math(module: nn.Module) -> Callable:
-    # A partial, not `forward.__get__(module)`: dynamo in torch 2.10 cannot trace a call of function.__get__.
-    return functools.partial(type(module).forward, module)
+def path_on(module: nn.Module, path: str, device: torch.device) -> bool:
+    """Whether `path` may act on the module's work on `device`: the model's choice (set_runtime) or the device
+    default, no `disabled()` block, not under torch.compile (its partitioner and fusions make these choices there;
+    and dynamo cannot read the block's ContextVar without a graph break)."""
+    if torch.compiler.is_compiling():
+        return False
+    chosen = module.__dict__.get("runtime_paths")
+    if chosen is not None and path in chosen:
+        return chosen[path] and not _disabled.get()
+    return device.type in ON_BY_DEFAULT[path] and not _disabled.get()
 
 
-# ---- when the runtime may act -------------------------------------------------------------------------------------
+def _declaring(math: Callable, dispatcher: Callable, declaration: str) -> Callable:
+    dispatcher = functools.wraps(math)(dispatcher)
+    dispatcher.runtime_declaration = declaration
+    return dispatcher
+
+
+# ---- when the runtime may act ------------------------------------------------------------------------------------
 
 
 def _any_global_hooks() -> bool:
     return bool(module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks)
 
 
-def _untouched(module: nn.Module) -> bool:
-    """No hook of any kind on the module (nor a global one), and its forward is its class's or ours: its output may
-    be overwritten and its work done without calling it."""
+def untouched(module: nn.Module) -> bool:
+    """No hook of any kind on the module (nor a global one) and no forward set on the instance: its output may be
+    overwritten and its work done without calling it."""
     if module._forward_hooks or module._forward_pre_hooks or _any_global_hooks():
         return False
-    return "forward" not in vars(module) or _runs_runtime(module)
+    return "forward" not in vars(module)
 
 
-def _plain_linear(module: nn.Module) -> bool:
-    """An nn.Linear (not a subclass: PEFT, quantized) on ordinary tensors, untouched."""
-    if type(module) is not nn.Linear or not _untouched(module):
+def plain_linear(module: nn.Module) -> bool:
+    """An nn.Linear (not a subclass: PEFT, quantized) on ordinary tensors, untouched (chunked_loss.py multiplies a
+    plain head's weight itself)."""
+    if type(module) is not nn.Linear or not untouched(module):
         return False
     return all(type(p) in (torch.Tensor, nn.Parameter) for p in module.parameters(recurse=False))
 
 
-def plain_linear(module: nn.Module) -> bool:
-    """Public for the chunked loss (chunked_loss.py), which multiplies a plain head's weight itself."""
-    return _plain_linear(module)
-
-
-def _inference_scale(tensor: torch.Tensor) -> bool:
-    # Compilation first: under dynamo the size test would add a guard on the shape.
-    return (
-        not torch.compiler.is_compiling()
-        and type(tensor) is torch.Tensor
-        and tensor.numel() >= MIN_ELEMENTS
-        and not torch.is_grad_enabled()
-        and not _disabled.get()
-    )
-
-
-def _recomputed(layer: nn.Module, hidden_states) -> bool:
-    return (
-        layer.training
-        and torch.is_grad_enabled()
-        and not torch.compiler.is_compiling()
-        and type(hidden_states) is torch.Tensor
-        and (hidden_states.is_cpu or hidden_states.numel() >= MIN_RECOMPUTE_ELEMENTS)
-        and not (getattr(layer, "gradient_checkpointing", False) and layer.training)
-        and not _disabled.get()
-        and _replayable(layer)
-    )
-
-
-def _draws_random(module: nn.Module) -> bool:
+def draws_random(module: nn.Module) -> bool:
     """Whether the module's training forward draws random numbers: a dropout, or an attention's dropout rate."""
     for part in module.modules():
         rate = part.p if isinstance(part, nn.modules.dropout._DropoutNd) else getattr(part, "dropout", 0.0)
@@ -221,24 +190,47 @@ def _draws_random(module: nn.Module) -> bool:
 
 def _replayable(layer: nn.Module) -> bool:
     """Whether replaying the layer's forward in backward would be invisible: no hook inside it (a hook would run
-    twice), except the output recorders of step.LayerOutputs, which are removed before backward; no forward set on
-    a submodule by someone else (accelerate's offloading)."""
+    twice), except the output recorders of step.LayerOutputs, which are removed before backward; no forward set on a
+    submodule by someone else (accelerate's offloading)."""
     if _any_global_hooks():
         return False
     for module in layer.modules():
         hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
         if any(not getattr(hook, "records_outputs", False) for hook in hooks):
             return False
-        if "forward" in vars(module) and not _runs_runtime(module):
+        if "forward" in vars(module):
             return False
     return True
 
 
-# ---- training memory: selective recomputation of a layer ------------------------------------------------------
+def _recomputes(layer: nn.Module, hidden_states) -> bool:
+    return (
+        torch.is_grad_enabled()
+        and not torch.compiler.is_compiling()
+        and type(hidden_states) is torch.Tensor
+        and not layer.gradient_checkpointing
+        and path_on(layer, "recompute", hidden_states.device)
+        and _replayable(layer)
+    )
+
+
+def in_place_scale(module: nn.Module, tensor) -> bool:
+    """Inference at scale: no autograd, at least MIN_ELEMENTS, not compiling, the in-place path on."""
+    # Compilation first: under dynamo the size test would add a guard on the shape.
+    return (
+        not torch.compiler.is_compiling()
+        and type(tensor) is torch.Tensor
+        and tensor.numel() >= MIN_ELEMENTS
+        and not torch.is_grad_enabled()
+        and path_on(module, "in_place", tensor.device)
+    )
+
+
+# ---- recompute: a layer's own forward replayed in backward --------------------------------------------------------
 
 _aten = torch.ops.aten
-# What a layer keeps for backward: the outputs of its matrix products and attention kernels. Everything else in
-# it is element-wise or a reduction over one row (norms, softmax of the eager path, activations, rotations).
+# What a layer keeps for backward: the outputs of its matrix products and attention kernels. Everything else in it is
+# element-wise or a reduction over one row (norms, softmax of the eager path, activations, rotations).
 _SAVED = {
     _aten.mm.default, _aten.addmm.default, _aten.bmm.default, _aten.baddbmm.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default, _aten._scaled_dot_product_flash_attention.default,
@@ -251,24 +243,92 @@ def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 
 _contexts = functools.partial(create_selective_checkpoint_contexts, _policy)
-
-
-def _replayed(module: nn.Module, *args, **kwargs):
-    return checkpoint(_math(module), *args, use_reentrant=False, context_fn=_contexts, **kwargs)
-
-
 # Set while a layer that draws random numbers runs in training: its feed-forward is recomputed alone.
 _parts_recomputed: contextvars.ContextVar = contextvars.ContextVar("hf_tiny_parts_recomputed", default=False)
 
 
-# ---- inference in place ---------------------------------------------------------------------------------------
+def _replayed(math: Callable, module: nn.Module, *args, **kwargs):
+    return checkpoint(math, module, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
+
+
+def _recomputed(math: Callable, layer: nn.Module, hidden_states, args: tuple, kwargs: dict):
+    if not draws_random(layer):
+        return _replayed(math, layer, hidden_states, *args, **kwargs)
+    token = _parts_recomputed.set(True)
+    try:
+        return math(layer, hidden_states, *args, **kwargs)
+    finally:
+        _parts_recomputed.reset(token)
+
+
+# ---- the declarations ----------------------------------------------------------------------------------------------
+
+
+def runtime_layer(in_place: Optional[str] = None) -> Callable[[Callable], Callable]:
+    """Declares a residual layer's forward: recomputed in training; with `in_place` (the name of a runtime_forms
+    function computing the same forward), run in that form at inference scale."""
+
+    def declare(math: Callable) -> Callable:
+        def forward(self, hidden_states, *args, **kwargs):
+            if self.training:
+                if kwargs.get("cache") is None and _recomputes(self, hidden_states):  # a replay would write a cache twice
+                    return _recomputed(math, self, hidden_states, args, kwargs)
+            # a decoding step's one token never is (and dynamo specializes sizes of 1 anyway: no new guard)
+            elif (in_place is not None and type(hidden_states) is torch.Tensor and hidden_states.shape[1] > 1
+                  and in_place_scale(self, hidden_states) and untouched(self)):
+                return in_place_form(in_place)(self, hidden_states, *args, **kwargs)
+            return math(self, hidden_states, *args, **kwargs)
+
+        forward.in_place_name = in_place
+        return _declaring(math, forward, "runtime_layer")
+
+    return declare
+
+
+def in_place_form(name: str) -> Callable:
+    """runtime_forms' function `name` (imported on first use: runtime_forms imports the modules that declare)."""
+    from .runtime_forms import IN_PLACE_LAYERS
+
+    return IN_PLACE_LAYERS[name]
+
+
+def runtime_feed_forward(math: Callable) -> Callable:
+    """Declares a feed-forward's forward: in a training layer that draws random numbers it is recomputed alone; a
+    layer's in-place form runs the feed-forward's own (runtime_forms.feed_forward_in_place)."""
+
+    def forward(self, x):
+        # Compilation first: dynamo cannot read a ContextVar without a graph break.
+        if (self.training and not torch.compiler.is_compiling() and _parts_recomputed.get() and untouched(self)
+                and not draws_random(self)):
+            return _replayed(math, self, x)
+        return math(self, x)
+
+    return _declaring(math, forward, "runtime_feed_forward")
+
 
 _workspace: contextvars.ContextVar = contextvars.ContextVar("hf_tiny_layer_workspace", default=None)
 
 
-def _workspace_tensor(name: str, rows: int, cols: int, like: torch.Tensor) -> Optional[torch.Tensor]:
-    """The open workspace's [rows, cols] tensor `name` (dtype and device of `like`), or None outside a workspace.
-    Its contents are the caller's until the next call with the same name."""
+def runtime_stack(math: Callable) -> Callable:
+    """Declares the forward of a model's stack of layers: inference without autograd opens the workspace its layers'
+    in-place forms share (freed on exit)."""
+
+    def forward(self, *args, **kwargs):
+        # Compilation before the ContextVar: dynamo cannot read one without a graph break.
+        if self.training or torch.is_grad_enabled() or torch.compiler.is_compiling() or _workspace.get() is not None:
+            return math(self, *args, **kwargs)
+        token = _workspace.set({})
+        try:
+            return math(self, *args, **kwargs)
+        finally:
+            _workspace.reset(token)
+
+    return _declaring(math, forward, "runtime_stack")
+
+
+def workspace_tensor(name: str, rows: int, cols: int, like: torch.Tensor) -> Optional[torch.Tensor]:
+    """The open workspace's [rows, cols] tensor `name` (dtype and device of `like`), or None outside a workspace. Its
+    contents are the caller's until the next call with the same name."""
     buffers = _workspace.get()
     if buffers is None:
         return None
@@ -278,186 +338,53 @@ def _workspace_tensor(name: str, rows: int, cols: int, like: torch.Tensor) -> Op
     return tensor
 
 
-def _same_layout(out: torch.Tensor, other: torch.Tensor) -> bool:
-    # Broadcasting or type promotion would make the in-place result differ from the out-of-place one.
-    return out.shape == other.shape and out.dtype == other.dtype and out.device == other.device
+# ---- few rows: decoding's products weight-first --------------------------------------------------------------------
 
 
-def _add_into(residual: torch.Tensor, out: torch.Tensor, fresh: bool) -> torch.Tensor:
-    """residual + out, written into `out` when it is a fresh tensor nothing else holds."""
-    return out.add_(residual) if fresh and _same_layout(out, residual) else residual + out
+def runtime_decoding(head: str, tokens: str = "input_ids") -> Callable[[Callable], Callable]:
+    """Declares a language model's forward whose decoding steps may take their products weight-first; `head`: the
+    attribute holding its output projection, whose weight stands for the model's (its dtype and size decide);
+    `tokens`: the keyword argument holding the step's token ids (or their embeddings, `inputs_embeds` for
+    `input_ids`)."""
+    embeds = tokens.replace("input_ids", "inputs_embeds")
+
+    def declare(math: Callable) -> Callable:
+        position = list(inspect.signature(math).parameters).index(tokens) - 1  # in args, after self
+
+        def forward(self, *args, **kwargs):
+            step = args[position] if len(args) > position else kwargs.get(tokens)
+            step = kwargs.get(embeds) if step is None else step
+            if self.training or torch.is_grad_enabled() or not _few_rows_apply(self, getattr(self, head), step):
+                return math(self, *args, **kwargs)
+            with WeightFirstProducts():
+                return math(self, *args, **kwargs)
+
+        return _declaring(math, forward, "runtime_decoding")
+
+    return declare
 
 
-def _fresh_output(last: Optional[nn.Module], *wrappers: nn.Module) -> bool:
-    """Whether the tensor `wrappers` return is the new output of `last` (a plain projection or norm) that nobody
-    else has seen: no hook on any of them."""
-    if last is None:
-        return False
-    plain = _plain_linear(last) or (type(last) in (nn.LayerNorm, RMSNorm) and _untouched(last))
-    return plain and all(_untouched(module) for module in wrappers)
+def _few_rows_apply(model: nn.Module, head: nn.Module, tokens) -> bool:
+    """A decoding step of few fp32 tokens on a CPU (the product's kernel is a CPU one), outside autocast."""
+    weight = getattr(head, "weight", None)
+    return (
+        type(tokens) is torch.Tensor and tokens.dim() >= 2 and tokens.shape[0] * tokens.shape[1] <= MAX_FEW_ROWS
+        and type(weight) in (torch.Tensor, nn.Parameter) and weight.dtype is torch.float32 and weight.is_cpu
+        and weight.numel() >= MIN_WEIGHT_ELEMENTS and not torch.is_autocast_enabled("cpu")
+        and path_on(model, "few_rows", weight.device)
+    )
 
 
-def _output_of(sublayer: nn.Module, output_norm: nn.Module, dropout: nn.Module, last: str) -> bool:
-    """Whether what `dropout(output_norm(sublayer(x)))` returns is fresh: the output norm's new tensor, or (no output
-    norm) the sublayer's last projection's."""
-    if not isinstance(output_norm, nn.Identity):
-        return _fresh_output(output_norm, dropout)
-    return _fresh_output(getattr(sublayer, last, None), sublayer, output_norm, dropout)
+class WeightFirstProducts(TorchFunctionMode):
+    """Within a decoding step, F.linear on few fp32 rows and a large plain weight is computed weight-first."""
 
-
-def _linear_into(x: torch.Tensor, linear: nn.Linear, out: torch.Tensor) -> torch.Tensor:
-    """linear(x) written into `out` ([rows, out_features]): the addmm / mm F.linear itself runs on more than
-    MAX_FEW_ROWS contiguous rows, so the same numbers."""
-    flat = x.reshape(-1, x.shape[-1])
-    if linear.bias is None:
-        torch.mm(flat, linear.weight.t(), out=out)
-    else:
-        torch.addmm(linear.bias, flat, linear.weight.t(), out=out)
-    return out.view(*x.shape[:-1], linear.out_features)
-
-
-def _projected(linear: nn.Module, x: torch.Tensor, name: str) -> torch.Tensor:
-    """linear(x), into the workspace's tensor `name` when one is open and the product is F.linear's own."""
-    rows = x.numel() // x.shape[-1]
-    weight = linear.weight
-    if rows > MAX_FEW_ROWS and x.is_contiguous() and x.dtype == weight.dtype and x.device == weight.device:
-        out = _workspace_tensor(name, rows, linear.out_features, x)
-        if out is not None and not torch.is_autocast_enabled(x.device.type):
-            return _linear_into(x, linear, out)
-    return linear(x)
-
-
-def _gelu_(t: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    return torch.ops.aten.gelu_(t, approximate=approximate)
-
-
-def _exact_classes(*names: str) -> tuple:
-    """transformers' activation classes by name (which exist depends on its version), with their forward as
-    defined, so a class whose forward was swapped later (a hub kernel) is not mistaken for the torch function."""
-    found = (getattr(activations, name, None) for name in names)
-    return tuple((cls, cls.forward) for cls in found if cls is not None)
-
-
-_IN_PLACE = (
-    (_exact_classes("SiLUActivation") + ((nn.SiLU, nn.SiLU.forward),), lambda act: functools.partial(F.silu, inplace=True)),
-    (((nn.ReLU, nn.ReLU.forward),), lambda act: functools.partial(F.relu, inplace=True)),
-    (_exact_classes("GELUActivation"), lambda act: _gelu_ if getattr(act, "act", None) is F.gelu else None),
-    (_exact_classes("GELUTanh", "PytorchGELUTanh"),
-     lambda act: functools.partial(_gelu_, approximate="tanh") if _is_tanh_gelu(getattr(act, "act", None)) else None),
-    (((nn.GELU, nn.GELU.forward),), lambda act: functools.partial(_gelu_, approximate=act.approximate)),
-)
-
-
-def _is_tanh_gelu(function) -> bool:
-    return (isinstance(function, functools.partial) and function.func is F.gelu and not function.args
-            and function.keywords == {"approximate": "tanh"})
-
-
-def in_place_activation(act_fn: nn.Module) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
-    """The in-place form of `act_fn` when it computes exactly a torch activation and calling it can be skipped;
-    None otherwise."""
-    if not _untouched(act_fn):
-        return None
-    kind = type(act_fn)
-    for classes, make in _IN_PLACE:
-        if any(kind is cls and kind.forward is forward for cls, forward in classes):
-            return make(act_fn)
-    return None
-
-
-# ---- the runtime forwards ---------------------------------------------------------------------------------------
-# Each is a class's `forward`, installed as a bound method named "forward" (so a pickled module unpickles with its
-# class's forward instead of failing).
-
-
-class _Stack:
-    def forward(self, *args, **kwargs):
-        """A model's stack of layers: the forward of its modeling file, with the layer workspace open when inference
-        runs at scale (freed on exit)."""
-        if torch.is_grad_enabled() or torch.compiler.is_compiling() or _disabled.get() or _workspace.get() is not None:
-            return _math(self)(*args, **kwargs)
-        token = _workspace.set({})
-        try:
-            return _math(self)(*args, **kwargs)
-        finally:
-            _workspace.reset(token)
-
-
-class _Layer:
-    def forward(self, hidden_states, *args, **kwargs):
-        if not _untouched(self):
-            return _math(self)(hidden_states, *args, **kwargs)
-        if _recomputed(self, hidden_states) and kwargs.get("cache") is None:  # a replay would write the cache again
-            if not _draws_random(self):
-                return _replayed(self, hidden_states, *args, **kwargs)
-            token = _parts_recomputed.set(True)
-            try:
-                return _math(self)(hidden_states, *args, **kwargs)
-            finally:
-                _parts_recomputed.reset(token)
-        if self.residual_form == "pre-norm" and _inference_scale(hidden_states):
-            return _pre_norm_in_place(self, hidden_states, *args, **kwargs)
-        if self.residual_form == "post-norm" and _inference_scale(hidden_states):
-            return _post_norm_in_place(self, hidden_states, *args, **kwargs)
-        return _math(self)(hidden_states, *args, **kwargs)
-
-
-def _pre_norm_in_place(layer, hidden_states, attention_mask=None, position_embeddings=None, **kwargs):
-    """The pre-norm layer's forward (modeling_causal.TinyCausalDecoderLayer) with each residual sum written into
-    its sublayer's fresh output."""
-    attended, _ = layer.self_attn(layer.input_layernorm(hidden_states), attention_mask, position_embeddings, **kwargs)
-    fresh = _output_of(layer.self_attn, layer.attn_output_layernorm, layer.dropout, "o_proj")
-    hidden_states = _add_into(hidden_states, layer.dropout(layer.attn_output_layernorm(attended)), fresh)
-    transformed = layer.mlp(layer.post_attention_layernorm(hidden_states))
-    fresh = _output_of(layer.mlp, layer.mlp_output_layernorm, layer.dropout, "down_proj")
-    return _add_into(hidden_states, layer.dropout(layer.mlp_output_layernorm(transformed)), fresh)
-
-
-def _post_norm_in_place(layer, hidden_states, attention_mask=None, **kwargs):
-    """The post-norm layer's forward (modeling_encoder.TinyEncoderLayer): norm(x + sublayer(x)), each sum written
-    into the sublayer's fresh output."""
-    attended, _ = layer.self_attn(hidden_states, attention_mask, **kwargs)
-    fresh = _fresh_output(layer.self_attn.o_proj, layer.self_attn, layer.dropout)
-    hidden_states = layer.input_layernorm(_add_into(hidden_states, layer.dropout(attended), fresh))
-    transformed = layer.mlp(hidden_states)
-    fresh = _fresh_output(getattr(layer.mlp, "down_proj", None), layer.mlp, layer.dropout)
-    return layer.post_attention_layernorm(_add_into(hidden_states, layer.dropout(transformed), fresh))
-
-
-class _FeedForwardInPlace:
-    def forward(self, x):
-        """The feed-forward (layers.FeedForward / GatedFeedForward) with its activation and gated product written
-        into the first projection's output (in the layer workspace when one is open)."""
-        # Compilation first: dynamo cannot read a ContextVar without a graph break.
-        if not torch.compiler.is_compiling() and _parts_recomputed.get() and not _draws_random(self) and _untouched(self):
-            return _replayed(self, x)
-        gated = type(self) is GatedFeedForward
-        first = self.gate_proj if gated else self.up_proj
-        projections = (first, self.up_proj, self.down_proj)
-        activate_ = in_place_activation(self.act_fn) if _inference_scale(x) else None
-        if activate_ is None or not all(_plain_linear(p) for p in projections) or not _untouched(self.dropout):
-            return _math(self)(x)
-        hidden = activate_(_projected(first, x, "first"))
-        if gated:
-            up = _projected(self.up_proj, x, "up")
-            hidden = hidden.mul_(up) if _same_layout(hidden, up) else hidden * up
-        return self.down_proj(self.dropout(hidden))
-
-
-class _FewRowsLinear:
-    def forward(self, input):
-        """nn.Linear's product; weight-first for decoding's few fp32 rows on a CPU without gradients."""
-        weight = self.weight
-        # Cheap tests first (this runs at every projection of every decoding step): the input's type, so that an fx
-        # trace (a Proxy input) never branches on a Proxy; then the weight's size.
-        if type(input) is torch.Tensor and weight.numel() >= MIN_WEIGHT_ELEMENTS and not (
-            torch.is_grad_enabled() or input.dtype is not torch.float32 or not input.is_cpu
-            or torch.compiler.is_compiling() or _disabled.get()
-        ):
-            rows = _few_rows(weight, input)
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            rows = _few_rows(*args, **kwargs)
             if rows:
-                return few_rows_linear(input, weight, self.bias, rows)
-        return F.linear(input, weight, self.bias)
+                return few_rows_linear(args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias"), rows)
+        return func(*args, **kwargs)
 
 
 def weight_first(out_features: int, rows: int) -> bool:
@@ -468,20 +395,23 @@ def weight_first(out_features: int, rows: int) -> bool:
     return 1 < rows <= MAX_FEW_ROWS and rows * MIN_OUTPUTS_PER_ROW <= out_features
 
 
-def _few_rows(weight: torch.Tensor, x: torch.Tensor) -> int:
-    """The number of rows of x when the weight-first product applies, else 0."""
-    if weight.dtype is not torch.float32 or type(weight) not in (torch.Tensor, nn.Parameter):  # DTensor, quantized
+def _few_rows(x, weight, bias=None) -> int:
+    """The number of rows of x when the weight-first product applies to F.linear(x, weight, bias), else 0."""
+    if (type(x) is not torch.Tensor or type(weight) not in (torch.Tensor, nn.Parameter) or x.dtype is not torch.float32
+            or weight.dtype is not torch.float32 or not x.is_cpu or weight.numel() < MIN_WEIGHT_ELEMENTS):
+        return 0
+    if bias is not None and (type(bias) not in (torch.Tensor, nn.Parameter) or bias.dtype is not torch.float32):
         return 0
     shape = x.shape
-    if not shape or shape[-1] != weight.shape[1] or not weight.is_contiguous() or torch.is_autocast_enabled("cpu"):
+    if not shape or shape[-1] != weight.shape[1] or not weight.is_contiguous():
         return 0
     rows = x.numel() // shape[-1]
     return rows if weight_first(weight.shape[0], rows) else 0
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias, rows: int) -> torch.Tensor:
-    """F.linear(x, weight, bias) as W @ xᵀ; one row as one product per thread over slices of W's output rows.
-    weight must be contiguous."""
+    """F.linear(x, weight, bias) as W @ xT; one row as one product per thread over slices of W's output rows. weight
+    must be contiguous."""
     out_features, in_features = weight.shape
     flat = x.reshape(rows, in_features)
     if rows == 1:

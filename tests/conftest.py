@@ -119,14 +119,3 @@ def static_flex_compilation():
     yield
     torch._dynamo.config.automatic_dynamic_shapes = previous
     torch._dynamo.reset()
-
-
-@pytest.fixture(autouse=True)
-def tiny_layers_recomputed(monkeypatch):
-    """On an accelerator the runtime recomputes training activations only in layers of at least
-    runtime.MIN_RECOMPUTE_ELEMENTS hidden states; the suite's tiny models take that path as a real batch would on a
-    GPU too (tests/runtime/test_runtime.py checks the limit itself). Read from sys.modules so that this file still never
-    imports hf_tiny."""
-    runtime = sys.modules.get("hf_tiny.runtime")
-    if runtime is not None:
-        monkeypatch.setattr(runtime, "MIN_RECOMPUTE_ELEMENTS", 1)

@@ -140,3 +140,4 @@ def test_onnx_export_with_a_dynamic_sequence_length_equals_eager_at_two_lengths(
         got = torch.from_numpy(session.run(None, {session.get_inputs()[0].name: ids.numpy()})[0])
         assert got.shape == expected.shape
         assert relative_gap(got, expected) <= TOLERANCE, size
+

@@ -13,6 +13,7 @@ patched model. The CUDA tests (marked `cuda`) check every kernel's outputs and g
 from __future__ import annotations
 
 import copy
+import importlib
 import math
 import os
 import sys
@@ -61,9 +62,19 @@ needs_interpreter = pytest.mark.skipif(not torch.cuda.is_available() and not INT
 def official_modules_restored():
     """Liger patches official modeling modules process-wide even when given a model instance (modeling_llama's
     LlamaRMSNorm, LlamaMLP and apply_rotary_pos_emb become Liger's): put them back after each test, so that later
-    tests build official models as transformers defines them."""
+    tests build official models as transformers defines them. Every modeling module Liger has an apply function
+    for is imported first, so that its state before the test is known (transformers' top-level classes keep the
+    module they were defined in, whatever sys.modules holds later)."""
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     from transformers.loss import loss_utils
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
 
+    for model_type in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        name = model_type_to_module_name(model_type)
+        try:
+            importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        except ImportError:  # a model this transformers does not have
+            pass
     modules = [module for name, module in list(sys.modules.items())
                if name.startswith("transformers.models.") and name.rsplit(".", 1)[-1].startswith("modeling_")]
     saved = {module: dict(vars(module)) for module in modules}

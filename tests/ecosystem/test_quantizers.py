@@ -111,21 +111,26 @@ def test_quantizer_replaces_the_official_modules_and_matches_official_outputs(fo
 
 
 @pytest.mark.parametrize("quantizer", ["bnb_4bit", "bnb_8bit"])
-def test_runtime_keeps_its_few_row_product_off_quantized_modules(folders, quantizer):
-    """The few-row decode product is an instance forward on plain nn.Linear only (here the LM head, which
-    bitsandbytes keeps in full precision), also after the runtime is switched off and on again; greedy tokens
-    equal official's and are the same with the runtime off."""
+def test_the_few_row_product_takes_plain_weights_only_never_quantized_ones(folders, quantizer, monkeypatch):
+    """Decoding's weight-first products (runtime.WeightFirstProducts, on every weight here) replace F.linear on plain
+    fp32 weights only: the quantized modules compute with their own kernels; greedy tokens equal official's and are
+    the same with the runtime off."""
+    from hf_tiny import runtime
+
     official_folder, ours_folder = folders["causal"]
     official, ours = load("causal", official_folder, quantizer), load("causal", ours_folder, quantizer)
-    ours.set_runtime(False).set_runtime(True)
-    with_runtime = {name for name, module in ours.named_modules() if getattr(module.forward, "hf_tiny_runtime", False)
-                    and type(module) is torch.nn.Linear}
-    assert with_runtime == {"lm_head"}
-    assert not any("forward" in vars(module) for name, module in ours.named_modules() if name in quantized_modules(ours))
+    monkeypatch.setattr(runtime, "MIN_WEIGHT_ELEMENTS", 1)
+    monkeypatch.setattr(runtime, "MIN_SLICE", 8)
+    taken = []
+    original = runtime.few_rows_linear
+    monkeypatch.setattr(runtime, "few_rows_linear", lambda x, weight, *rest: taken.append(weight) or original(x, weight, *rest))
+    quantized = {id(p) for name in quantized_modules(ours) for p in ours.get_submodule(name).parameters()}
+    assert quantized and not any("forward" in vars(module) for module in ours.modules())
     prompt = torch.randint(3, 97, (2, 5), generator=torch.Generator().manual_seed(1))
     settings = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         expected = official.generate(prompt, **settings)
         assert torch.equal(ours.generate(prompt, **settings), expected)
+        assert taken and all(id(weight) not in quantized and weight.dtype is torch.float32 for weight in taken)
         with hf_tiny.runtime.disabled():
             assert torch.equal(ours.generate(prompt, **settings), expected)

@@ -203,22 +203,23 @@ def test_saved_folder_has_auto_map_and_every_code_file(saved_models):
             assert (folder / name).read_bytes() == (REPO_ROOT / "hf_tiny" / name).read_bytes(), name
 
 
-# What every family's modeling code runs: the base model class, attention, its flash dispatch and Triton kernel,
-# masks, the layers, the runtime, saving with its model card, the step preparation and the config checks.
+# What every family's modeling code runs: the base model class (with the tested-range warning of transformers_api),
+# attention, its flash dispatch and Triton kernel, masks, the layers, the runtime and its in-place forms, saving
+# with its model card, the step preparation and the config checks.
 SHARED_CODE_FILES = {
     "attention.py", "engines.py", "flash.py", "flash_triton.py", "hub.py", "io_utils.py", "layers.py", "masks.py",
-    "modeling_base.py", "rope.py", "runtime.py", "saving.py", "step.py", "validation.py",
+    "modeling_base.py", "rope.py", "runtime.py", "runtime_forms.py", "saving.py", "step.py", "transformers_api.py",
+    "validation.py",
 }
 # Each family's saved folder, written out by hand: a module a family starts to import is added here on purpose. An
 # encoder folder once carried the causal configuration (and through it mla.py and moe.py) because the encoder
 # config imported its layer-type check from there (issue 41, item 6).
 EXPECTED_CODE_FILES = {
     "encoder": SHARED_CODE_FILES | {"configuration_encoder.py", "modeling_encoder.py", "layer_types.py"},
-    "seq2seq": SHARED_CODE_FILES | {"configuration_seq2seq.py", "modeling_seq2seq.py", "chunked_loss.py",
-                                    "transformers_api.py"},
+    "seq2seq": SHARED_CODE_FILES | {"configuration_seq2seq.py", "modeling_seq2seq.py", "chunked_loss.py"},
     "causal": SHARED_CODE_FILES | {
         "configuration_causal.py", "causal_mechanisms.py", "layer_types.py", "modeling_causal.py", "chunked_loss.py",
-        "transformers_api.py", "mla.py", "moe.py", "mtp.py", "liger.py",
+        "mla.py", "moe.py", "mtp.py", "liger.py",
     },
 }
 

@@ -159,8 +159,8 @@ def test_apply_rotary_is_a_rotation_relative_in_position():
     def score(m, n):
         cos_m, sin_m = rope(q, torch.tensor([[m]]))
         cos_n, sin_n = rope(q, torch.tensor([[n]]))
-        q_rot = apply_rotary(q, cos_m, sin_m)
-        k_rot = apply_rotary(k, cos_n, sin_n)
+        q_rot, _ = apply_rotary(q, q, cos_m, sin_m)
+        k_rot, _ = apply_rotary(k, k, cos_n, sin_n)
         return float((q_rot * k_rot).sum())
 
     assert score(7, 3) == pytest.approx(score(14, 10), abs=1e-4)

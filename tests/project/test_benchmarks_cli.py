@@ -102,12 +102,12 @@ def test_decode_profile_counts_the_one_row_product_as_a_weight_product_and_atten
     from hf_tiny import runtime
 
     linear = torch.nn.Linear(512, 1024, bias=False)
-    runtime.install_few_rows(linear)
     q = k = v = torch.randn(1, 2, 5, 8)
     threads(2)
     with torch.no_grad():
         with profile(activities=[ProfilerActivity.CPU]) as prof:
-            linear(torch.randn(1, 1, 512))
+            with runtime.WeightFirstProducts():  # what a decoding step of a language model runs in
+                linear(torch.randn(1, 1, 512))
             with sdpa_kernel(SDPBackend.MATH):
                 torch.nn.functional.scaled_dot_product_attention(q, k, v)
     events = [e for e in prof.events() if e.name.startswith("aten::")]

@@ -1,7 +1,9 @@
-"""The runtime (hf_tiny/runtime.py): the same math faster or leaner, switched as one.
+"""The runtime (hf_tiny/runtime.py, runtime_forms.py): the same math faster or leaner, declared on the forwards it may
+run differently, each path on by default only on the devices where it was measured to win.
 
-- On every family, outputs (inference at scale, in place) and a training step's loss and gradients (layers
-  recomputed in backward) are bit-identical with the runtime on and off, and the runtime really acted.
+- On every family, outputs (inference at scale, in the in-place forms) and a training step's loss and gradients
+  (layers recomputed in backward) are bit-identical with the runtime on and off, and the runtime really acted.
+- Per device and per model: paths off by default off the CPU, named options there; nothing set on instances.
 - It stays off wherever something could tell: hooks, autograd (for the in-place path), PEFT, wrapped forwards.
 - Decoding's weight-first product for few fp32 rows: as close to the fp64 product as F.linear, taken exactly
   where it should be, greedy tokens unchanged; the projections stay plain nn.Linear for the tools that replace them.
@@ -17,67 +19,19 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
 
-import hf_tiny
 from causal_helpers import weight_first_model
-from hf_tiny import runtime
+from hf_tiny import runtime, runtime_forms
 from hf_tiny.transformers_api import enable_activation_checkpointing
 from runtime_checks import assert_bit_identical_on_and_off, batch, logits, ops_of, training_step
+from runtime_models import FAMILIES, causal_model, encoder_model
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
-
-SIZES = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-             max_position_embeddings=128)
-CAUSAL_VARIANTS = {
-    "llama": dict(num_key_value_heads=2),
-    "gemma3": dict(hidden_act="gelu_pytorch_tanh", rms_norm_unit_offset=True, sandwich_norms=True, qk_norm=True,
-                   scale_embeddings=True, head_dim=8, query_pre_attn_scalar=8, sliding_window=16,
-                   layer_types=["sliding_attention", "full_attention"]),
-    "gpt2": dict(norm_type="layernorm", mlp_gated=False, hidden_act="gelu_new", mlp_bias=True, attention_bias=True,
-                 position_embedding_type="learned", hidden_dropout=0.1),
-    "mpt": dict(position_embedding_type="alibi", norm_type="layernorm", norm_bias=False, mlp_gated=False, hidden_act="gelu"),
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=24, output_router_logits=True,
-                    shared_expert_intermediate_size=16),
-    "deepseek": dict(kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
-                     num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, router_scoring="sigmoid",
-                     first_k_dense_replace=1, num_nextn_predict_layers=1),
-}
 
 
 @pytest.fixture
 def small_tensors_in_place(monkeypatch):
     """Tiny test models run in place as a large prefill does."""
     monkeypatch.setattr(runtime, "MIN_ELEMENTS", 1)
-
-
-def causal_model(variant: str = "llama", seed: int = 0):
-    torch.manual_seed(seed)
-    config = hf_tiny.TinyCausalConfig(**SIZES, initializer_range=0.3, pad_token_id=0, **CAUSAL_VARIANTS[variant])
-    model = hf_tiny.TinyCausalForCausalLM(config)
-    with torch.no_grad():  # norms away from 1 / 0 so that a wrong norm gradient shows
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(torch.randn_like(param) * 0.3)
-    return model.eval()
-
-
-def encoder_model(seed: int = 0):
-    torch.manual_seed(seed)
-    return hf_tiny.TinyEncoderForMaskedLM(hf_tiny.TinyEncoderConfig(**SIZES, hidden_dropout=0.1)).eval()
-
-
-def seq2seq_model(style: str = "bart", seed: int = 0):
-    torch.manual_seed(seed)
-    config = hf_tiny.TinySeq2SeqConfig.from_style(style, **SIZES, hidden_dropout=0.1,
-                                                  **({"pad_token_id": 0, "decoder_start_token_id": 0} if style == "t5" else {}))
-    return hf_tiny.TinySeq2SeqForConditionalGeneration(config).eval()
-
-
-FAMILIES = {
-    **{f"causal-{name}": (lambda name=name: causal_model(name)) for name in CAUSAL_VARIANTS},
-    "encoder": encoder_model,
-    "seq2seq-bart": seq2seq_model,
-    "seq2seq-t5": lambda: seq2seq_model("t5"),
-}
 
 
 # ---- bit for bit, every family -------------------------------------------------------------------------------------
@@ -89,24 +43,38 @@ def test_outputs_and_gradients_are_bit_identical_with_the_runtime_on_and_off(fam
     assert_bit_identical_on_and_off(FAMILIES[family](), runs_in_place=not family.startswith("seq2seq"))
 
 
-def test_switching_a_model_off_restores_its_modeling_files_forwards():
+def test_switching_a_model_off_runs_its_modeling_files_math_only(small_tensors_in_place):
     model = causal_model()
     assert runtime.is_enabled(model)
-    assert all(type(m) is nn.Linear for name, m in model.named_modules() if name.endswith("_proj"))
+    assert "add_" in ops_of(lambda: logits(model, batch(model)))
     model.set_runtime(False)
     assert not runtime.is_enabled(model)
-    assert not any("forward" in vars(module) for module in model.modules())
+    assert "add_" not in ops_of(lambda: logits(model, batch(model)))
     model.set_runtime(True)
-    assert runtime.is_enabled(model)
+    assert runtime.is_enabled(model) and "add_" in ops_of(lambda: logits(model, batch(model)))
 
 
-def test_a_copied_model_runs_its_own_modules():
+def test_nothing_is_set_on_module_instances_and_a_copy_runs_its_own_modules():
+    """The runtime is declared on the classes' forwards: a module's forward is its class's (a copy, a pickle or a
+    DataParallel replica runs its own weights: tests/runtime/test_replicas.py)."""
     model = causal_model()
+    assert not any("forward" in vars(module) for module in model.modules())
+    assert all(type(m) is nn.Linear for name, m in model.named_modules() if name.endswith("_proj"))
     inputs = {k: v for k, v in batch(model).items() if k != "labels"}
     clone = copy.deepcopy(model)
-    assert torch.equal(logits(clone, inputs), logits(model, inputs))
-    layer = clone.model.layers[0]
-    assert layer.forward.__self__ is layer  # bound to the copy, not to the original
+    with torch.no_grad():
+        clone.model.layers[0].mlp.down_proj.weight.mul_(2)
+    assert not torch.equal(logits(clone, inputs), logits(model, inputs))
+
+
+def test_each_declared_forward_keeps_its_signature_and_names_its_declaration():
+    """Tools read a forward's signature (transformers passes an encoder only the arguments its forward names)."""
+    import inspect
+
+    layer = causal_model().model.layers[0]
+    assert runtime.declared(type(layer)) and runtime.declared(type(layer.mlp))
+    assert "position_embeddings" in inspect.signature(type(layer).forward).parameters
+    assert list(inspect.signature(type(layer.mlp).forward).parameters) == ["self", "x"]
 
 
 # ---- training memory: layers recomputed in backward ------------------------------------------------------------
@@ -115,6 +83,7 @@ def test_a_copied_model_runs_its_own_modules():
 def backward_op_counts(model, names: tuple) -> dict:
     """{"on" / "off": {operator: calls in one training backward}} with the runtime on and off."""
     inputs = batch(model, length=12)
+    model.set_runtime(chunked_loss=False)  # the same loss on both sides: its products are counted too
     counts = {}
     for name, context in (("on", runtime_on()), ("off", runtime.disabled())):
         model.train()
@@ -156,16 +125,48 @@ def test_negative_control_without_dropout_the_whole_layer_is_replayed():
     assert ops.count("native_layer_norm") >= 4  # both norms of both layers run again
 
 
-def test_on_an_accelerator_layers_below_the_size_limit_keep_their_activations(monkeypatch):
-    """Off the CPU, a layer under MIN_RECOMPUTE_ELEMENTS hidden states is not replayed (its kernels are too short for
-    the replay's per-operator cost); on the CPU every size is. Meta tensors stand in for an accelerator's."""
-    layer = causal_model().train().model.layers[0]
-    size = 2 * 12 * 32
-    monkeypatch.setattr(runtime, "MIN_RECOMPUTE_ELEMENTS", size + 1)
-    assert not runtime._recomputed(layer, torch.empty(2, 12, 32, device="meta"))
-    assert runtime._recomputed(layer, torch.empty(2, 12, 32))
-    monkeypatch.setattr(runtime, "MIN_RECOMPUTE_ELEMENTS", size)
-    assert runtime._recomputed(layer, torch.empty(2, 12, 32, device="meta"))
+def test_each_path_is_on_by_default_only_on_the_cpu_and_a_named_option_elsewhere():
+    """A path earns its place on the device where it runs: only the CPU has benchmarks showing each path winning
+    (runtime.ON_BY_DEFAULT); elsewhere it is off unless the model asks for it. Meta tensors stand in for an
+    accelerator's."""
+    model = causal_model().train()
+    layer, cpu, meta = model.model.layers[0], torch.device("cpu"), torch.device("meta")
+    assert all(runtime.path_on(layer, path, cpu) and not runtime.path_on(layer, path, meta) for path in runtime.PATHS)
+    model.set_runtime(recompute=True)
+    assert runtime.path_on(layer, "recompute", meta) and not runtime.path_on(layer, "in_place", meta)
+    assert runtime._recomputes(layer, torch.empty(2, 12, 32, device="meta"))
+    model.set_runtime(in_place=False)  # added to the choice before
+    assert runtime.path_on(layer, "recompute", meta) and not runtime.path_on(layer, "in_place", cpu)
+    model.set_runtime(recompute=False)
+    assert not runtime.path_on(layer, "recompute", cpu) and runtime.path_on(layer, "few_rows", cpu)
+    assert runtime.is_enabled(model)
+    model.set_runtime(True)
+    assert runtime.path_on(layer, "recompute", cpu) and not runtime.path_on(layer, "recompute", meta)
+
+
+def test_a_path_turned_off_on_the_cpu_is_off_there():
+    """The backward of a training step runs the norms again only while the recompute path is on."""
+    model = causal_model().train()
+    inputs = batch(model, length=12)
+
+    def norms_in_backward() -> int:
+        return ops_of(model(**inputs).loss.backward).count("rsqrt")
+
+    model.set_runtime(recompute=False)
+    without = norms_in_backward()
+    model.set_runtime(True)
+    assert norms_in_backward() > without
+
+
+@pytest.mark.parametrize("arguments, error, message", [
+    (dict(recompute="yes"), TypeError, "recompute must be True or False, got 'yes'"),
+    (dict(checkpoint=True), ValueError, "unknown runtime path 'checkpoint'; the paths are"),
+])
+def test_bad_runtime_choices_are_clear_errors(arguments, error, message):
+    with pytest.raises(error, match=message):
+        causal_model().set_runtime(**arguments)
+    with pytest.raises(TypeError, match="enabled must be True or False, got 'off'"):
+        causal_model().set_runtime("off")
 
 
 def runtime_on():
@@ -193,7 +194,7 @@ def test_gradient_checkpointing_keeps_working_and_matches():
 
 
 def test_bf16_autocast_step_equals_the_runtime_off():
-    model = causal_model()
+    model = causal_model().set_runtime(chunked_loss=False)  # up to the order of additions only
     inputs = batch(model, length=12)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         on = training_step(model, inputs)
@@ -206,7 +207,7 @@ def test_lora_and_frozen_layers_train_the_same_with_the_runtime():
     from peft import LoraConfig, get_peft_model
 
     config = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"], init_lora_weights=False)
-    model = get_peft_model(causal_model(), config)
+    model = get_peft_model(causal_model().set_runtime(chunked_loss=False), config)
     inputs = batch(model.base_model.model, length=12)
     on = training_step(model, inputs)
     with runtime.disabled():
@@ -373,7 +374,7 @@ def test_the_output_of_a_wrapped_projection_is_not_overwritten(small_tensors_in_
 @pytest.mark.parametrize("name", ["silu", "swish", "gelu", "gelu_pytorch_tanh", "relu"])
 def test_in_place_activations_equal_the_module_bit_for_bit(name):
     act = ACT2FN[name]
-    activate_ = runtime.in_place_activation(act)
+    activate_ = runtime_forms.in_place_activation(act)
     assert activate_ is not None
     x = torch.randn(64, 48, generator=torch.Generator().manual_seed(0)) * 4
     assert torch.equal(activate_(x.clone()), act(x))
@@ -383,24 +384,24 @@ def test_negative_control_a_wrong_in_place_activation_is_caught(small_tensors_in
     model = causal_model()
     inputs = batch(model)
     want = logits(model, inputs)
-    monkeypatch.setattr(runtime, "in_place_activation", lambda act: (lambda t: torch.ops.aten.gelu_(t)))
+    monkeypatch.setattr(runtime_forms, "in_place_activation", lambda act: (lambda t: torch.ops.aten.gelu_(t)))
     assert not torch.equal(logits(model, inputs), want)
 
 
 @pytest.mark.parametrize("name", ["gelu_new", "gelu_python", "gelu_fast", "quick_gelu", "tanh", "sigmoid"])
 def test_activations_without_an_exact_in_place_form_are_not_overwritten(name):
-    assert runtime.in_place_activation(ACT2FN[name]) is None
+    assert runtime_forms.in_place_activation(ACT2FN[name]) is None
 
 
 def test_a_hooked_or_patched_activation_is_called_as_a_module():
     act = ACT2FN["silu"]
     handle = act.register_forward_hook(lambda module, args, output: None)
-    assert runtime.in_place_activation(act) is None
+    assert runtime_forms.in_place_activation(act) is None
     handle.remove()
-    assert runtime.in_place_activation(act) is not None
+    assert runtime_forms.in_place_activation(act) is not None
     patched = copy.deepcopy(act)
     patched.forward = lambda x: x * 2  # e.g. a kernel swapped in on the instance
-    assert runtime.in_place_activation(patched) is None
+    assert runtime_forms.in_place_activation(patched) is None
 
 
 # ---- decoding's few rows --------------------------------------------------------------------------------------
@@ -420,16 +421,15 @@ def spy(monkeypatch):
 
 
 def linear(in_features: int, out_features: int, bias: bool = True) -> nn.Linear:
-    layer = nn.Linear(in_features, out_features, bias=bias)
-    runtime.install_few_rows(layer)
-    return layer
+    return nn.Linear(in_features, out_features, bias=bias)
 
 
 def _errors(layer: nn.Linear, x: torch.Tensor) -> tuple[float, float]:
-    """(this layer's max error, F.linear's max error), both against the fp64 product."""
+    """(the weight-first product's max error, F.linear's max error), both against the fp64 product."""
     exact = F.linear(x.double(), layer.weight.double(), None if layer.bias is None else layer.bias.double())
     with torch.no_grad():
-        ours = layer(x).double()
+        with runtime.WeightFirstProducts():
+            ours = layer(x).double()
         official = F.linear(x, layer.weight, layer.bias).double()
     return (ours - exact).abs().max().item(), (official - exact).abs().max().item()
 
@@ -441,7 +441,7 @@ def test_few_rows_equal_the_fp64_product_as_closely_as_f_linear(shape, bias, spy
     torch.manual_seed(0)
     layer = linear(576, 1536, bias=bias)
     x = torch.randn(*shape)
-    with torch.no_grad():
+    with torch.no_grad(), runtime.WeightFirstProducts():
         out = layer(x)
     assert out.shape == (*shape[:-1], 1536) and out.is_contiguous()
     assert spy, "the weight-first product was not used"
@@ -458,26 +458,41 @@ def test_negative_control_a_misplaced_slice_is_caught():
     assert (right.double() - exact).abs().max() < 1e-3 < (wrong.double() - exact).abs().max()
 
 
-def test_few_rows_are_taken_only_for_fp32_cpu_inference(spy, threads):
+def test_few_rows_are_taken_only_for_few_fp32_rows_and_large_weights(spy, threads):
     threads(2)
     layer = linear(128, 1024)
     x = torch.randn(4, 128)
-    layer(x)  # gradients recorded: training keeps F.linear, so gradients are official's
-    assert spy == []
-    with torch.no_grad():
+    with torch.no_grad(), runtime.WeightFirstProducts():
         layer(torch.randn(runtime.MAX_FEW_ROWS + 1, 128))  # compute-bound: F.linear
         linear(576, 192)(torch.randn(32, 576))  # fewer than 8 outputs per row: F.linear
         linear(96, 1024)(torch.randn(4, 96))  # a small weight: F.linear
         layer.to(torch.bfloat16)(x.bfloat16())  # no gain in bf16
         layer.float()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            layer(x)
-        with runtime.disabled():
-            layer(x)
         assert spy == []
         layer(x)
         layer(torch.randn(128))
     assert spy == [4, 1]
+
+
+def test_a_model_takes_few_rows_only_in_fp32_cpu_inference_with_the_path_on(spy, threads):
+    """The language model's declaration decides once per forward: no gradients, fp32, no autocast, few tokens, the
+    path on; otherwise every product is F.linear's."""
+    threads(2)
+    model = weight_first_model()
+    ids = torch.randint(3, 512, (1, 4))
+    model(ids)  # gradients recorded: training keeps F.linear, so gradients are official's
+    with torch.no_grad():
+        model(torch.randint(3, 512, (1, runtime.MAX_FEW_ROWS + 1)))  # a prefill
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(ids)
+        with runtime.disabled():
+            model(ids)
+        model.set_runtime(few_rows=False)
+        model(ids)
+        assert spy == []
+        model.set_runtime(True)
+        model(ids)
+    assert 4 in spy
 
 
 def test_decoding_with_few_rows_gives_the_same_tokens(spy, threads):
@@ -500,8 +515,7 @@ def test_projections_are_plain_linear_modules_for_quantizers_and_fx():
     model = causal_model()
     projections = [m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in ("q_proj", "o_proj", "up_proj", "lm_head")]
     assert projections and all(type(m) is nn.Linear for m in projections)
-    layer = linear(576, 576)
-    traced = torch.fx.symbolic_trace(layer)
-    x = torch.randn(3, 576)
+    traced = torch.fx.symbolic_trace(model.model.layers[0].mlp)  # a declared forward traces as its math
+    x = torch.randn(3, 32)
     with torch.no_grad():
-        assert torch.equal(traced(x), F.linear(x, layer.weight, layer.bias))
+        assert torch.equal(traced(x), model.model.layers[0].mlp(x))
