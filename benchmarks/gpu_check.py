@@ -2,7 +2,7 @@
 fixed time budget, every target of issue 42 printed beside its measured value.
 
     python -m benchmarks.gpu_check [--out DIR] [--budget-s 480] [--stages build,main-official,...]
-        [--recompute-switch METHOD] [--tests-log FILE ...] [--dry-run]
+        [--tests-log FILE ...] [--dry-run]
 
 benchmarks/gpu_check.sh runs the CUDA tests first, then this. The model is a random TinyLlama-1.1B-shaped Llama in
 bf16 with sdpa on both sides (the GPU image has no weight packages); hf_tiny's checkpoint is written from it by the
@@ -103,7 +103,7 @@ def stages_of(plan: GpuPlan, folders: dict, args) -> list[Stage]:
               "warmup": plan.warmup, "repeats": plan.repeats, "decode_repeats": plan.decode_repeats,
               "threads": plan.threads}
     main = {**common, "kind": "main", "prefill": plan.prefill, "decode": plan.decode, "train": plan.train,
-            "liger": True, "recompute_switch": args.recompute_switch, "gemm_n": plan.gemm_n,
+            "liger": True, "gemm_n": plan.gemm_n,
             "bandwidth_mb": plan.bandwidth_mb}
     longest = {**common, "kind": "longest", "start": plan.longest_start, "cap": plan.longest_cap,
                "resolution": plan.longest_resolution, "seconds": plan.longest_seconds}
@@ -272,8 +272,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--budget-s", type=float, default=480.0, help="seconds for all stages together")
     parser.add_argument("--stages", type=lambda text: [s for s in text.split(",") if s],
                         help="run only these stages after the build (names as in the report's stage table)")
-    parser.add_argument("--recompute-switch", help="hf_tiny model method that turns the training recompute on "
-                        "(called with True): adds the row 'train ... recompute'")
     parser.add_argument("--tests-log", action="append", default=[], help="a pytest log whose summary the report quotes")
     parser.add_argument("--device-file", help="a text file describing the device (nvidia-smi), quoted in the report")
     parser.add_argument("--dry-run", action="store_true", help="CPU, a 2-layer model, tiny shapes: checks the script")

@@ -10,7 +10,7 @@
 #
 #   bash benchmarks/gpu_check.sh              on the GPU machine, from the repository root
 #   bash benchmarks/gpu_check.sh --dry-run    on a CPU: the benchmark part with a 2-layer model (no tests)
-#   HF_TINY_REVISION=<commit> GPU_CHECK_ARGS="--recompute-switch NAME" bash benchmarks/gpu_check.sh
+#   HF_TINY_REVISION=<commit> bash benchmarks/gpu_check.sh
 #   GPU_CHECK_SKIP_TESTS=1 GPU_CHECK_ARGS="--stages longest-official,longest-hf_tiny" bash benchmarks/gpu_check.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1

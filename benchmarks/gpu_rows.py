@@ -210,16 +210,11 @@ def train_row(model, shape: Shape, device: torch.device, job: dict, label: str, 
 
 
 def recompute_row(job: dict, shape: Shape, device: torch.device, side: str) -> None:
-    """The training step with hf_tiny's opt-in recompute switch on (a model method named by --recompute-switch)."""
-    if not job.get("recompute_switch"):
-        emit(f"train {shape.label()} recompute", side, status="not run (no --recompute-switch given)")
-        return
+    """The training step with hf_tiny's training recompute, a named option off the CPU (runtime.ON_BY_DEFAULT),
+    turned on: the benchmark that decides whether it becomes a default on this device."""
     model = load(job)
-    switch = getattr(model, job["recompute_switch"], None)
-    if not callable(switch):
-        raise AttributeError(f"--recompute-switch {job['recompute_switch']!r}: {type(model).__name__} has no such method")
-    switch(True)
-    train_row(model, shape, device, job, f"train {shape.label()} recompute", side, switch=job["recompute_switch"])
+    model.set_runtime(recompute=True)
+    train_row(model, shape, device, job, f"train {shape.label()} recompute", side, switch="set_runtime(recompute=True)")
 
 
 def liger_row(job: dict, shape: Shape, device: torch.device, side: str) -> None:

@@ -11,14 +11,20 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def cpu_model() -> str:
+    """The processor's name and the instruction set torch's CPU kernels use there (AVX512, AVX2, ...): two hosts sold
+    under one name ("AMD EPYC") can run different kernels, and their CPU figures differ with them."""
+    name = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as info:
             for line in info:
                 if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                    name = line.split(":", 1)[1].strip()
+                    break
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    import torch
+
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()})"
 
 
 def git_revision(root: Path = REPO_ROOT) -> str:

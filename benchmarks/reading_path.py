@@ -43,14 +43,13 @@ def traced_functions(step: str = "forward", runtime: bool = True) -> dict:
 
     def tracer(frame, event, arg):
         code = frame.f_code
-        # nested definitions (comprehensions, closures) lie inside a counted function's lines
-        if event == "call" and Path(code.co_filename).resolve().parent == package and "<locals>" not in code.co_qualname:
-            key = (Path(code.co_filename).name, code.co_qualname)
+        if event == "call" and Path(code.co_filename).resolve().parent == package:
+            # A nested definition (a comprehension, a closure such as the runtime's dispatchers) is read as part of
+            # the top-level definition around it, which is counted once whole.
+            name = code.co_qualname.split(".<locals>")[0]
+            key = (Path(code.co_filename).name, name)
             if key not in seen:
-                try:
-                    seen[key] = len(inspect.getsourcelines(code)[0])
-                except OSError:
-                    seen[key] = 0
+                seen[key] = _definition_lines(frame.f_globals, name, code)
         return None
 
     sys.setprofile(None)
@@ -64,6 +63,18 @@ def traced_functions(step: str = "forward", runtime: bool = True) -> dict:
     finally:
         sys.settrace(None)
     return seen
+
+
+def _definition_lines(module_globals: dict, qualname: str, code) -> int:
+    """The line count of the module-level definition `qualname` (a function, or a class's method), else of `code`."""
+    target = module_globals.get(qualname.split(".")[0])
+    for part in qualname.split(".")[1:]:
+        target = getattr(target, part, None)
+    target = inspect.unwrap(target) if callable(target) else None
+    try:
+        return len(inspect.getsourcelines(target if target is not None else code)[0])
+    except (OSError, TypeError):
+        return 0
 
 
 def main(argv=None) -> int:

@@ -1,0 +1,120 @@
+"""Host work: the Python calls of a prefill and of one decoding step, official transformers beside hf_tiny (runtime on,
+the default, and off), with their wall times.
+
+    python -m benchmarks.host_work [--models overhead] [--prompt 16] [--repeats 5] [--out FILE.md]
+
+At small shapes on a GPU the host's work is the time: the interpreter has to issue every kernel. cProfile counts
+the Python-level function calls (built-ins included) of one call, a measure that does not depend on the machine's
+load. The prefill is generate()'s first forward (a cache filled, the last position's logits); the decoding step is
+the difference between a generate of 9 new tokens and one of 1, divided by 8, so the prompt drops out. Wall times
+are medians of --repeats interleaved calls after a warm-up (on a shared machine, read them as indications).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import platform
+from pathlib import Path
+
+import torch
+import transformers
+
+from . import measure
+from .machine import cpu_model, git_revision
+from .models import HF_TINY, MODELS, OFFICIAL, load_pair
+from .workloads import Shape, build_generate, random_ids
+
+from hf_tiny.step import CACHE_FIELD  # the cache argument generate() passes with the installed transformers
+
+HF_TINY_OFF = "hf_tiny, runtime off"
+
+
+def build_prefill_with_cache(model, shape: Shape, device: torch.device):
+    """generate()'s first forward: the prompt into a fresh dynamic cache, the last position's logits."""
+    ids = random_ids(shape.batch, shape.seq, model.config.vocab_size, device)
+    mask = torch.ones_like(ids)
+
+    @torch.inference_mode()
+    def prefill():
+        cache = transformers.DynamicCache(config=model.config)
+        return model(input_ids=ids, attention_mask=mask, use_cache=True, logits_to_keep=1, **{CACHE_FIELD: cache})
+
+    return prefill
+
+
+def decode_step_calls(model, shape: Shape, device: torch.device) -> float:
+    long = measure.count_python_calls(build_generate(model, shape, device, new_tokens=9))
+    short = measure.count_python_calls(build_generate(model, shape, device, new_tokens=1))
+    return (long - short) / 8
+
+
+def decode_step_seconds(sides: dict, shape: Shape, device: torch.device, repeats: int) -> dict:
+    long = {name: build_generate(model, shape, device, new_tokens=9) for name, model in sides.items()}
+    short = {name: build_generate(model, shape, device, new_tokens=1) for name, model in sides.items()}
+    t_long = measure.time_interleaved(long, device=device, warmup=1, repeats=repeats)
+    t_short = measure.time_interleaved(short, device=device, warmup=1, repeats=repeats)
+    return {name: max(t_long[name].median - t_short[name].median, 0.0) / 8 for name in sides}
+
+
+def measure_model(name: str, prompt: int, repeats: int, device: torch.device) -> dict:
+    _, models, errors = load_pair(MODELS[name], device, torch.float32, "sdpa", refresh=False)
+    if errors:
+        raise RuntimeError(f"{name}: {errors}")
+    off = models[HF_TINY]
+    sides = {OFFICIAL: models[OFFICIAL], HF_TINY: models[HF_TINY]}
+    shape = Shape(1, prompt)
+    rows = {}
+    prefills = {side: build_prefill_with_cache(model, shape, device) for side, model in sides.items()}
+    calls = {side: measure.count_python_calls(fn) for side, fn in prefills.items()}
+    timed = measure.time_interleaved(prefills, device=device, warmup=2, repeats=repeats)
+    seconds = {side: timed[side].median for side in sides}
+    off.set_runtime(False)
+    calls[HF_TINY_OFF] = measure.count_python_calls(prefills[HF_TINY])
+    off.set_runtime(True)
+    rows["prefill"] = {"calls": calls, "seconds": seconds}
+    calls = {side: decode_step_calls(model, shape, device) for side, model in sides.items()}
+    off.set_runtime(False)
+    calls[HF_TINY_OFF] = decode_step_calls(off, shape, device)
+    off.set_runtime(True)
+    rows["decode step"] = {"calls": calls, "seconds": decode_step_seconds(sides, shape, device, repeats)}
+    return rows
+
+
+def table(results: dict, prompt: int) -> list[str]:
+    lines = [f"| model | case (1x{prompt} prompt) | official calls | hf_tiny calls | ratio (target <= 1.00) | "
+             "hf_tiny runtime off | official ms | hf_tiny ms | time ratio |", "|---|---|---|---|---|---|---|---|---|"]
+    for model, rows in results.items():
+        for case, row in rows.items():
+            calls, seconds = row["calls"], row["seconds"]
+            ratio = calls[HF_TINY] / calls[OFFICIAL]
+            lines.append(
+                f"| {model} | {case} | {calls[OFFICIAL]:,.0f} | {calls[HF_TINY]:,.0f} | {ratio:.2f} | "
+                f"{calls[HF_TINY_OFF]:,.0f} | {seconds[OFFICIAL] * 1e3:.2f} | {seconds[HF_TINY] * 1e3:.2f} | "
+                f"{seconds[HF_TINY] / seconds[OFFICIAL]:.2f} |"
+            )
+    return lines
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="overhead", help="comma-separated benchmarks.models names")
+    parser.add_argument("--prompt", type=int, default=16, help="prompt tokens (batch 1)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, help="also write the table, with the machine and versions, to this file")
+    args = parser.parse_args(argv)
+    device = torch.device("cpu")
+    results = {name: measure_model(name, args.prompt, args.repeats, device) for name in args.models.split(",")}
+    header = (f"Host work, {datetime.date.today()}, {cpu_model()} ({platform.machine()}), "
+              f"{torch.get_num_threads()} threads, torch {torch.__version__}, transformers {transformers.__version__}, "
+              f"hf_tiny {git_revision()}, fp32, sdpa: `python -m benchmarks.host_work --models {args.models} "
+              f"--prompt {args.prompt} --repeats {args.repeats}`")
+    lines = table(results, args.prompt)
+    print(header, *lines, sep="\n")
+    if args.out is not None:
+        args.out.write_text(f"# {header}\n\n" + "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
