@@ -12,6 +12,10 @@ window, a gated feed-forward, no biases, and the MLM head's dense -> act -> norm
 Parameter names follow Llama habits so PEFT target_modules and device maps work as usual:
 model.layers.N.self_attn.{q,k,v,o}_proj, model.layers.N.mlp.{up,down}_proj, model.layers.N.input_layernorm (the
 norm after attention in post-LN) and model.layers.N.post_attention_layernorm (the norm after the feed-forward).
+
+This file holds the model classes, the ones config.json's auto_map names: TinyEncoderModel and the task heads. Their
+parts: encoder_embeddings.py (positions), encoder_layers.py (the residual layers), encoder_head_layers.py (pooler,
+prediction transform, MLM and discriminator heads), re-exported here under their old names.
 """
 
 from __future__ import annotations
@@ -22,7 +26,6 @@ from typing import Optional, Union
 import torch
 from torch import nn
 from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
-from transformers.activations import ACT2FN
 from transformers.modeling_outputs import (
     BaseModelOutputWithPooling,
     MaskedLMOutput,
@@ -32,95 +35,21 @@ from transformers.modeling_outputs import (
 )
 from transformers.utils import ModelOutput
 
-from transformers.modeling_layers import GradientCheckpointingLayer
-
 from .configuration_encoder import TinyEncoderConfig
-from .runtime import runtime_layer, runtime_stack
-from .layers import Attention, PreNormResidual, RotaryEmbedding, feed_forward
+from .encoder_embeddings import SinusoidalPositionTable  # noqa: F401 (re-exported)
+from .encoder_embeddings import check_index_tensor, position_table_of, rotary_embeddings_of
+from .encoder_head_layers import (
+    TinyEncoderDiscriminatorHead, TinyEncoderMaskedLMHead, TinyEncoderPooler, TinyEncoderPredictionHead,
+)
+from .encoder_layers import TinyEncoderLayer, TinyEncoderPreNormLayer, norm_of
 from .masks import encoder_masks
 from .modeling_base import HfTinyPreTrainedModel
+from .runtime import runtime_stack
 from .step import (
     LayerOutputs, check_attention_mask, check_positions, check_sequence_length, check_token_inputs, format_output,
     output_flags,
 )
-from .validation import check_answer_positions, check_labels, check_sequence_labels, is_compiling, sequence_problem_type
-
-
-def _check_index_tensor(tensor: torch.Tensor, *, field: str, limit: int, limit_name: str, shape: tuple,
-                        vector_ok: bool = False) -> None:
-    """token_type_ids / position_ids: integer tensors broadcastable to the input shape, values in [0, limit);
-    vector_ok: a [seq_len] vector too, shared by every row (official BERT broadcasts 1-D token_type_ids)."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{field} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool:
-        raise TypeError(f"{field} must hold integers, got dtype {tensor.dtype}")
-    batch, seq_len = shape
-    vector = vector_ok and tensor.dim() == 1 and tensor.shape[0] == seq_len
-    if not vector and (tensor.dim() != 2 or tensor.shape[1] != seq_len or tensor.shape[0] not in (1, batch)):
-        also = f", ({seq_len},)" if vector_ok else ""
-        raise ValueError(f"{field} has shape {tuple(tensor.shape)} but the input needs ({batch}, {seq_len}){also} or (1, {seq_len})")
-    if tensor.numel() == 0 or is_compiling():
-        return
-    low, high = int(tensor.min()), int(tensor.max())
-    if low < 0 or high >= limit:
-        bad = low if low < 0 else high
-        raise ValueError(f"{field} contains {bad}, outside [0, {limit_name}={limit})")
-
-
-def norm_of(config: TinyEncoderConfig, width: Optional[int] = None) -> nn.LayerNorm:
-    return nn.LayerNorm(config.hidden_size if width is None else width, eps=config.layer_norm_eps, bias=config.norm_bias)
-
-
-def attention_of(config: TinyEncoderConfig, layer_idx: int) -> Attention:
-    hidden, heads = config.hidden_size, config.num_attention_heads
-    head_dim = hidden // heads
-    return Attention(
-        config, layer_idx, hidden_size=hidden, num_heads=heads, num_key_value_heads=heads, head_dim=head_dim,
-        bias=config.attention_bias, output_bias=config.attention_bias, scaling=head_dim**-0.5,
-        dropout=config.attention_dropout,
-    )
-
-
-def feed_forward_of(config: TinyEncoderConfig) -> nn.Module:
-    return feed_forward(config.hidden_size, config.intermediate_size, config.hidden_act, gated=config.mlp_gated,
-                        bias=config.mlp_bias, activation_dropout=config.activation_dropout)
-
-
-class TinyEncoderLayer(GradientCheckpointingLayer):
-    """A post-norm residual layer (BERT): h = norm(x + attn(x)); out = norm(h + mlp(h)). Norm names follow Llama:
-    `input_layernorm` belongs to attention (BERT's attention.output.LayerNorm), `post_attention_layernorm` to the
-    feed-forward (BERT's output.LayerNorm)."""
-
-    def __init__(self, config: TinyEncoderConfig, layer_idx: int):
-        super().__init__()
-        self.self_attn = attention_of(config, layer_idx)
-        self.input_layernorm = norm_of(config)
-        self.mlp = feed_forward_of(config)
-        self.post_attention_layernorm = norm_of(config)
-        self.dropout = nn.Dropout(config.hidden_dropout)
-
-    @runtime_layer(in_place="post_norm_in_place")
-    def forward(self, hidden_states, attention_mask=None, position_embeddings=None, *,
-                output_attentions: bool = False) -> torch.Tensor:
-        attended, _ = self.self_attn(hidden_states, attention_mask, position_embeddings, output_attentions=output_attentions)
-        hidden_states = self.input_layernorm(hidden_states + self.dropout(attended))
-        return self.post_attention_layernorm(hidden_states + self.dropout(self.mlp(hidden_states)))
-
-
-class TinyEncoderPreNormLayer(PreNormResidual, GradientCheckpointingLayer):
-    """A pre-norm residual layer (ModernBERT; layers.PreNormResidual): h = x + attn(norm(x)); out = h + mlp(norm(h)).
-    The first layer's input comes out of the embeddings' norm, so it has no input norm of its own (official's
-    nn.Identity)."""
-
-    def __init__(self, config: TinyEncoderConfig, layer_idx: int):
-        super().__init__()
-        self.input_layernorm = nn.Identity() if layer_idx == 0 else norm_of(config)
-        self.self_attn = attention_of(config, layer_idx)
-        self.attn_output_layernorm = None
-        self.post_attention_layernorm = norm_of(config)
-        self.mlp = feed_forward_of(config)
-        self.mlp_output_layernorm = None
-        self.dropout = nn.Dropout(config.hidden_dropout)
+from .validation import check_answer_positions, check_labels, check_sequence_labels, sequence_problem_type
 
 
 class TinyEncoderPreTrainedModel(HfTinyPreTrainedModel):
@@ -164,71 +93,6 @@ class TinyEncoderWithLabelsHead(TinyEncoderPreTrainedModel):
         return self._format_output(self._head(outputs, labels, attention_mask), return_dict)
 
 
-class SinusoidalPositionTable(nn.Embedding):
-    """DistilBERT's sinusoidal position table: row p holds sin(p / 10000^(2i/d)) at even columns 2i and cos at
-    odd columns 2i + 1, written at init (checkpoints store it). It stays a trainable parameter, as official
-    transformers 5 leaves it (after init and after loading), so fine-tuning updates it as official does."""
-
-    @torch.no_grad()
-    def _init_buffers(self) -> None:  # called by _init_weights after the generic Embedding init
-        positions = torch.arange(self.num_embeddings, dtype=torch.float64)[:, None]
-        pairs = torch.arange(0, self.embedding_dim, 2, dtype=torch.float64)
-        angles = positions / torch.pow(10000.0, pairs / self.embedding_dim)
-        table = torch.empty(self.num_embeddings, self.embedding_dim, dtype=torch.float64)
-        table[:, 0::2], table[:, 1::2] = torch.sin(angles), torch.cos(angles)
-        self.weight.copy_(table.to(self.weight.dtype))
-
-
-class TinyEncoderPooler(nn.Module):
-    """BERT's pooler: activation(dense(hidden state of the first token)); tanh in BERT (config.pooler_act). With
-    head_transform (ModernBERT) a LayerNorm follows; classifier_pooling "mean" pools the mean of the real tokens'
-    hidden states instead of the first token's."""
-
-    def __init__(self, config: TinyEncoderConfig):
-        super().__init__()
-        self.pooling = config.classifier_pooling
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size, bias=config.classifier_bias)
-        self.activation = ACT2FN[config.pooler_act]
-        self.layer_norm = norm_of(config) if config.head_transform else None
-
-    def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        pooled = hidden_states[:, 0] if self.pooling == "cls" else mean_of_real_tokens(hidden_states, attention_mask)
-        pooled = self.activation(self.dense(pooled))
-        return pooled if self.layer_norm is None else self.layer_norm(pooled)
-
-
-def mean_of_real_tokens(hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
-    """[B, H]: the mean of each row's hidden states over its real tokens (every token without a mask)."""
-    if attention_mask is None:
-        attention_mask = torch.ones(hidden_states.shape[:2], dtype=torch.bool, device=hidden_states.device)
-    if attention_mask.dim() != 2:
-        raise ValueError(f"classifier_pooling='mean' needs a 2-D attention_mask [batch, seq] to know the real tokens; "
-                         f"got shape {tuple(attention_mask.shape)}")
-    mask = attention_mask.to(hidden_states.device)
-    return (hidden_states * mask.unsqueeze(-1)).sum(dim=1) / mask.sum(dim=1, keepdim=True)
-
-
-def rotary_embeddings_of(config: TinyEncoderConfig) -> tuple[Optional[RotaryEmbedding], Optional[RotaryEmbedding]]:
-    """(rotary_emb, sliding_rotary_emb): the rotary positions of full-attention layers (of every layer when the
-    rope parameters are not keyed by layer type), and of sliding layers where theirs differ (ModernBERT's local
-    theta); (None, None) with a position table."""
-    if config.position_embedding_type != "rope":
-        return None, None
-    full, sliding = config.rope_parameters_for("full_attention"), config.rope_parameters_for("sliding_attention")
-    return RotaryEmbedding(config, full), (RotaryEmbedding(config, sliding) if sliding != full else None)
-
-
-def position_table_of(config: TinyEncoderConfig) -> Optional[nn.Embedding]:
-    """The learned (or sinusoidal-initialized) position table; None with rotary positions."""
-    width = config.embedding_size
-    if config.position_embedding_type == "rope":
-        return None
-    if config.sinusoidal_positions:
-        return SinusoidalPositionTable(config.max_position_embeddings, width)
-    position_padding = config.pad_token_id if config.positions_from_padding else None
-    return nn.Embedding(config.max_position_embeddings, width, padding_idx=position_padding)
-
-
 class TinyEncoderModel(TinyEncoderPreTrainedModel):
     def __init__(self, config: TinyEncoderConfig, add_pooling_layer: Optional[bool] = None):
         super().__init__(config)
@@ -264,14 +128,14 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         elif position_ids is None:
             check_sequence_length(shape[1], limit=self.max_sequence_length, field="input sequence length")
         else:
-            _check_index_tensor(
+            check_index_tensor(
                 position_ids, field="position_ids", limit=config.max_position_embeddings,
                 limit_name="max_position_embeddings", shape=shape,
             )
         if token_type_ids is not None and not config.type_vocab_size:
             raise ValueError("token_type_ids were given, but this encoder has no token types (type_vocab_size=0)")
         if token_type_ids is not None:
-            _check_index_tensor(
+            check_index_tensor(
                 token_type_ids, field="token_type_ids", limit=config.type_vocab_size,
                 limit_name="type_vocab_size", shape=shape, vector_ok=True,
             )
@@ -377,34 +241,6 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         return tables
 
 
-class TinyEncoderPredictionHead(nn.Module):
-    """dense -> activation -> LayerNorm: the transform of BERT's MLM head, which ModernBERT puts in front of every
-    task head (head_transform). Activation: classifier_activation, else hidden_act."""
-
-    def __init__(self, config: TinyEncoderConfig, width: Optional[int] = None):
-        super().__init__()
-        width = config.hidden_size if width is None else width
-        self.dense = nn.Linear(config.hidden_size, width, bias=config.classifier_bias)
-        self.act_fn = ACT2FN[config.classifier_activation or config.hidden_act]
-        self.layer_norm = norm_of(config, width)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.layer_norm(self.act_fn(self.dense(hidden_states)))
-
-
-class TinyEncoderMaskedLMHead(TinyEncoderPredictionHead):
-    """BERT's MLM head: the prediction head, then the decoder (tied to the word embeddings, own bias unless
-    decoder_bias=False). With a factorized embedding (embedding_size != hidden_size) the dense layer maps back to
-    the embedding width."""
-
-    def __init__(self, config: TinyEncoderConfig):
-        super().__init__(config, config.embedding_size)
-        self.decoder = nn.Linear(config.embedding_size, config.vocab_size, bias=config.decoder_bias)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.decoder(super().forward(hidden_states))
-
-
 def _masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Cross-entropy over the vocabulary; positions labelled -100 (not masked) are ignored."""
     check_labels(labels, num_classes=logits.shape[-1], expected_shape=tuple(logits.shape[:2]))
@@ -487,19 +323,6 @@ class TinyEncoderForPreTraining(_WithMaskedLMHead, TinyEncoderPreTrainedModel):
             hidden_states=outputs.hidden_states, attentions=outputs.attentions,
         )
         return self._format_output(output, return_dict)
-
-
-class TinyEncoderDiscriminatorHead(nn.Module):
-    """ELECTRA's discriminator head: dense -> activation -> one logit per token."""
-
-    def __init__(self, config: TinyEncoderConfig):
-        super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
-        self.act_fn = ACT2FN[config.hidden_act]
-        self.prediction = nn.Linear(config.hidden_size, 1)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.prediction(self.act_fn(self.dense(hidden_states))).squeeze(-1)
 
 
 class TinyEncoderForReplacedTokenDetection(TinyEncoderWithLabelsHead):

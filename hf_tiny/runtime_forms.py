@@ -40,7 +40,7 @@ def _sublayer_output(layer, output: torch.Tensor, norm: Optional[nn.Module]) -> 
 
 
 def post_norm_in_place(layer, hidden_states, attention_mask=None, position_embeddings=None, **attention_kwargs):
-    """modeling_encoder.TinyEncoderLayer.forward, norm(x + sublayer(x)), each sum written into the sublayer's fresh
+    """encoder_layers.TinyEncoderLayer.forward, norm(x + sublayer(x)), each sum written into the sublayer's fresh
     output."""
     attended, _ = layer.self_attn(hidden_states, attention_mask, position_embeddings, **attention_kwargs)
     fresh = _fresh_output(layer.self_attn.o_proj, layer.self_attn, layer.dropout)

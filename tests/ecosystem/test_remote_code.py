@@ -215,8 +215,13 @@ SHARED_CODE_FILES = {
 # encoder folder once carried the causal configuration (and through it mla.py and moe.py) because the encoder
 # config imported its layer-type check from there (issue 41, item 6).
 EXPECTED_CODE_FILES = {
-    "encoder": SHARED_CODE_FILES | {"configuration_encoder.py", "modeling_encoder.py", "layer_types.py"},
-    "seq2seq": SHARED_CODE_FILES | {"configuration_seq2seq.py", "modeling_seq2seq.py", "chunked_loss.py"},
+    "encoder": SHARED_CODE_FILES | {
+        "configuration_encoder.py", "modeling_encoder.py", "encoder_embeddings.py", "encoder_layers.py",
+        "encoder_head_layers.py", "layer_types.py",
+    },
+    "seq2seq": SHARED_CODE_FILES | {
+        "configuration_seq2seq.py", "modeling_seq2seq.py", "seq2seq_stack.py", "chunked_loss.py",
+    },
     "causal": SHARED_CODE_FILES | {
         "configuration_causal.py", "causal_mechanisms.py", "layer_types.py", "modeling_causal.py", "chunked_loss.py",
         "mla.py", "moe.py", "mtp.py", "liger.py",

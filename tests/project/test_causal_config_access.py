@@ -16,7 +16,10 @@ from hf_tiny.causal_mechanisms import mechanism_views
 HF_TINY = Path(__file__).resolve().parents[2] / "hf_tiny"
 # The other families' own files: their configs are other classes, whose fields may share a name (the seq2seq
 # config's use_padding_idx is a plain field).
-OTHER_FAMILIES = {"configuration_encoder.py", "modeling_encoder.py", "configuration_seq2seq.py", "modeling_seq2seq.py"}
+OTHER_FAMILIES = {
+    "configuration_encoder.py", "modeling_encoder.py", "encoder_embeddings.py", "encoder_layers.py",
+    "encoder_head_layers.py", "configuration_seq2seq.py", "modeling_seq2seq.py", "seq2seq_stack.py",
+}
 
 NAME_READERS = {"getattr", "hasattr", "field_value"}
 
