@@ -249,6 +249,20 @@ def _hf_tiny_attention_functions():
 
 
 HF_TINY_ATTENTION_FUNCTIONS = _hf_tiny_attention_functions()
+
+
+def _register_hf_tiny_flash_masks() -> None:
+    """transformers builds masks ahead of the forward (generate() with a static cache: create_masks_for_generate)
+    only for names with a mask builder in its AttentionMaskInterface, and hands every other name None, which reads
+    as "no padding": a left-padded batch would then attend to its padding. hf_tiny_flash takes the masks of
+    flash_attention_2 (2-D padding masks, None without padding), so its builder is registered under its name, which
+    no transformers model uses (transformers' own names keep their builders)."""
+    from transformers.masking_utils import AttentionMaskInterface, flash_attention_mask
+
+    AttentionMaskInterface.register("hf_tiny_flash", flash_attention_mask)
+
+
+_register_hf_tiny_flash_masks()
 # The name attention modules look the function up under. vLLM's Transformers backend finds the attention module by
 # reading its forward's source for `<name> = ALL_ATTENTION_FUNCTIONS.get_interface(...)` and exactly one call of
 # <name>, so the lookup is spelled that way (it is still our instance, which falls back to transformers' global one).

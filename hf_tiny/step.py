@@ -395,7 +395,7 @@ def causal_masks(model, attention_mask, cache, shape: CausalShape, segment_ids) 
     if not is_hf_tiny_backend(implementation) and not interface_takes_mask(implementation):
         refuse_alibi(config, f"attn_implementation={implementation!r}")
         return {layer_type: AttentionMask(None, True) for layer_type in layer_types}
-    by_type = _masks_by_layer_type(config, attention_mask) if isinstance(attention_mask, dict) else None
+    by_type = _masks_by_layer_type(config, attention_mask, shape) if isinstance(attention_mask, dict) else None
     masks = {}
     for layer_type in layer_types:
         window = config.sliding_window if layer_type == "sliding_attention" else None
@@ -414,19 +414,45 @@ def causal_masks(model, attention_mask, cache, shape: CausalShape, segment_ids) 
     return masks
 
 
-def _masks_by_layer_type(config, attention_mask: dict) -> dict:
-    """A dict attention_mask ({layer type: 4-D mask or None}, as generate() prepares for static caches of models
-    with layer_types) checked to cover every layer type."""
+def _masks_by_layer_type(config, attention_mask: dict, shape: CausalShape) -> dict:
+    """A dict attention_mask, {layer type: mask}, as generate() prepares it for static caches of models with
+    layer_types (transformers' create_masks_for_generate), checked to cover every layer type. Its masks have the
+    layouts of transformers' mask builders: 4-D masks (eager, sdpa), or for flash attention 2-D padding masks, the
+    last columns of generate's attention_mask that the layer's keys reach (flash_attention_mask), or None (no
+    padding among them). A 2-D one is a 2-D attention_mask (masks.causal_mask: its last column is the newest token)."""
     missing = sorted(set(config.layer_types) - set(attention_mask))
     for layer_type, mask in attention_mask.items():
-        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 4):
-            missing.append(f"{layer_type} (not a 4-D tensor)")
+        if mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 4):
+            continue
+        field = f"attention_mask[{layer_type!r}]"
+        if isinstance(mask, torch.Tensor) and mask.dim() == 2:
+            _check_layer_padding_mask(mask, shape, field, full=layer_type == "chunked_attention")
+        elif isinstance(mask, torch.Tensor):
+            missing.append(f"{field} is a {mask.dim()}-D tensor of shape {tuple(mask.shape)}")
+        else:
+            missing.append(f"{field} is a {type(mask).__name__}")
     if missing:
         raise ValueError(
-            f"attention_mask given per layer type (keys {sorted(attention_mask)}) needs a 4-D mask or None for every "
-            f"layer type of this model {sorted(set(config.layer_types))}; wrong or missing: {missing}"
+            f"attention_mask given per layer type (keys {sorted(attention_mask)}) needs, for every layer type of this "
+            f"model {sorted(set(config.layer_types))}, a 4-D mask, a 2-D padding mask or None; wrong or missing: "
+            f"{missing}"
         )
     return attention_mask
+
+
+def _check_layer_padding_mask(mask: torch.Tensor, shape: CausalShape, field: str, *, full: bool) -> None:
+    """A layer type's 2-D padding mask: [batch, keys] of 0/1 whose last column is the newest token, covering at most
+    the past and new tokens (fewer: the last ones, as transformers slices it for a sliding layer). Chunks count from
+    each row's first real token, so a chunked layer's mask covers them all (transformers cuts none: it refuses flash
+    attention once a chunked layer's keys span more than one chunk)."""
+    if is_compiling():
+        return
+    total = int(shape.past_length) + shape.query_length
+    batch, width = mask.shape
+    if batch != shape.batch_size or not 1 <= width <= total or (full and width != total):
+        needs = f"({shape.batch_size}, {total})" if full else f"({shape.batch_size}, K) with 1 <= K <= {total}"
+        raise ValueError(f"{field} has shape {tuple(mask.shape)} but the input needs {needs} (the past and new tokens)")
+    check_attention_mask(mask, expected_shape=tuple(mask.shape), field=field)
 
 
 def _paged_step(model, attention_mask, position_ids, paged_cache, flags: OutputFlags, extras: dict) -> CausalStep:

@@ -1,5 +1,6 @@
 """generate() and the KV cache: same tokens as the official model (greedy, sampling, beam search), left padding,
-cache equivalence (dynamic, sliding window, static), torch.compile of a static-cache decode step, streaming."""
+cache equivalence (dynamic, sliding window, static; flash attention's per-layer-type padding masks with a static
+cache), torch.compile of a static-cache decode step, streaming."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from transformers import DynamicCache, PreTrainedTokenizerFast, StaticCache, Tex
 
 import hf_tiny  # noqa: F401
 from causal_helpers import left_padded_batch, max_diff, tiny_official
+from fake_flash_attn import FakeFlashAttn, flash_on_cpu
 from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -98,6 +100,103 @@ def test_static_cache_generate_equals_dynamic(pair, backend):
     dynamic = ours.generate(ids, attention_mask=mask, **GREEDY)
     static = ours.generate(ids, attention_mask=mask, cache_implementation="static", **GREEDY)
     assert torch.equal(static, dynamic)
+
+
+# With a static cache, generate() builds the masks before each forward (transformers' create_masks_for_generate), one
+# per layer type for models with layer_types (every hf_tiny causal model). For flash attention they are 2-D padding
+# masks: the last columns of the attention_mask that the layer's keys reach (a sliding layer's window only), or None
+# when none of them is padding.
+
+
+def sliding_and_full(sliding_window: int) -> TinyCausalForCausalLM:
+    config = TinyCausalConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, sliding_window=sliding_window,
+                              layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    return TinyCausalForCausalLM(config).eval()
+
+
+def mask_widths(model) -> list:
+    """Records, for each forward, {layer type: width of its 2-D mask, or None} when the attention_mask is a dict."""
+    widths = []
+
+    def record(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, dict):
+            widths.append({kind: None if m is None else tuple(m.shape) for kind, m in mask.items()})
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
+    return widths
+
+
+@pytest.mark.parametrize("kernel", ["flash-attn package (stand-in)", "torch CPU flash kernel"])
+@pytest.mark.parametrize("layers", ["llama", "sliding and full"])
+def test_static_cache_generate_with_flash_attention_2_left_padded(kernel, layers):
+    """flash_attention_2 with cache_implementation="static" on a left-padded batch: the tokens of official Llama
+    (sdpa, dynamic cache), or for layer_types mixing sliding and full layers those of our sdpa with a dynamic cache.
+    Flash attention on CPU takes no window, so the window (32) spans every key: transformers cuts no mask here."""
+    ids, mask = prompts()
+    if layers == "llama":
+        official = tiny_official("llama", num_key_value_heads=2)
+        official.set_attn_implementation("sdpa")
+        model = ours_from(official)
+        expected = official.generate(ids, attention_mask=mask, **GREEDY)
+    else:
+        model = sliding_and_full(sliding_window=32)
+        model.set_attn_implementation("sdpa")
+        expected = model.generate(ids, attention_mask=mask, **GREEDY)
+    widths = mask_widths(model)
+    package = FakeFlashAttn() if kernel.startswith("flash-attn") else None
+    with pytest.MonkeyPatch.context() as patch:
+        flash_on_cpu(patch, package=package)
+        model.set_attn_implementation("flash_attention_2")
+        produced = model.generate(ids, attention_mask=mask, cache_implementation="static", **GREEDY)
+    assert torch.equal(produced, expected)
+    assert package is None or "varlen" in package.calls  # the padded rows went through the package's varlen entry
+    assert widths and all(shape is None or len(shape) == 2 for step in widths for shape in step.values())
+
+
+def test_static_cache_generate_with_our_triton_flash_cuts_sliding_masks():
+    """hf_tiny_flash (our Triton kernel; under Triton's interpreter without a GPU) with a static cache on a
+    left-padded batch, window 6 shorter than the prompts: transformers hands the sliding layers only the last columns
+    of the padding mask (those the window reaches) and the full layers all of it, and the tokens are those of our sdpa
+    with a dynamic cache. Without a mask builder registered for hf_tiny_flash transformers would hand it None (no
+    padding) for every layer type."""
+    pytest.importorskip("triton")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = sliding_and_full(sliding_window=6).to(device)
+    ids, mask = (tensor.to(device) for tensor in prompts())
+    settings = {**GREEDY, "max_new_tokens": 6}
+    model.set_attn_implementation("sdpa")
+    expected = model.generate(ids, attention_mask=mask, **settings)
+    widths = mask_widths(model)
+    model.set_attn_implementation("hf_tiny_flash")
+    produced = model.generate(ids, attention_mask=mask, cache_implementation="static", **settings)
+    assert torch.equal(produced, expected)
+    full_width = [ids.shape[1] + step for step in range(settings["max_new_tokens"])]
+    assert [step["full_attention"][1] for step in widths] == full_width  # padded rows: never None
+    sliding = [step["sliding_attention"] for step in widths]
+    assert any(shape is not None and shape[1] < width for shape, width in zip(sliding, full_width))  # a cut mask
+
+
+@pytest.mark.parametrize("value, fragments", [
+    (torch.ones(3, 1, 4), ["attention_mask['full_attention']", "3-D", "(3, 1, 4)"]),
+    ([[1, 1]], ["attention_mask['full_attention']", "list"]),
+    (torch.ones(3, 11), ["attention_mask['full_attention']", "(3, 11)", "1 <= K <= 10"]),
+    (torch.ones(2, 10), ["attention_mask['full_attention']", "(2, 10)"]),
+    (torch.full((3, 10), 2), ["attention_mask['full_attention']", "2"]),
+])
+def test_bad_mask_per_layer_type_names_the_field_and_value(value, fragments):
+    """The masks of a dict attention_mask are checked as a 2-D attention_mask is (a narrower 2-D one is the last
+    columns); a missing layer type is named too."""
+    model = sliding_and_full(sliding_window=32)
+    ids = torch.randint(3, 97, (3, 10))
+    cache = StaticCache(config=model.config, max_cache_len=16)
+    with pytest.raises(ValueError) as info:
+        model(ids, attention_mask={"sliding_attention": None, "full_attention": value}, past_key_values=cache)
+    assert all(fragment in str(info.value) for fragment in fragments), str(info.value)
+    with pytest.raises(ValueError, match=r"attention_mask given per layer type.*'full_attention'"):
+        model(ids, attention_mask={"sliding_attention": None}, past_key_values=cache)
 
 
 def full_sequence(ours, ids, mask):
