@@ -43,7 +43,7 @@ def serve(python: Path, folder: Path, tokenizer: Path, prompts: list, new_tokens
 
 def measure_vllm(prompts: int = 8, new_tokens: int = 64, repeats: int = 3, log=print) -> dict:
     """Both sides served by vLLM: {"rows": {side: serve_vllm.py's result}, "same_tokens", "ratio", "settings"}."""
-    sys.path.insert(0, str(REPO / "tests"))
+    sys.path.insert(0, str(REPO / "tests" / "helpers"))  # vllm_env and the venvs module it imports
     from vllm_env import ensure_vllm_venv, vllm_environment
 
     python = ensure_vllm_venv()
