@@ -64,6 +64,7 @@ TRANSFORMERS_TESTS = (
     "tests/models/test_olmo2.py",
     "tests/models/test_llama4_text.py",
     "tests/conversion/test_2025_families.py",
+    "tests/conversion/test_variant_claims.py",
     "tests/ecosystem/test_trainer.py",
     "tests/ecosystem/test_peft.py",
 )
