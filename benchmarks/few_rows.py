@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from hf_tiny.runtime import few_rows_linear, weight_first
 
 from .fusion import best_time, micro_arguments
+from .machine import cpu_model
 
 SHAPES = {
     # name: (out_features, in_features, how many in the model)
@@ -53,8 +54,8 @@ def measure(out_features: int, in_features: int, count: int, rows: int, repeats:
 def main(argv=None) -> None:
     args = micro_arguments(__doc__, SHAPES, ("--rows", "1,2,4,8,16,32,64,128,256", "comma-separated row counts"),
                            repeats=5, argv=argv)
-    print(f"# F.linear vs the weight-first product for few rows: {args.model}, fp32, {torch.get_num_threads()} "
-          f"threads, torch {torch.__version__}, {datetime.date.today()}")
+    print(f"# F.linear vs the weight-first product for few rows: {args.model}, fp32, {cpu_model()}, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}, {datetime.date.today()}")
     print("\nWeights read per second (GB/s); the last column says which product hf_tiny's Linear takes "
           "(hf_tiny/runtime.py). Error: max |result - fp64 product| on the first weight.\n")
     print("| projection | shape | rows | F.linear | weight-first | speed-up | error F.linear | error weight-first | "

@@ -79,8 +79,16 @@ FIGURES = [
                          ("4,833 MiB", "4,833.0 MiB"), ("2,785 MiB", "2,785.1 MiB"), "168.1", "166.2",
                          ("193 GFLOP/s", "193.2 GFLOP/s"), "51.5 GB/s", ("18.4 GB/s", "18.38 GB/s"), "651.4 ms",
                          "589.1 ms", "1,604.8 ms", "1,477.8 ms")
-           + quotes(README, ("1.89×", "1.89"), ("1.21×", "1.21"), ("2,785 MiB", "2,785.1 MiB"),
+           + quotes(README, ("1.89×", "1.89"), ("1.21–1.23×", "1.21"), ("51.5 GB/s", "51.5 GB/s"), ("2,785 MiB", "2,785.1 MiB"),
                     ("4,833 MiB", "4,833.0 MiB"), ("(0.58×)", "0.58"), ("1.02×", "1.02"), ("0.99×", "0.99"))),
+    Figure("decode-avx2", SPEED, "--tag decode-avx2", "batch-1 and batch-8 decode on a second host, with its "
+           "bandwidth and GEMM ceilings", f"{RUN} --models smollm2 --cases generate --no-sweep --no-memory --repeats 3 "
+           "--tag decode-avx2", 5, "cpu", results=("cpu-2026-11-27-decode-avx2.md",),
+           quotes=quotes(SPEED, "30.7 GB/s", ("GEMM peak 162", "162.4 GFLOP/s"), ("**1.11×**", "1.11"), "13.6", "15.1", ("1.23× at batch 8", "1.23"))
+           + quotes(README, ("1.11×", "1.11"), ("1.21–1.23×", "1.23"), "30.7")),
+    Figure("few-rows-avx2", SPEED, "few-rows-cpu-2026-11-27-avx2.md", "F.linear and weight-first read rates for one "
+           "row on the second host", "python -m benchmarks.few_rows", 1, "cpu", "few-rows-cpu-{date}.md",
+           results=("few-rows-cpu-2026-11-27-avx2.md",), quotes=quotes(SPEED, ("12–21 GB/s", "21.1"))),
     Figure("train-minilm", SPEED, "--tag train-minilm", "MiniLM's training rows of the speed and memory table (after "
            "the dropout exception)", f"{RUN} --models minilm --cases train_step --no-sweep --no-ops --repeats 3 "
            "--tag train-minilm", 2, "cpu", results=("cpu-2026-11-26-train-minilm.md",),
