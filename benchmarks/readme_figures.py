@@ -173,12 +173,12 @@ FIGURES = [
     Figure("reading-path", ARCHITECTURE, "python -m benchmarks.reading_path", "functions, lines and "
            "files a reader follows through one causal forward (the default, runtime on; --runtime off beside it)",
            "python -m benchmarks.reading_path", 0.5, "cheap", "reading-path-{date}.md",
-           quotes=quotes(ARCHITECTURE, "50 functions, 572 lines, 6 files") + quotes(README, "572 lines in 6 files")),
+           quotes=quotes(ARCHITECTURE, "52 functions, 604 lines, 6 files") + quotes(README, "604 lines in 6 files")),
     Figure("host-work", SPEED, "python -m benchmarks.host_work", "Python calls of a prefill and a decoding step, "
            "official beside hf_tiny (cProfile)", "python -m benchmarks.host_work --models overhead --prompt 16 --repeats 3",
            1, "cheap", results=("host-work-cpu-2026-11-27.md",),
-           quotes=quotes(SPEED, "| prefill | 7,504 | 6,087 | 0.81 | 6,066 |", "| decode step | 5,774 | 5,620 | 0.97 | 5,620 |")
-           + quotes(README, "6,087", "5,620", "7,504", "5,774", ("0.81×", "0.81"), ("0.97×", "0.97"))),
+           quotes=quotes(SPEED, "| prefill | 7,504 | 6,182 | 0.82 | 6,161 |", "| decode step | 5,774 | 5,714 | 0.99 | 5,714 |")
+           + quotes(README, "6,182", "5,714", "7,504", "5,774", ("0.82×", "0.82"), ("0.99×", "0.99"))),
     Figure("flash-kernel", SPEED, "python -m benchmarks.flash_kernel", "Triton FlashAttention TFLOP/s table (H100)",
            "python -m benchmarks.flash_kernel", 2, "cuda", results=("flash-kernel-nvidia-h100-80gb-hbm3-2026-11-23.md",),
            quotes=quotes(SPEED, ("398 / 311 (1.28) | 455", "398 (55%) | 311 (43%) | 455 (63%) | 1.28"),

@@ -33,7 +33,7 @@ from transformers.modeling_outputs import (
 )
 
 from .chunked_loss import labels_ahead, linear_cross_entropy, use_chunked_loss
-from .runtime import runtime_decoding, runtime_stack
+from .runtime import runtime_decoding, runtime_products, runtime_stack
 from .configuration_causal import TinyCausalConfig
 from .layers import (
     Attention, ClampedSwiGLUFeedForward, PreNormResidual, RotaryEmbedding, build_norm, feed_forward, query_temperature,
@@ -326,6 +326,7 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         return format_output(with_cache(output_class, cache_of(outputs), **fields),
                              self.config.return_dict if return_dict is None else return_dict)
 
+    @runtime_products
     def _logits(self, hidden_states: torch.Tensor, logits_to_keep) -> torch.Tensor:
         keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
         logits = self.lm_head(hidden_states[:, keep, :])

@@ -25,7 +25,7 @@ from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput, Seq2
 from .chunked_loss import linear_cross_entropy, use_chunked_loss
 from .configuration_seq2seq import TinySeq2SeqConfig
 from .modeling_base import HfTinyPreTrainedModel
-from .runtime import runtime_decoding
+from .runtime import runtime_decoding, runtime_products
 from .seq2seq_stack import SinusoidalPositions, TinySeq2SeqLayer, TinySeq2SeqStack  # noqa: F401 (re-exported)
 from .step import cache_arguments, cache_of, format_output, output_flags, with_cache
 from .transformers_api import check_cached_generation
@@ -313,6 +313,7 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
             hidden_states = self.lm_head_transform(hidden_states)
         return hidden_states
 
+    @runtime_products
     def _logits_and_loss(self, hidden_states, labels, num_items_in_batch, chunked: bool):
         """(logits, loss); chunked: the loss a chunk of tokens at a time, without the full logits (None)."""
         if labels is not None and labels.shape != hidden_states.shape[:2]:

@@ -1,7 +1,8 @@
 """The runtime: the same math, run faster or leaner, declared on the classes it may run differently.
 
 A modeling class whose forward the runtime may run differently says so where the forward is defined, with one of this
-file's decorators on it (`runtime_layer`, `runtime_feed_forward`, `runtime_stack`, `runtime_decoding`), as transformers marks
+file's decorators on it (`runtime_layer`, `runtime_feed_forward`, `runtime_stack`, `runtime_decoding`,
+`runtime_products`), as transformers marks
 its hub kernels. The decorator keeps the forward as written (the math) and puts a dispatcher in its place, in the class:
 nothing is set on module instances, so copies, pickles and DataParallel replicas run their own weights, and tools see
 the forward's own signature. The dispatcher calls the math unless one of these paths applies:
@@ -20,10 +21,15 @@ the forward's own signature. The dispatcher calls the math unless one of these p
 - chunked loss (training; chunked_loss.py, asked by the language models' heads): the loss of a training forward with
   labels computed a chunk of tokens at a time, without the full logits (`skip_logits`, Liger-Kernel's name, decides
   when given).
-- few rows (decoding; `runtime_decoding`): on a model's forward over 1 to MAX_FEW_ROWS fp32 tokens without gradients,
-  each nn.Linear product with a weight of at least MIN_WEIGHT_ELEMENTS is taken weight-first (W @ xT), which reads
-  the weight faster than x @ WT on a CPU (benchmarks/few_rows.py). The one path that is not bit-identical: the same
-  sum in another order (greedy tokens are unchanged in every test).
+- few rows (decoding; `runtime_decoding` opens the step, `runtime_feed_forward` and `runtime_products` act): on a
+  model's forward over 1 to MAX_FEW_ROWS fp32 tokens without gradients, the feed-forwards' and the output
+  projection's nn.Linear products with a weight of at least MIN_WEIGHT_ELEMENTS are taken weight-first (W @ xT),
+  which reads the weight faster than x @ WT on a CPU (benchmarks/few_rows.py). They hold about 80 % of the weight
+  bytes SmolLM2 reads per step. The attention projections keep F.linear: the products are intercepted by a
+  TorchFunctionMode, which costs Python calls for every torch call in its scope: over a whole step, SmolLM2's
+  batch-1 decoding was 1.14x slower than with 36aebb4's per-module products (benchmarks.side_by_side, 2026-11-27),
+  and attention's many small operations would bring most of that cost back for a fifth of the bytes. The one path that is not bit-identical: the same sum in another order (greedy
+  tokens are unchanged in every test).
 
 A path is on by default only on the device types where a benchmark showed it winning at the shapes users run
 (ON_BY_DEFAULT). `model.set_runtime(False)` runs the math only; `model.set_runtime(recompute=True)` (any path, True or
@@ -293,17 +299,36 @@ def in_place_form(name: str) -> Callable:
 
 
 def runtime_feed_forward(math: Callable) -> Callable:
-    """Declares a feed-forward's forward: in a training layer that draws random numbers it is recomputed alone; a
-    layer's in-place form runs the feed-forward's own (runtime_forms.feed_forward_in_place)."""
+    """Declares a feed-forward's forward: in a training layer that draws random numbers it is recomputed alone; in a
+    decoding step with few rows its products are taken weight-first; a layer's in-place form runs the feed-forward's
+    own (runtime_forms.feed_forward_in_place)."""
 
     def forward(self, x):
         # Compilation first: dynamo cannot read a ContextVar without a graph break.
-        if (self.training and not torch.compiler.is_compiling() and _parts_recomputed.get() and untouched(self)
-                and not draws_random(self)):
-            return _replayed(math, self, x)
+        if torch.compiler.is_compiling():
+            return math(self, x)
+        if self.training:
+            if _parts_recomputed.get() and untouched(self) and not draws_random(self):
+                return _replayed(math, self, x)
+        elif _few_rows_step.get():
+            with WeightFirstProducts():
+                return math(self, x)
         return math(self, x)
 
     return _declaring(math, forward, "runtime_feed_forward")
+
+
+def runtime_products(math: Callable) -> Callable:
+    """Declares a language model's method that applies its output projection (the largest weight): in a decoding
+    step with few rows its product is taken weight-first."""
+
+    def forward(self, *args, **kwargs):
+        if torch.compiler.is_compiling() or not _few_rows_step.get():
+            return math(self, *args, **kwargs)
+        with WeightFirstProducts():
+            return math(self, *args, **kwargs)
+
+    return _declaring(math, forward, "runtime_products")
 
 
 _workspace: contextvars.ContextVar = contextvars.ContextVar("hf_tiny_layer_workspace", default=None)
@@ -341,6 +366,12 @@ def workspace_tensor(name: str, rows: int, cols: int, like: torch.Tensor) -> Opt
 # ---- few rows: decoding's products weight-first --------------------------------------------------------------------
 
 
+# Set while a decoding step of few rows runs: the feed-forwards' and the output projection's products are then taken
+# weight-first (runtime_feed_forward, runtime_products). Only there: a TorchFunctionMode sees every torch call inside
+# it, and over a whole step (norms, attention, residuals) its cost outweighed the products' gain.
+_few_rows_step: contextvars.ContextVar = contextvars.ContextVar("hf_tiny_few_rows_step", default=False)
+
+
 def runtime_decoding(head: str, tokens: str = "input_ids") -> Callable[[Callable], Callable]:
     """Declares a language model's forward whose decoding steps may take their products weight-first; `head`: the
     attribute holding its output projection, whose weight stands for the model's (its dtype and size decide);
@@ -356,8 +387,11 @@ def runtime_decoding(head: str, tokens: str = "input_ids") -> Callable[[Callable
             step = kwargs.get(embeds) if step is None else step
             if self.training or torch.is_grad_enabled() or not _few_rows_apply(self, getattr(self, head), step):
                 return math(self, *args, **kwargs)
-            with WeightFirstProducts():
+            token = _few_rows_step.set(True)
+            try:
                 return math(self, *args, **kwargs)
+            finally:
+                _few_rows_step.reset(token)
 
         return _declaring(math, forward, "runtime_decoding")
 
