@@ -202,7 +202,9 @@ def _query_valid(layout: MaskLayout, key_valid: Optional[torch.Tensor], end: int
 def _with_window(layout: MaskLayout, found: Varlen) -> Varlen:
     """The lengths' maxima, and the window where it cuts a sequence: a causal window counts real tokens (as flash
     kernels do), which equals the mask's count of positions only when each row's real tokens are contiguous."""
-    max_q, max_k = int(found.q_lens.max()), int(found.k_lens.max())
+    # no sequence at all (every key padding, chunked): nothing is computed, every query gives zeros
+    max_q = int(found.q_lens.max()) if found.q_lens.numel() else 0
+    max_k = int(found.k_lens.max()) if found.k_lens.numel() else 0
     window = layout.window
     if window is not None and layout.causal and max_k <= window:
         window = None  # no row holds more real keys than the window: it cuts nothing

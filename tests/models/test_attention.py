@@ -899,3 +899,22 @@ def test_sinks_reach_the_backends_as_transformers_s_aux_and_bad_sinks_are_clear_
     for bad in (torch.zeros(2), torch.zeros(1, 4)):
         with pytest.raises(ValueError, match=r"one logit per query head, shape \(4,\)"):
             get_attention_backend("sdpa")(q, k, v, scale=0.3, sinks=bad)
+
+
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_flash_on_chunks_where_every_key_is_padding_gives_zeros(with_sinks):
+    """A chunked layout with no real key has no sequence at all: flash computes nothing and every query is zero, as
+    naive attention gives a query that sees no key (hypothesis found the empty case on torch 2.10: max() of no lengths)."""
+    from hf_tiny.masks import ChunkLayout
+
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 4), torch.randn(1, 1, 2, 4)
+    positions = torch.tensor([0, 1])
+    layout = MaskLayout(query_length=2, key_length=2, causal=True, key_valid=torch.tensor([[False, False]]),
+                        chunks=ChunkLayout(size=1, first=torch.tensor([2]), query_positions=positions, key_positions=positions))
+    mask = torch.zeros(1, 1, 2, 2, dtype=torch.bool)
+    sinks = torch.randn(1) if with_sinks else None
+    out, _ = flash_attention(q, k, v, mask, scale=0.5, is_causal=True, layout=layout, sinks=sinks)
+    expected, _ = naive_attention(q, k, v, mask, scale=0.5, sinks=sinks)
+    assert out.shape == q.shape and torch.equal(out, torch.zeros_like(q))
+    torch.testing.assert_close(out, expected)
