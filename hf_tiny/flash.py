@@ -202,9 +202,7 @@ def _query_valid(layout: MaskLayout, key_valid: Optional[torch.Tensor], end: int
 def _with_window(layout: MaskLayout, found: Varlen) -> Varlen:
     """The lengths' maxima, and the window where it cuts a sequence: a causal window counts real tokens (as flash
     kernels do), which equals the mask's count of positions only when each row's real tokens are contiguous."""
-    # no sequence at all (every key padding, chunked): nothing is computed, every query gives zeros
-    max_q = int(found.q_lens.max()) if found.q_lens.numel() else 0
-    max_k = int(found.k_lens.max()) if found.k_lens.numel() else 0
+    max_q, max_k = int(found.q_lens.max()), int(found.k_lens.max())
     window = layout.window
     if window is not None and layout.causal and max_k <= window:
         window = None  # no row holds more real keys than the window: it cuts nothing
@@ -251,6 +249,8 @@ def _chunk_segments(layout: MaskLayout, key_valid, query_valid, batch: int, end:
     segments, k_lens = torch.unique_consecutive(key_segment[key_valid], return_counts=True)
     q_segment = torch.searchsorted(segments, query_segment[query_valid])
     q_lens = torch.bincount(q_segment, minlength=len(segments))
+    if len(segments) == 0:  # no real key anywhere: one empty sequence per row, as the padding path gives
+        q_lens = k_lens = torch.zeros(batch, dtype=torch.int64, device=device)
     q_idx, k_idx = query_valid.flatten().nonzero().squeeze(-1), key_valid.flatten().nonzero().squeeze(-1)
     found = Varlen(q_idx, k_idx, q_lens.to(torch.int32), k_lens.to(torch.int32), 0, 0, layout.causal, None, end, False)
     return _with_window(layout, found)
