@@ -28,8 +28,8 @@ the forward's own signature. The dispatcher calls the math unless one of these p
   bytes SmolLM2 reads per step. The attention projections keep F.linear: the products are intercepted by a
   TorchFunctionMode, which costs Python calls for every torch call in its scope: over a whole step, SmolLM2's
   batch-1 decoding was 1.14x slower than with 36aebb4's per-module products (benchmarks.side_by_side, 2026-11-27),
-  and attention's many small operations would bring most of that cost back for a fifth of the bytes. The one path that is not bit-identical: the same sum in another order (greedy
-  tokens are unchanged in every test).
+  and attention's many small operations would bring most of that cost back for a fifth of the bytes. The one path
+  that is not bit-identical: the same sum in another order (greedy tokens are unchanged in every test).
 
 A path is on by default only on the device types where a benchmark showed it winning at the shapes users run
 (ON_BY_DEFAULT). `model.set_runtime(False)` runs the math only; `model.set_runtime(recompute=True)` (any path, True or
