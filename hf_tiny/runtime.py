@@ -172,9 +172,11 @@ def _any_global_hooks() -> bool:
 def untouched(module: nn.Module) -> bool:
     """No hook of any kind on the module (nor a global one) and no forward set on the instance: its output may be
     overwritten and its work done without calling it."""
-    if module._forward_hooks or module._forward_pre_hooks or _any_global_hooks():
+    # Written out rather than calling _any_global_hooks and vars: decoding asks this of every projection it takes.
+    hooks = module._forward_hooks or module._forward_pre_hooks
+    if hooks or module_globals._global_forward_hooks or module_globals._global_forward_pre_hooks:
         return False
-    return "forward" not in vars(module)
+    return "forward" not in module.__dict__
 
 
 def plain_linear(module: nn.Module) -> bool:
@@ -282,7 +284,7 @@ def runtime_layer(in_place: Optional[str] = None) -> Callable[[Callable], Callab
             # a decoding step's one token never is (and dynamo specializes sizes of 1 anyway: no new guard)
             elif (in_place is not None and type(hidden_states) is torch.Tensor and hidden_states.shape[1] > 1
                   and in_place_scale(self, hidden_states) and untouched(self)):
-                return in_place_form(in_place)(self, hidden_states, *args, **kwargs)
+                return runtime_form("IN_PLACE_LAYERS", in_place)(self, hidden_states, *args, **kwargs)
             return math(self, hidden_states, *args, **kwargs)
 
         forward.in_place_name = in_place
@@ -291,11 +293,13 @@ def runtime_layer(in_place: Optional[str] = None) -> Callable[[Callable], Callab
     return declare
 
 
-def in_place_form(name: str) -> Callable:
-    """runtime_forms' function `name` (imported on first use: runtime_forms imports the modules that declare)."""
-    from .runtime_forms import IN_PLACE_LAYERS
+@functools.lru_cache(maxsize=None)  # looked up by every feed-forward of every decoding step
+def runtime_form(table: str, key) -> Optional[Callable]:
+    """The form runtime_forms' `table` holds for `key` (imported on first use: runtime_forms imports the modules that
+    declare)."""
+    from . import runtime_forms
 
-    return IN_PLACE_LAYERS[name]
+    return getattr(runtime_forms, table).get(key)
 
 
 def runtime_feed_forward(math: Callable) -> Callable:
@@ -311,8 +315,9 @@ def runtime_feed_forward(math: Callable) -> Callable:
             if _parts_recomputed.get() and untouched(self) and not draws_random(self):
                 return _replayed(math, self, x)
         elif _few_rows_step.get():
-            with WeightFirstProducts():
-                return math(self, x)
+            form = runtime_form("FEW_ROWS_FEED_FORWARDS", type(self))
+            if form is not None:
+                return form(self, x)
         return math(self, x)
 
     return _declaring(math, forward, "runtime_feed_forward")
@@ -409,8 +414,21 @@ def _few_rows_apply(model: nn.Module, head: nn.Module, tokens) -> bool:
     )
 
 
+def few_rows_product(linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """linear(x) in a decoding step of few rows (runtime_forms' feed-forward forms): weight-first when linear is an
+    untouched plain nn.Linear and the product qualifies (_few_rows); otherwise the module, called."""
+    if type(linear) is nn.Linear and untouched(linear):
+        weight, bias = linear.weight, linear.bias
+        rows = _few_rows(x, weight, bias)
+        if rows:
+            return few_rows_linear(x, weight, bias, rows)
+    return linear(x)
+
+
 class WeightFirstProducts(TorchFunctionMode):
-    """Within a decoding step, F.linear on few fp32 rows and a large plain weight is computed weight-first."""
+    """Within a decoding step, F.linear on few fp32 rows and a large plain weight is computed weight-first (the
+    output projection's product: runtime_products; the feed-forwards call few_rows_product, which costs fewer Python
+    calls than a mode, through runtime_forms)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -462,7 +480,12 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias, rows: int) -> t
 def _slices_per_thread(out_features: int) -> int:
     """The most slices, up to one per intra-op thread, that divide the output rows evenly into slices of at least
     MIN_SLICE rows (1: no slicing)."""
-    slices = min(torch.get_num_threads(), out_features // MIN_SLICE)
+    return _slices(out_features, torch.get_num_threads(), MIN_SLICE)
+
+
+@functools.lru_cache(maxsize=256)  # asked for every product of every decoding step, of a handful of shapes
+def _slices(out_features: int, threads: int, min_slice: int) -> int:
+    slices = min(threads, out_features // min_slice)
     while slices > 1 and out_features % slices:
         slices -= 1
     return max(slices, 1)

@@ -1,9 +1,13 @@
-"""The runtime's in-place forms (runtime.py's "in place" path): a layer's forward with each residual sum written into
-its sublayer's fresh output, and a feed-forward's with its activation and gated product written into its first
-projection's output (in the workspace the layers of one forward share). A + b and b + a are the same IEEE result, and
-the same kernels run on the same operands, so each form gives its forward's output bit for bit
-(tests/runtime/test_runtime.py proves it for every family). A layer's declaration names its form
-(`@runtime_layer(in_place="pre_norm_in_place")`, IN_PLACE_LAYERS).
+"""The runtime's forms of declared forwards.
+
+In place (runtime.py's "in place" path): a layer's forward with each residual sum written into its sublayer's fresh
+output, and a feed-forward's with its activation and gated product written into its first projection's output (in the
+workspace the layers of one forward share). A + b and b + a are the same IEEE result, and the same kernels run on the
+same operands, so each form gives its forward's output bit for bit (tests/runtime/test_runtime.py proves it for every
+family). A layer's declaration names its form (`@runtime_layer(in_place="pre_norm_in_place")`, IN_PLACE_LAYERS).
+
+Few rows (runtime.py's "few rows" path): a feed-forward's forward in a decoding step, each of its products through
+runtime.few_rows_product (FEW_ROWS_FEED_FORWARDS).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from torch import nn
 from transformers import activations
 
 from .layers import FeedForward, GatedFeedForward, RMSNorm
-from .runtime import MAX_FEW_ROWS, in_place_scale, plain_linear, untouched, workspace_tensor
+from .runtime import MAX_FEW_ROWS, few_rows_product, in_place_scale, plain_linear, untouched, workspace_tensor
 
 
 def pre_norm_in_place(layer, hidden_states, attention_mask=None, position_embeddings=None, **attention_kwargs):
@@ -78,6 +82,26 @@ def _plain(feed_forward: FeedForward, x: torch.Tensor, activate_: Callable) -> t
 _FEED_FORWARDS = {GatedFeedForward: _gated, FeedForward: _plain}
 # The layers' in-place forms, by the name their declarations give (`@runtime_layer(in_place=...)`).
 IN_PLACE_LAYERS = {"pre_norm_in_place": pre_norm_in_place, "post_norm_in_place": post_norm_in_place}
+
+
+# ---- few rows: a decoding step's feed-forward with its products weight-first ----------------------------------------
+
+
+def gated_few_rows(feed_forward: GatedFeedForward, x: torch.Tensor) -> torch.Tensor:
+    """GatedFeedForward.forward with each product through few_rows_product (weight-first where it applies)."""
+    hidden = feed_forward.act_fn(few_rows_product(feed_forward.gate_proj, x)) * few_rows_product(feed_forward.up_proj, x)
+    return few_rows_product(feed_forward.down_proj, hidden if feed_forward.dropout is None else feed_forward.dropout(hidden))
+
+
+def plain_few_rows(feed_forward: FeedForward, x: torch.Tensor) -> torch.Tensor:
+    """FeedForward.forward with each product through few_rows_product."""
+    hidden = feed_forward.act_fn(few_rows_product(feed_forward.up_proj, x))
+    return few_rows_product(feed_forward.down_proj, hidden if feed_forward.dropout is None else feed_forward.dropout(hidden))
+
+
+# The few-rows forms, by the feed-forward class whose declared forward they reproduce (runtime_feed_forward looks the
+# instance's own class up: a subclass runs its forward as written).
+FEW_ROWS_FEED_FORWARDS = {GatedFeedForward: gated_few_rows, FeedForward: plain_few_rows}
 
 
 # ---- residual sums into fresh outputs ------------------------------------------------------------------------------

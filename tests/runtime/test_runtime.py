@@ -510,6 +510,69 @@ def test_decoding_with_few_rows_gives_the_same_tokens(spy, threads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def _declared_feed_forwards() -> set:
+    import hf_tiny
+
+    found, seen = set(), set()
+    for module in (m for name, m in vars(hf_tiny).items() if not name.startswith("_")):
+        for cls in vars(module).values() if hasattr(module, "__dict__") else ():
+            if isinstance(cls, type) and cls not in seen:
+                seen.add(cls)
+                if getattr(vars(cls).get("forward"), "runtime_declaration", None) == "runtime_feed_forward":
+                    found.add(cls)
+    return found
+
+
+def test_every_declared_feed_forward_has_its_few_rows_form():
+    declared = _declared_feed_forwards()
+    assert declared >= {runtime_forms.GatedFeedForward, runtime_forms.FeedForward}
+    assert declared == set(runtime_forms.FEW_ROWS_FEED_FORWARDS)
+
+
+def _feed_forward(kind: str) -> nn.Module:
+    from hf_tiny.layers import FeedForward, GatedFeedForward
+
+    torch.manual_seed(0)
+    if kind == "gated":
+        return GatedFeedForward(256, 1024, "silu", bias=False).eval()
+    return FeedForward(256, 1024, "gelu", bias=True, activation_dropout=0.1).eval()
+
+
+@pytest.mark.parametrize("kind", ["gated", "plain"])
+def test_a_feed_forwards_few_rows_form_is_its_forward_with_weight_first_products(kind, spy, threads, monkeypatch):
+    """runtime_forms' form of each feed-forward, as a decoding step runs it, equals its forward (to the fp32 rounding of
+    a sum in another order); a hooked projection is called as a module, its hook honoured."""
+    threads(2)
+    monkeypatch.setattr(runtime, "MIN_SLICE", 64)
+    feed_forward = _feed_forward(kind)
+    form = runtime_forms.FEW_ROWS_FEED_FORWARDS[type(feed_forward)]
+    x = torch.randn(1, 1, 256)
+    with torch.no_grad():
+        want = feed_forward(x)
+        got = form(feed_forward, x)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert len(spy) == (3 if kind == "gated" else 2)
+        spy.clear()
+        handle = feed_forward.up_proj.register_forward_hook(lambda module, args, output: output * 2)
+        hooked = feed_forward(x)
+        assert not torch.allclose(hooked, want, rtol=1e-3, atol=1e-3)  # negative control: the hook changes the output
+        torch.testing.assert_close(form(feed_forward, x), hooked, rtol=1e-5, atol=1e-5)
+        handle.remove()
+    assert len(spy) == (2 if kind == "gated" else 1)  # every product but the hooked one weight-first
+
+
+def test_a_decoding_step_runs_the_feed_forwards_few_rows_form_not_a_torch_function_mode(spy, threads, monkeypatch):
+    threads(2)
+    model = weight_first_model()
+    modes = []
+    monkeypatch.setattr(runtime.WeightFirstProducts, "__enter__", lambda self: modes.append(self) or self)
+    monkeypatch.setattr(runtime.WeightFirstProducts, "__exit__", lambda self, *exc: None)
+    with torch.no_grad():
+        model(torch.randint(3, 512, (1, 1)))
+    assert spy, "the decoding step did not take the weight-first products"
+    assert len(modes) == 1  # the output projection's alone (runtime_products)
+
+
 def test_projections_are_plain_linear_modules_for_quantizers_and_fx():
     """bitsandbytes replaces modules whose type is exactly nn.Linear; an fx trace calls nn.Linear as a leaf."""
     model = causal_model()
