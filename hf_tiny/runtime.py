@@ -25,11 +25,12 @@ the forward's own signature. The dispatcher calls the math unless one of these p
   model's forward over 1 to MAX_FEW_ROWS fp32 tokens without gradients, the feed-forwards' and the output
   projection's nn.Linear products with a weight of at least MIN_WEIGHT_ELEMENTS are taken weight-first (W @ xT),
   which reads the weight faster than x @ WT on a CPU (benchmarks/few_rows.py). They hold about 80 % of the weight
-  bytes SmolLM2 reads per step. The attention projections keep F.linear: the products are intercepted by a
-  TorchFunctionMode, which costs Python calls for every torch call in its scope: over a whole step, SmolLM2's
-  batch-1 decoding was 1.14x slower than with 36aebb4's per-module products (benchmarks.side_by_side, 2026-11-27),
-  and attention's many small operations would bring most of that cost back for a fifth of the bytes. The one path
-  that is not bit-identical: the same sum in another order (greedy tokens are unchanged in every test).
+  bytes SmolLM2 reads per step. A feed-forward runs its few-rows form (runtime_forms.py), each projection through
+  few_rows_product; the output projection's product is intercepted by a TorchFunctionMode around the head's method.
+  Not wider: a mode costs Python calls for every torch call in its scope (over a whole step, SmolLM2's batch-1
+  decoding was 1.14x slower than with 36aebb4's per-module products; benchmarks.side_by_side, 2026-11-27), and the
+  attention projections hold a fifth of the bytes. The one path that is not bit-identical: the same sum in another
+  order (greedy tokens are unchanged in every test).
 
 A path is on by default only on the device types where a benchmark showed it winning at the shapes users run
 (ON_BY_DEFAULT). `model.set_runtime(False)` runs the math only; `model.set_runtime(recompute=True)` (any path, True or
