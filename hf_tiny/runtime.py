@@ -298,9 +298,9 @@ def runtime_layer(in_place: Optional[str] = None) -> Callable[[Callable], Callab
 def runtime_form(table: str, key) -> Optional[Callable]:
     """The form runtime_forms' `table` holds for `key` (imported on first use: runtime_forms imports the modules that
     declare)."""
-    from . import runtime_forms
+    from .runtime_forms import FEW_ROWS_FEED_FORWARDS, IN_PLACE_LAYERS  # transformers copies `from .x import` files
 
-    return getattr(runtime_forms, table).get(key)
+    return {"FEW_ROWS_FEED_FORWARDS": FEW_ROWS_FEED_FORWARDS, "IN_PLACE_LAYERS": IN_PLACE_LAYERS}[table].get(key)
 
 
 def runtime_feed_forward(math: Callable) -> Callable:
