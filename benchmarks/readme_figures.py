@@ -79,13 +79,35 @@ FIGURES = [
                          ("4,833 MiB", "4,833.0 MiB"), ("2,785 MiB", "2,785.1 MiB"), "168.1", "166.2",
                          ("193 GFLOP/s", "193.2 GFLOP/s"), "51.5 GB/s", ("18.4 GB/s", "18.38 GB/s"), "651.4 ms",
                          "589.1 ms", "1,604.8 ms", "1,477.8 ms")
-           + quotes(README, ("1.89×", "1.89"), ("1.21–1.23×", "1.21"), ("51.5 GB/s", "51.5 GB/s"), ("2,785 MiB", "2,785.1 MiB"),
+           + quotes(README, ("1.89×", "1.89"), ("1.21× at batch 8", "1.21"), ("51.5 GB/s", "51.5 GB/s"), ("2,785 MiB", "2,785.1 MiB"),
                     ("4,833 MiB", "4,833.0 MiB"), ("(0.58×)", "0.58"), ("1.02×", "1.02"), ("0.99×", "0.99"))),
     Figure("decode-avx2", SPEED, "--tag decode-avx2", "batch-1 and batch-8 decode on a second host, with its "
            "bandwidth and GEMM ceilings", f"{RUN} --models smollm2 --cases generate --no-sweep --no-memory --repeats 3 "
            "--tag decode-avx2", 5, "cpu", results=("cpu-2026-11-27-decode-avx2.md",),
            quotes=quotes(SPEED, "30.7 GB/s", ("GEMM peak 162", "162.4 GFLOP/s"), ("**1.11×**", "1.11"), "13.6", "15.1", ("1.23× at batch 8", "1.23"))
-           + quotes(README, ("1.11×", "1.11"), ("1.21–1.23×", "1.23"), "30.7")),
+           + quotes(SPEED, ("| 1.11x | 1.23x | 13.6 tokens/s |", "1.11"))),
+    Figure("decode-avx2-runs", SPEED, "run four times that day", "batch-1 and batch-8 decode, three more runs on the "
+           "second host (before and after the feed-forwards' few-rows forms)", f"{RUN} --models smollm2 --cases "
+           "generate --no-sweep --no-memory --repeats 3", 5, "cpu",
+           results=("cpu-2026-11-27-decode-avx2-d42b68f.md", "cpu-2026-11-27-ffform.md",
+                    "cpu-2026-11-27-decode-avx2-ffform-2.md"),
+           quotes=quotes(SPEED, ("| 1.05x | 1.06x | 15.3 tokens/s |", "15.3 tok/s"), ("| 1.22x | 1.23x | 14.0 tokens/s |", "14.0 tok/s"),
+                         ("| 1.28x | 1.04x | 12.2 tokens/s |", "12.2 tok/s"), ("30.3–35.1 GB/s", "35.1 GB/s"))
+           + quotes(README, ("1.05–1.28×", "1.28"), ("1.04–1.23×", "1.04"), ("12.2", "12.2 tok/s"), ("30.3–35.1 GB/s", "30.3 GB/s"))),
+    Figure("host-work-smollm2", SPEED, "host-work-cpu-2026-11-27-smollm2-forms.md", "Python calls of a prefill and a "
+           "decoding step on SmolLM2's shapes, where the few-row products act", "python -m benchmarks.host_work --models "
+           "smollm2 --prompt 16 --repeats 3", 2, "cheap", results=("host-work-cpu-2026-11-27-smollm2-forms.md",),
+           quotes=quotes(SPEED, "7,164", "6,646", "6,166", "5,719", ("0.89x", "0.89"), ("0.87x", "0.87"))),
+    Figure("decode-ffform-ab", SPEED, "--tag decode-ffform-ab", "A/B of the feed-forwards' few-rows forms against "
+           "d42b68f (calls and time per decode step)", "python -m benchmarks.side_by_side --before <d42b68f checkout> "
+           "--after . --models smollm2 --cases generate --repeats 5 --tag decode-ffform-ab", 19, "cpu",
+           results=("side-by-side-cpu-2026-11-27-decode-ffform-ab.md",),
+           quotes=quotes(SPEED, ("0.96x the time at batch 1", "0.963"), ("1.05x at batch 8", "1.054"), "8,632")),
+    Figure("conversion-avx2", CONVERSION, "conversion-memory-2026-11-27-avx2.md", "the 8B conversion on a second host "
+           "and where its time goes", "python -m benchmarks.conversion_memory --models llama3_8b", 8, "cpu",
+           results=("conversion-memory-2026-11-27-avx2.md",),
+           quotes=quotes(CONVERSION, "138.7 s", "87.5 s", "2.94 GiB", ("(0.20×)", "0.20x"), ("2.3–4.1×", "4.1x"))
+           + quotes(README, "2.94 GiB", ("(0.20×)", "0.20x"), ("1.6×", "1.6x"))),
     Figure("few-rows-avx2", SPEED, "few-rows-cpu-2026-11-27-avx2.md", "F.linear and weight-first read rates for one "
            "row on the second host", "python -m benchmarks.few_rows", 1, "cpu", "few-rows-cpu-{date}.md",
            results=("few-rows-cpu-2026-11-27-avx2.md",), quotes=quotes(SPEED, ("12–21 GB/s", "21.1"))),

@@ -444,22 +444,24 @@ def weight_first(out_features: int, rows: int) -> bool:
     """Whether the runtime computes a product of `rows` rows with an [out_features, *] fp32 weight (of at least
     MIN_WEIGHT_ELEMENTS) weight-first."""
     if rows == 1:
-        return _slices_per_thread(out_features) > 1
+        return _slices_per_thread(out_features, torch.get_num_threads(), MIN_SLICE) > 1
     return 1 < rows <= MAX_FEW_ROWS and rows * MIN_OUTPUTS_PER_ROW <= out_features
 
 
 def _few_rows(x, weight, bias=None) -> int:
     """The number of rows of x when the weight-first product applies to F.linear(x, weight, bias), else 0."""
-    if (type(x) is not torch.Tensor or type(weight) not in (torch.Tensor, nn.Parameter) or x.dtype is not torch.float32
-            or weight.dtype is not torch.float32 or not x.is_cpu or weight.numel() < MIN_WEIGHT_ELEMENTS):
+    if (type(x) is not torch.Tensor or type(weight) not in (torch.Tensor, nn.Parameter) or weight.ndim != 2
+            or x.dtype is not torch.float32 or weight.dtype is not torch.float32 or not x.is_cpu):
         return 0
     if bias is not None and (type(bias) not in (torch.Tensor, nn.Parameter) or bias.dtype is not torch.float32):
         return 0
+    out_features, in_features = weight.shape
     shape = x.shape
-    if not shape or shape[-1] != weight.shape[1] or not weight.is_contiguous():
+    if (out_features * in_features < MIN_WEIGHT_ELEMENTS or not shape or shape[-1] != in_features
+            or not weight.is_contiguous()):
         return 0
-    rows = x.numel() // shape[-1]
-    return rows if weight_first(weight.shape[0], rows) else 0
+    rows = x.numel() // in_features
+    return rows if weight_first(out_features, rows) else 0
 
 
 def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias, rows: int) -> torch.Tensor:
@@ -468,7 +470,7 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias, rows: int) -> t
     out_features, in_features = weight.shape
     flat = x.reshape(rows, in_features)
     if rows == 1:
-        slices = _slices_per_thread(out_features)
+        slices = _slices_per_thread(out_features, torch.get_num_threads(), MIN_SLICE)
         sliced = weight.view(slices, out_features // slices, in_features)
         # x as the transposed view of its row: the strides with which bmm reads it at full speed
         column = flat.t().expand(slices, in_features, 1)
@@ -478,14 +480,10 @@ def few_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias, rows: int) -> t
     return out.t().contiguous().view(*x.shape[:-1], out_features)
 
 
-def _slices_per_thread(out_features: int) -> int:
-    """The most slices, up to one per intra-op thread, that divide the output rows evenly into slices of at least
-    MIN_SLICE rows (1: no slicing)."""
-    return _slices(out_features, torch.get_num_threads(), MIN_SLICE)
-
-
 @functools.lru_cache(maxsize=256)  # asked for every product of every decoding step, of a handful of shapes
-def _slices(out_features: int, threads: int, min_slice: int) -> int:
+def _slices_per_thread(out_features: int, threads: int, min_slice: int) -> int:
+    """The most slices, up to one per intra-op thread, that divide the output rows evenly into slices of at least
+    min_slice rows (1: no slicing)."""
     slices = min(threads, out_features // min_slice)
     while slices > 1 and out_features % slices:
         slices -= 1
