@@ -294,7 +294,7 @@ def runtime_layer(in_place: Optional[str] = None) -> Callable[[Callable], Callab
     return declare
 
 
-@functools.lru_cache(maxsize=None)  # looked up by every feed-forward of every decoding step
+@functools.lru_cache(maxsize=64)  # looked up by every feed-forward of every decoding step
 def runtime_form(table: str, key) -> Optional[Callable]:
     """The form runtime_forms' `table` holds for `key` (imported on first use: runtime_forms imports the modules that
     declare)."""

@@ -87,16 +87,16 @@ IN_PLACE_LAYERS = {"pre_norm_in_place": pre_norm_in_place, "post_norm_in_place":
 # ---- few rows: a decoding step's feed-forward with its products weight-first ----------------------------------------
 
 
-def gated_few_rows(feed_forward: GatedFeedForward, x: torch.Tensor) -> torch.Tensor:
+def gated_few_rows(ff: GatedFeedForward, x: torch.Tensor) -> torch.Tensor:
     """GatedFeedForward.forward with each product through few_rows_product (weight-first where it applies)."""
-    hidden = feed_forward.act_fn(few_rows_product(feed_forward.gate_proj, x)) * few_rows_product(feed_forward.up_proj, x)
-    return few_rows_product(feed_forward.down_proj, hidden if feed_forward.dropout is None else feed_forward.dropout(hidden))
+    hidden = ff.act_fn(few_rows_product(ff.gate_proj, x)) * few_rows_product(ff.up_proj, x)
+    return few_rows_product(ff.down_proj, hidden if ff.dropout is None else ff.dropout(hidden))
 
 
-def plain_few_rows(feed_forward: FeedForward, x: torch.Tensor) -> torch.Tensor:
+def plain_few_rows(ff: FeedForward, x: torch.Tensor) -> torch.Tensor:
     """FeedForward.forward with each product through few_rows_product."""
-    hidden = feed_forward.act_fn(few_rows_product(feed_forward.up_proj, x))
-    return few_rows_product(feed_forward.down_proj, hidden if feed_forward.dropout is None else feed_forward.dropout(hidden))
+    hidden = ff.act_fn(few_rows_product(ff.up_proj, x))
+    return few_rows_product(ff.down_proj, hidden if ff.dropout is None else ff.dropout(hidden))
 
 
 # The few-rows forms, by the feed-forward class whose declared forward they reproduce (runtime_feed_forward looks the
