@@ -94,6 +94,10 @@ FIGURES = [
            quotes=quotes(SPEED, ("| 1.05x | 1.06x | 15.3 tokens/s |", "15.3 tok/s"), ("| 1.22x | 1.23x | 14.0 tokens/s |", "14.0 tok/s"),
                          ("| 1.28x | 1.04x | 12.2 tokens/s |", "12.2 tok/s"), ("30.3–35.1 GB/s", "35.1 GB/s"))
            + quotes(README, ("1.05–1.28×", "1.28"), ("1.04–1.23×", "1.04"), ("12.2", "12.2 tok/s"), ("30.3–35.1 GB/s", "30.3 GB/s"))),
+    Figure("train-avx2", README, "--cases train_step --no-sweep --no-ops --repeats 3", "a SmolLM2 training step's "
+           "peak memory and time on the second host", f"{RUN} --models smollm2 --cases train_step --no-sweep --no-ops "
+           "--repeats 3 --tag train-avx2", 7, "cpu", results=("cpu-2026-11-27-train-avx2.md",),
+           quotes=quotes(README, ("0.58× again", "0.58"), ("0.87× the time", "0.87"))),
     Figure("host-work-smollm2", SPEED, "host-work-cpu-2026-11-27-smollm2-forms.md", "Python calls of a prefill and a "
            "decoding step on SmolLM2's shapes, where the few-row products act", "python -m benchmarks.host_work --models "
            "smollm2 --prompt 16 --repeats 3", 2, "cheap", results=("host-work-cpu-2026-11-27-smollm2-forms.md",),
