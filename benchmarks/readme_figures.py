@@ -84,8 +84,8 @@ FIGURES = [
     Figure("decode-avx2", SPEED, "--tag decode-avx2", "batch-1 and batch-8 decode on a second host, with its "
            "bandwidth and GEMM ceilings", f"{RUN} --models smollm2 --cases generate --no-sweep --no-memory --repeats 3 "
            "--tag decode-avx2", 5, "cpu", results=("cpu-2026-11-27-decode-avx2.md",),
-           quotes=quotes(SPEED, "30.7 GB/s", ("GEMM peak 162", "162.4 GFLOP/s"), ("**1.11×**", "1.11"), "13.6", "15.1", ("1.23× at batch 8", "1.23"))
-           + quotes(SPEED, ("| 1.11x | 1.23x | 13.6 tokens/s |", "1.11"))),
+           quotes=quotes(SPEED, "30.7 GB/s", ("GEMM peak 162", "162.4 GFLOP/s"), ("**1.11×**", "1.11"), "13.6", "15.1",
+                         ("1.23× at batch 8", "1.23"), ("| 1.11x | 1.23x | 13.6 tokens/s |", "1.11"))),
     Figure("decode-avx2-runs", SPEED, "run four times that day", "batch-1 and batch-8 decode, three more runs on the "
            "second host (before and after the feed-forwards' few-rows forms)", f"{RUN} --models smollm2 --cases "
            "generate --no-sweep --no-memory --repeats 3", 5, "cpu",

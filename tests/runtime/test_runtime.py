@@ -511,16 +511,14 @@ def test_decoding_with_few_rows_gives_the_same_tokens(spy, threads):
 
 
 def _declared_feed_forwards() -> set:
+    """The classes of hf_tiny's modules whose own forward carries @runtime_feed_forward."""
+    import inspect
+
     import hf_tiny
 
-    found, seen = set(), set()
-    for module in (m for name, m in vars(hf_tiny).items() if not name.startswith("_")):
-        for cls in vars(module).values() if hasattr(module, "__dict__") else ():
-            if isinstance(cls, type) and cls not in seen:
-                seen.add(cls)
-                if getattr(vars(cls).get("forward"), "runtime_declaration", None) == "runtime_feed_forward":
-                    found.add(cls)
-    return found
+    modules = [m for name, m in vars(hf_tiny).items() if not name.startswith("_") and inspect.ismodule(m)]
+    return {cls for module in modules for cls in vars(module).values()
+            if inspect.isclass(cls) and getattr(vars(cls).get("forward"), "runtime_declaration", None) == "runtime_feed_forward"}
 
 
 def test_every_declared_feed_forward_has_its_few_rows_form():
