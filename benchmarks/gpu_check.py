@@ -70,7 +70,7 @@ DRY_RUN_PLAN = GpuPlan("tiny", "cpu", "float32", prefill=(Shape(1, 32), Shape(2,
 
 @dataclass
 class Stage:
-    """One job (one process) of the run: its cap, and the estimate of its time on an H100 with its basis."""
+    """One job (one process) of the run: its cap, and the estimate of its time with its basis."""
 
     name: str
     job: dict
@@ -80,18 +80,16 @@ class Stage:
     outcome: dict = field(default_factory=dict)
 
 
-# name -> (cap s, estimate s on an H100, basis of the estimate)
+# name -> (cap s, estimate s, basis of the estimate): measured on one H200, 2026-11-27
+# (results/gpu-check-nvidia-h200-2026-11-27.md; an H100 is within a few seconds of it)
 ESTIMATES = {
-    "build": (150, 45, "1.1B random init on the GPU and a 2.2 GB save (~10 s); conversion 11.7 s on 2 CPU cores "
-                       "(results/conversion-memory-2026-11-26.md); interpreter start and imports ~10 s"),
-    "main": (130, 60, "start + load ~12 s; prefill 8x2048 ~0.1 s a call; eager decode ~2.7 s a 128-token call "
-                      "(48 tok/s at batch 1 on the 2026-11-26 H100 run) x 2 shapes x 3 calls; host counts ~5 s; "
-                      "4x2048 training ~0.3 s a step x 4, twice (plain, Liger) with a reload"),
-    "captured": (110, 70, "start + load ~12 s; compiling the decode step (dynamo trace of 22 layers, inductor with "
-                          "its parallel compile workers, CUDA graph capture): never measured on this project, "
-                          "guessed 40-70 s; 4 calls of ~0.4 s"),
-    "longest": (90, 75, "start + load ~12 s; probes stop after 60 s (the job's own cap); at most ~5 s a probe at "
-                        "64K tokens (training FLOPs at ~350 TFLOP/s)"),
+    "build": (150, 35, "measured 28.0-35.4 s on the H200 (three calls): 1.1B random init on the GPU, a 2.2 GB save "
+                       "and the production conversion"),
+    "main": (130, 75, "measured 51.7 s (hf_tiny) and 73.3 s (official) on the H200: eager decode is host-bound there "
+                      "(17-27 tok/s at batch 1, 2-12 s a 128-token call) and is most of it"),
+    "captured": (110, 55, "measured 38.6-51.5 s on the H200 (four stages): dynamo, inductor and the CUDA graph "
+                          "capture of the 22-layer decode step, then 4 calls of ~0.4 s"),
+    "longest": (90, 40, "measured 35.7-36.4 s on the H200: 11 probes up to 64K tokens, stopped by OOM at 61,440"),
 }
 MIN_STAGE_S = 25  # a stage is started only when this much of the budget is left
 
@@ -214,7 +212,7 @@ def run_stage(stage: Stage, results: dict, deadline: float, args) -> None:
         fill_missing_rows(stage, results)
         return
     timeout = min(stage.cap_s if not args.dry_run else stage.cap_s * 4, left)
-    log(f"{stage.name}: starting (cap {timeout:.0f} s, estimate {stage.estimate_s} s on an H100)")
+    log(f"{stage.name}: starting (cap {timeout:.0f} s, estimate {stage.estimate_s} s)")
     rows, stage.outcome = run_job(stage.job, timeout)
     for row in rows:
         results["rows"].setdefault(row.pop("row"), {})[row.pop("side")] = row
@@ -261,6 +259,7 @@ def metadata(args, plan: GpuPlan) -> dict:
         "python": platform.python_version(), "versions": package_versions(), "cores": os.cpu_count(),
         "command": "python -m benchmarks.gpu_check " + " ".join(shlex.quote(a) for a in sys.argv[1:]),
         "tests": [gpu_report.test_summary(Path(p)) for p in args.tests_log],
+        "failed_tests": gpu_report.failed_tests(Path(args.failures_log)) if args.failures_log else [],
         "device_text": Path(args.device_file).read_text().strip() if args.device_file else "",
     }
 
@@ -273,6 +272,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--stages", type=lambda text: [s for s in text.split(",") if s],
                         help="run only these stages after the build (names as in the report's stage table)")
     parser.add_argument("--tests-log", action="append", default=[], help="a pytest log whose summary the report quotes")
+    parser.add_argument("--failures-log", help="the tests' HF_TINY_FAILURE_LOG, whose failing test ids the report lists")
     parser.add_argument("--device-file", help="a text file describing the device (nvidia-smi), quoted in the report")
     parser.add_argument("--dry-run", action="store_true", help="CPU, a 2-layer model, tiny shapes: checks the script")
     args = parser.parse_args(argv)

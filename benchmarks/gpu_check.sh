@@ -5,13 +5,18 @@
 #      our Triton kernel's tests compiled for the GPU;
 #   2. python -m benchmarks.gpu_check: hf_tiny beside official transformers at the shapes users run (random
 #      TinyLlama-1.1B shape, bf16), every target of issue 42 beside its measured value (PASS / FAIL / not run).
-# Everything lands under $OUT (default /tmp/gpu_check): device.txt, the test logs, gpu-check-<device>-<date>.md/.json.
-# No network is needed: nothing is installed; flash-attn and liger-kernel are used where the image has them.
+# Everything lands under $OUT (default /tmp/gpu_check): device.txt, the test logs, failures.log (each failing test's
+# traceback, written as it fails: a cut-off test run still names them), gpu-check-<device>-<date>.md/.json.
+# No network is needed: nothing is installed; flash-attn and liger-kernel are used where the image has them (the
+# image has neither: carry liger-kernel's wheel, see benchmarks/README.md).
+# Measured on one H200 (2026-11-27): the stages after the tests take ~470 s, so one 9-minute call ends after batch-1
+# captured decode; a second call on the same warm machine finishes the rest, and one page is made of both:
+#   GPU_CHECK_SKIP_TESTS=1 GPU_CHECK_ARGS="--stages longest-official,longest-hf_tiny,main-hf_tiny_off,captured-official-8,captured-hf_tiny-8" bash benchmarks/gpu_check.sh
+#   python -m benchmarks.gpu_report --merge FIRST.json SECOND.json --out benchmarks/results/gpu-check-DEVICE-DATE.md
 #
 #   bash benchmarks/gpu_check.sh              on the GPU machine, from the repository root
 #   bash benchmarks/gpu_check.sh --dry-run    on a CPU: the benchmark part with a 2-layer model (no tests)
 #   HF_TINY_REVISION=<commit> bash benchmarks/gpu_check.sh
-#   GPU_CHECK_SKIP_TESTS=1 GPU_CHECK_ARGS="--stages longest-official,longest-hf_tiny" bash benchmarks/gpu_check.sh
 set -o pipefail
 export PYTHONUNBUFFERED=1
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # the GPU machine has no network: never wait on a download
@@ -37,19 +42,21 @@ cat "$OUT/device.txt"
 # pytest plugins of the image: per-test timeout and parallel workers only where installed
 PYTEST=($PYTHON -m pytest -q -p no:cacheprovider -rfEs)
 if $PYTHON -c "import pytest_timeout" 2>/dev/null; then PYTEST+=(--timeout 100); fi
-if $PYTHON -c "import xdist" 2>/dev/null; then PARALLEL=(-n 4); else PARALLEL=(); fi
+if $PYTHON -c "import xdist" 2>/dev/null; then PARALLEL=(-n 8); else PARALLEL=(); fi
+export HF_TINY_FAILURE_LOG="$OUT/failures.log"  # tests/conftest.py appends each failure there as it happens
+rm -f "$HF_TINY_FAILURE_LOG"
 
 CUDA_MARKED=(tests/models/test_cuda_families.py tests/models/test_cuda.py tests/models/test_gpt_oss.py
   tests/models/test_numerics.py tests/models/test_attention.py tests/models/test_seq2seq.py
   tests/conversion/test_bart.py tests/conversion/test_bert.py tests/conversion/test_t5.py)
 if [ "${GPU_CHECK_SKIP_TESTS:-0}" != 1 ]; then  # 1: a later session that only finishes benchmark stages
-  timeout 150 "${PYTEST[@]}" "${PARALLEL[@]}" -m cuda "${CUDA_MARKED[@]}" 2>&1 | tee "$OUT/cuda_tests.log" | tail -30
-  timeout 50 "${PYTEST[@]}" "${PARALLEL[@]}" tests/models/test_flash_triton.py 2>&1 | tee "$OUT/flash_kernel_tests.log" | tail -15
+  timeout 170 "${PYTEST[@]}" "${PARALLEL[@]}" -m cuda "${CUDA_MARKED[@]}" 2>&1 | tee "$OUT/cuda_tests.log" | tail -30
+  timeout 80 "${PYTEST[@]}" "${PARALLEL[@]}" tests/models/test_flash_triton.py 2>&1 | tee "$OUT/flash_kernel_tests.log" | tail -15
 fi
 
 BENCH_S=$(( $(left) - 15 ))
 timeout $(( BENCH_S + 10 )) $PYTHON -m benchmarks.gpu_check --out "$OUT" --budget-s "$BENCH_S" \
-  --tests-log "$OUT/cuda_tests.log" --tests-log "$OUT/flash_kernel_tests.log" --device-file "$OUT/device.txt" \
+  --tests-log "$OUT/cuda_tests.log" --tests-log "$OUT/flash_kernel_tests.log" --failures-log "$OUT/failures.log" --device-file "$OUT/device.txt" \
   ${GPU_CHECK_ARGS:-} > "$OUT/gpu_check.log" 2>&1
 grep '^\[gpu_check' "$OUT/gpu_check.log"
 sed -n '/^## Targets/,/^## Side by side/p' "$OUT"/gpu-check-*.md 2>/dev/null

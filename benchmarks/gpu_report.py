@@ -4,6 +4,8 @@ Reads what benchmarks.gpu_check collected; measures nothing."""
 
 from __future__ import annotations
 
+import argparse
+import json
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,6 +30,13 @@ def test_summary(log: Path) -> dict:
     lines = [line.strip("= \n") for line in log.read_text(errors="replace").splitlines()]
     found = [line for line in lines if re.search(r"\d+ (passed|failed|error|skipped)", line)]
     return {"log": log.name, "summary": found[-1] if found else "no summary line (cut off?): " + " | ".join(lines[-2:])}
+
+
+def failed_tests(log: Path) -> list[str]:
+    """The test ids in a failures log (tests/conftest.py's HF_TINY_FAILURE_LOG), in the order they failed."""
+    if not log.is_file():
+        return []
+    return re.findall(r"^=== FAILED (\S+)", log.read_text(errors="replace"), flags=re.MULTILINE)
 
 
 def device_name(results: dict) -> str:
@@ -106,13 +115,23 @@ def verdict(value: Optional[float], ok) -> str:
     return "not run" if value is None else ("PASS" if ok(value) else "FAIL")
 
 
+def times(value: float, bound: float = 1.0) -> str:
+    """value as "0.93x", with more digits where two would print the bound itself (0.9994 -> "0.999x", never a
+    "1.00x" beside FAIL)."""
+    for digits in (2, 3, 4):
+        text = f"{value:.{digits}f}"
+        if value == bound or float(text) != bound:
+            return text + "x"
+    return f"{value:.6f}x"
+
+
 def host_targets(results: dict) -> list:
     rows = []
     for label, title in (("host prefill", "prefill"), ("host decode step", "decode step")):
         value = ratio(results, label, lambda e: e["python_calls"])
         text = why_missing(results, label) if value is None else (
             f"{cell(results, label, 'hf_tiny')['python_calls']:,.0f} / {cell(results, label, 'official')['python_calls']:,.0f}"
-            f" = {value:.2f}x")
+            f" = {times(value)}")
         rows.append((f"Host work: {title} Python calls <= 1.0x official's", text, verdict(value, lambda v: v <= 1.0)))
     return rows
 
@@ -138,8 +157,8 @@ def row_targets(results: dict) -> list:
         if faster is None:
             text, status = why_missing(results, label), "not run"
         else:
-            memory_text = "memory not measured" if memory is None else f"memory {memory:.2f}x"
-            text = f"speed {faster:.2f}x, {memory_text}"
+            memory_text = "memory not measured" if memory is None else f"memory {times(memory)}"
+            text = f"speed {times(faster)}, {memory_text}"
             status = "PASS" if faster >= 1.0 and (memory is None or memory <= 1.0) else "FAIL"
         rows.append((f"{label}: >= 1.0x official's speed at <= 1.0x its memory", text, status))
     return rows
@@ -155,13 +174,14 @@ def decode_targets(results: dict) -> list:
     rows = [(f"Batch-1 captured decode >= {BANDWIDTH_SHARE:.0%} of the measured HBM read bandwidth", text,
              verdict(share, lambda v: v >= BANDWIDTH_SHARE))]
     official = cell(results, label, "official")
-    if measured(ours) and not measured(official):
+    if measured(ours) and not measured(official) and not status_of(official).startswith("not "):
+        # official's job ran and failed (crashed, timed out): ours running at all is the target
         rows.append(("Batch-1 captured decode >= official's (where official's runs)",
-                     f"official's did not run: {status_of(official)}", "PASS"))
+                     f"official's failed: {status_of(official)}", "PASS"))
     else:
         value = ratio(results, label, speed)
         rows.append(("Batch-1 captured decode >= official's (where official's runs)",
-                     why_missing(results, label) if value is None else f"{value:.2f}x official's tokens/s",
+                     why_missing(results, label) if value is None else f"{times(value)} official's tokens/s",
                      verdict(value, lambda v: v >= 1.0)))
     return rows
 
@@ -182,10 +202,11 @@ def train_targets(results: dict) -> list:
                          else why_missing(results, plain, ("official",)) + note, "not run"))
             continue
         value = _ratio_between(results, liger, plain, key)
-        rows.append((name, "memory not measured" if value is None else f"{value:.2f}x", verdict(value, lambda v: v <= bound)))
+        rows.append((name, "memory not measured" if value is None else times(value, bound),
+                     verdict(value, lambda v: v <= bound)))
     value = ratio(results, liger, lambda e: e["seconds"])
     rows.append((f"Training {train}, Liger on both sides: no slower than official",
-                 why_missing(results, liger) if value is None else f"{value:.2f}x official's time",
+                 why_missing(results, liger) if value is None else f"{times(value)} official's time",
                  verdict(value, lambda v: v <= 1.0)))
     return rows
 
@@ -203,7 +224,7 @@ def longest_target(results: dict) -> tuple:
     if not (measured(ours) and measured(theirs)) or not theirs["longest"]:
         return name, why_missing(results, "longest batch 1"), "not run"
     value = ours["longest"] / theirs["longest"]
-    text = (f"{ours['longest']:,} / {theirs['longest']:,} tokens = {value:.2f}x (hf_tiny: {ours['stopped']}; "
+    text = (f"{ours['longest']:,} / {theirs['longest']:,} tokens = {times(value, LONGEST_FACTOR)} (hf_tiny: {ours['stopped']}; "
             f"official: {theirs['stopped']})")
     if not theirs["stopped"].startswith("fails at"):
         return name, text + " — official's search did not reach its limit", "not run"
@@ -239,8 +260,9 @@ def header_lines(results: dict) -> list[str]:
     lines = [
         f"- device: {device_name(results)}; {meta['cores']} CPU cores; Python {meta['python']}; "
         + ", ".join(f"{name} {version}" for name, version in versions.items()),
-        f"- hf_tiny commit {meta['git']}; command: `{meta['command']}`; budget {meta['budget_s']:.0f} s, "
-        f"used {meta.get('elapsed_s', 0):.0f} s",
+        *[f"- {'call ' + str(number) + ': ' if 'runs' in meta else ''}hf_tiny commit {run['git']}, {run['date']}; "
+          f"command: `{run['command']}`; budget {run['budget_s']:.0f} s, used {run.get('elapsed_s', 0):.0f} s"
+          for number, run in enumerate(meta.get("runs", [meta]), 1)],
         f"- model: `{plan['model']}` (random weights, both sides the same tensors: hf_tiny's written from official's "
         f"by the production converter); {plan['dtype']}; attention `sdpa` on both sides; {plan['repeats']} timed "
         f"calls after {plan['warmup']} warm-up, median (eager decode: {plan['decode_repeats']} after a 4-token "
@@ -252,6 +274,9 @@ def header_lines(results: dict) -> list[str]:
         lines.append("- device file: " + " / ".join(meta["device_text"].splitlines()))
     for test in meta.get("tests", []):
         lines.append(f"- tests `{test['log']}`: {test['summary']}")
+    if meta.get("failed_tests"):
+        lines.append(f"- failing tests ({len(meta['failed_tests'])}, tracebacks in failures.log): "
+                     + ", ".join(f"`{name}`" for name in meta["failed_tests"]))
     return lines
 
 
@@ -344,8 +369,58 @@ def longest_lines(results: dict) -> list[str]:
 
 def stage_lines(results: dict) -> list[str]:
     lines = ["## Stages (one process each, in this order)", "",
-             "| stage | status | seconds | cap | estimate on an H100 | basis of the estimate |", "|---|---|---|---|---|---|"]
+             "| stage | status | seconds | cap | estimate | basis of the estimate |", "|---|---|---|---|---|---|"]
     for stage in results["stages"]:
-        lines.append(f"| {stage['name']} | {stage['status']} | {stage.get('seconds', '—')} | {stage['cap_s']} | "
+        name = stage["name"] + (f" (call {stage['run']})" if "run" in stage else "")
+        lines.append(f"| {name} | {stage['status']} | {stage.get('seconds', '—')} | {stage['cap_s']} | "
                      f"{stage['estimate_s']} | {stage['basis']} |")
     return lines
+
+
+# ---- several calls on one machine ---------------------------------------------------------------------------------
+
+def merge(runs: list[dict]) -> dict:
+    """One page from several calls on one warm machine (a later call runs the stages an earlier one had no time
+    for, `--stages`): each row's side from the first call that measured it, else the first call's reason; the
+    stages that ran, in order, each with its call; every call's command in the header."""
+    devices = sorted({device_name(run) for run in runs})
+    if len(devices) != 1:
+        raise ValueError(f"runs: calls on different devices cannot share a page, got {devices}")
+    plans = [run["meta"]["plan"] for run in runs]
+    if any(plan != plans[0] for plan in plans):
+        raise ValueError("runs: the calls measured different plans (shapes, dtype or model); merge only one plan's calls")
+    merged = {"meta": dict(runs[0]["meta"]), "rows": {}, "stages": []}
+    for number, run in enumerate(runs, 1):
+        for label, sides in run["rows"].items():
+            row = merged["rows"].setdefault(label, {})
+            for side, entry in sides.items():
+                kept = row.get(side)
+                if kept is None or (not measured(kept) and (measured(entry) or status_of(kept).startswith("not run"))):
+                    row[side] = entry
+        merged["stages"] += [dict(stage, run=number) for stage in run["stages"]
+                             if stage["status"] != "not run (not in --stages)"]
+    keys = ("date", "git", "command", "budget_s", "elapsed_s")
+    merged["meta"]["runs"] = [{key: run["meta"].get(key) for key in keys} for run in runs]
+    tests = [test for run in runs for test in run["meta"].get("tests", [])]
+    merged["meta"]["tests"] = [test for test in tests if test["summary"] != "no log (not run)"] or tests[:2]
+    merged["meta"]["failed_tests"] = [name for run in runs for name in run["meta"].get("failed_tests", [])]
+    merged["meta"]["complete"] = all(run["meta"].get("complete", True) for run in runs)
+    return merged
+
+
+def main(argv=None) -> Path:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_report",
+                                     description="One GPU-check page (.md and .json) from several calls' JSON.")
+    parser.add_argument("--merge", nargs="+", type=Path, required=True, help="gpu-check JSON files, in call order")
+    parser.add_argument("--out", type=Path, required=True, help="the page to write (PATH.md; PATH.json beside it)")
+    args = parser.parse_args(argv)
+    if args.out.suffix != ".md":
+        parser.error(f"--out must name a .md page, got {args.out}")
+    merged = merge([json.loads(path.read_text()) for path in args.merge])
+    args.out.write_text(render_markdown(merged))
+    args.out.with_suffix(".json").write_text(json.dumps(merged, indent=2))
+    return args.out
+
+
+if __name__ == "__main__":
+    print(main())

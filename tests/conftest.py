@@ -28,6 +28,18 @@ from markers import CUDA_SKIP_REASON  # noqa: E402
 from weight_packages import SMOLLM2_GGUF_NAME, package_dir as _package_dir  # noqa: E402
 
 
+# A run that can be cut off (the GPU session's fixed minutes) names its failures as they happen: with
+# HF_TINY_FAILURE_LOG=PATH each failure's test id and traceback are appended there at once (by the main process
+# only, where pytest-xdist runs workers).
+FAILURE_LOG = os.environ.get("HF_TINY_FAILURE_LOG")
+
+
+def pytest_runtest_logreport(report):
+    if FAILURE_LOG and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
+        with open(FAILURE_LOG, "a") as log:
+            log.write(f"=== FAILED {report.nodeid} ({report.when})\n{report.longreprtext[-3000:]}\n\n")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

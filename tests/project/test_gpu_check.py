@@ -102,10 +102,75 @@ def test_verdicts_of_hand_made_results():
     assert verdicts["decode 1x8 +4 new captured: >= 1.0x official's speed at <= 1.0x its memory"] == (
         "official: crashed: signal 11 (SIGSEGV)", "not run")
     assert verdicts["Batch-1 captured decode >= official's (where official's runs)"] == (
-        "official's did not run: crashed: signal 11 (SIGSEGV)", "PASS")
+        "official's failed: crashed: signal 11 (SIGSEGV)", "PASS")
     liger_time = verdicts["Training 2x32: time <= 0.85x official's, Liger on ours, none on official's"]
     assert liger_time == ("hf_tiny: not installed: liger_kernel", "not run")
     assert verdicts["Longest trainable sequence at batch 1 >= 3x official's"][1] == "PASS"  # 4096 / 1024 = 4
+
+
+def test_an_official_side_left_out_passes_nothing():
+    """Official's captured decode not run in this call (`--stages`, the budget) is no crash of official's: "not run"."""
+    results = hand_made_results()
+    for status in ("not run (not in --stages)", "not run (time budget: 0 s left)"):
+        results["rows"]["decode 1x8 +4 new captured"]["official"] = {"status": status}
+        verdicts = {name: (text, verdict) for name, text, verdict in gpu_report.targets(results)}
+        assert verdicts["Batch-1 captured decode >= official's (where official's runs)"] == (f"official: {status}", "not run")
+
+
+def test_a_ratio_next_to_its_bound_prints_the_digits_its_verdict_reads():
+    assert [gpu_report.times(v) for v in (0.93, 0.9994, 1.0001, 1.0, 1.25)] == ["0.93x", "0.999x", "1.0001x", "1.00x", "1.25x"]
+    assert gpu_report.times(0.6004, 0.6) == "0.6004x"
+    results = hand_made_results()
+    results["rows"]["train 2x32"] = {"official": timed(1.0, 1000), "hf_tiny": timed(1.0004, 1000)}
+    verdicts = {name: (text, verdict) for name, text, verdict in gpu_report.targets(results)}
+    assert verdicts["train 2x32: >= 1.0x official's speed at <= 1.0x its memory"] == ("speed 0.9996x, memory 1.00x", "FAIL")
+
+
+def test_calls_merge_into_one_page_each_row_from_the_call_that_measured_it(tmp_path):
+    first = hand_made_results()
+    first["rows"]["train 2x32"]["hf_tiny"] = {"status": "not run (time budget: 0 s left)"}
+    first["meta"].update(date="d1", git="abc", command="first", budget_s=500, elapsed_s=500, versions={}, cores=2,
+                         python="3.12",
+                         tests=[{"log": "cuda_tests.log", "summary": "3 passed"}], failed_tests=["t::a"])
+    first["stages"] = [{"name": "main-hf_tiny", "status": "ok", "cap_s": 1, "estimate_s": 1, "basis": ""}]
+    second = json.loads(json.dumps(hand_made_results()))
+    second["rows"] = {"train 2x32": {"hf_tiny": timed(0.5, 400), "official": {"status": "not run (not in --stages)"}},
+                      "prefill 1x32": {"hf_tiny": {"status": "not run (not in --stages)"}}}
+    second["meta"].update(date="d2", git="abc", command="second", budget_s=200, elapsed_s=100,
+                          tests=[{"log": "cuda_tests.log", "summary": "no log (not run)"}])
+    second["stages"] = [{"name": "main-official", "status": "not run (not in --stages)", "cap_s": 1, "estimate_s": 1,
+                         "basis": ""}, {"name": "train-hf_tiny", "status": "ok", "cap_s": 1, "estimate_s": 1, "basis": ""}]
+    paths = []
+    for number, run in enumerate((first, second)):
+        paths.append(tmp_path / f"{number}.json")
+        paths[-1].write_text(json.dumps(run))
+    page = gpu_report.main(["--merge", *map(str, paths), "--out", str(tmp_path / "merged.md")])
+    merged = json.loads(page.with_suffix(".json").read_text())
+    assert merged["rows"]["train 2x32"] == {"official": first["rows"]["train 2x32"]["official"],
+                                           "hf_tiny": second["rows"]["train 2x32"]["hf_tiny"]}
+    assert merged["rows"]["prefill 1x32"] == first["rows"]["prefill 1x32"]  # a later "not in --stages" never wins
+    assert [(s["name"], s["run"]) for s in merged["stages"]] == [("main-hf_tiny", 1), ("train-hf_tiny", 2)]
+    assert merged["meta"]["tests"] == [{"log": "cuda_tests.log", "summary": "3 passed"}]
+    text = page.read_text()
+    assert "call 1: hf_tiny commit abc, d1; command: `first`" in text and "call 2: hf_tiny commit abc, d2" in text
+    assert "failing tests (1, tracebacks in failures.log): `t::a`" in text
+    second["meta"]["plan"] = dict(PLAN, dtype="bfloat16")
+    with pytest.raises(ValueError, match="different plans"):
+        gpu_report.merge([first, second])
+
+
+def test_the_failure_log_names_each_failure_as_it_happens(tmp_path):
+    """tests/conftest.py's HF_TINY_FAILURE_LOG: a failing and a passing test, the log holds the failing one's id and
+    its assertion, and the report reads the id back."""
+    (tmp_path / "test_two.py").write_text("def test_good():\n    pass\n\ndef test_bad():\n    assert 1 == 2, 'planted'\n")
+    log = tmp_path / "failures.log"
+    env = dict(os.environ, HF_TINY_FAILURE_LOG=str(log), PYTHONPATH=str(REPO / "tests"))
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
+                           str(tmp_path / "test_two.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert gpu_report.failed_tests(log) == ["test_two.py::test_bad"]
+    assert "planted" in log.read_text()
 
 
 def test_a_search_stopped_by_its_cap_proves_no_ratio():
