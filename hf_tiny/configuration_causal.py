@@ -104,7 +104,10 @@ def _rope_parameters(owner: str, config, legacy_scaling, legacy_theta) -> dict:
     if rope_parameters is None and legacy_scaling is not None:
         rope_parameters = legacy_scaling
     if isinstance(rope_parameters, dict) and set(rope_parameters) & set(LAYER_TYPES):
-        unknown = sorted(set(rope_parameters) - set(ROPE_LAYER_TYPES))
+        # transformers 5.16-5.17 leave a flat rope_type / rope_theta beside the layer types (Gemma 3: {"rope_type":
+        # "default", "rope_theta": None, "full_attention": {...}, ...}); its rotary embeddings read only the layer
+        # types' entries, and so does this one
+        unknown = sorted(set(rope_parameters) - set(ROPE_LAYER_TYPES) - {"rope_type", "rope_theta"})
         if unknown:
             raise ValueError(f"{owner}: rope_parameters keyed by layer type may hold only {list(ROPE_LAYER_TYPES)}; got keys {unknown}")
         rope_parameters = {

@@ -67,6 +67,10 @@ TRANSFORMERS_TESTS = (
     "tests/conversion/test_variant_claims.py",
     "tests/ecosystem/test_trainer.py",
     "tests/ecosystem/test_peft.py",
+    # every family on CUDA against the official model, run on the CPU stand-in (HF_TINY_CUDA_STAND_IN, below): the
+    # GPU sessions run the image's transformers (5.17), and this is where a family's config of an older transformers
+    # shows (Gemma 3's rope_parameters under 5.16-5.17, found on an H200, 2026-11-27)
+    "tests/models/test_cuda_families.py",
 )
 # What depends on the torch version: dynamo, export and ONNX export (the runtime's forwards must trace), the runtime's
 # in-place inference and training recompute (checkpoint, saved-tensor hooks), the attention backends (sdpa, flex
@@ -101,6 +105,7 @@ class End:
     version: str
     tests: tuple
     removed: tuple = ()  # what the install brings that the test environment's own version must replace
+    env: tuple = ()  # (name, value) pairs set for the end's test run
 
     @property
     def requirement(self) -> str:
@@ -112,7 +117,8 @@ class End:
 
 
 ENDS = {
-    "transformers-oldest": End("transformers", TESTED_TRANSFORMERS[0], TRANSFORMERS_TESTS),
+    "transformers-oldest": End("transformers", TESTED_TRANSFORMERS[0], TRANSFORMERS_TESTS,
+                               env=(("HF_TINY_CUDA_STAND_IN", "1"),)),
     "torch-oldest": End("torch", TESTED_TORCH[0], TORCH_TESTS, removed=("triton",)),
     "torch-newest": End("torch", TESTED_TORCH[1], TORCH_TESTS, removed=("triton",)),
 }
@@ -155,7 +161,8 @@ def main(argv: list[str]) -> int:
         capture_output=True, text=True, check=True,
     ).stdout.strip()
     print(f"== {name}: {version} (transformers, torch) in {python.parent.parent} ==", flush=True)
-    return subprocess.run([str(python), "-m", "pytest", *end.tests, *argv[1:]], cwd=ROOT).returncode
+    return subprocess.run([str(python), "-m", "pytest", *end.tests, *argv[1:]], cwd=ROOT,
+                          env={**os.environ, **dict(end.env)}).returncode
 
 
 if __name__ == "__main__":

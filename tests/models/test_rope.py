@@ -176,6 +176,21 @@ def test_legacy_spellings_are_standardized():
     assert yarn["original_max_position_embeddings"] == 64 and yarn["rope_theta"] == 10000.0
 
 
+def test_layer_type_rope_beside_transformers_5_16_flat_leftovers():
+    """transformers 5.16-5.17 build Gemma 3's rope_parameters with a flat rope_type / rope_theta beside the layer
+    types, which their rotary embeddings never read: the same config as without them. Any other key is refused."""
+    keyed = {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
+             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}
+    fields = dict(SIZES, num_hidden_layers=2, intermediate_size=8, sliding_window=4,
+                  layer_types=["sliding_attention", "full_attention"])
+    plain = TinyCausalConfig(**fields, rope_parameters=keyed)
+    leftovers = TinyCausalConfig(**fields, rope_parameters={**keyed, "rope_type": "default", "rope_theta": None})
+    assert leftovers.rope_parameters == plain.rope_parameters
+    assert plain.rope_parameters["full_attention"]["rope_theta"] == 1e6
+    with pytest.raises(ValueError, match=r"may hold only \['full_attention', 'sliding_attention'\]; got keys \['factor'\]"):
+        TinyCausalConfig(**fields, rope_parameters={**keyed, "factor": 2.0})
+
+
 @pytest.mark.parametrize(
     "rope, message",
     [
