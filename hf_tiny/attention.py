@@ -123,13 +123,17 @@ def torch_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0,
     row, forward and backward (CUDA memory-efficient, pytorch#110213). Sinks: sink_as_first_key."""
     if output_attentions:
         _no_weights(output_attentions, "sdpa")
-    value_dim, gqa = v.shape[-1], q.shape[1] != k.shape[1]
+    value_dim = v.shape[-1]
     if sinks is not None:
         q, k, v, mask = sink_as_first_key(q, k, v, mask, sinks, scale)
     sq, sk = q.shape[2], k.shape[2]
     if mask is None and is_causal and sq != sk:  # SDPA's is_causal is top-left aligned, ours bottom-right
         mask = None if sq == 1 else causal_bool_mask(sq, sk, q.device)
         is_causal = False
+    gqa = q.shape[1] != k.shape[1]
+    if gqa and q.device.type != "cpu" and not fused_kernels_take_grouped_heads(k, v, mask):  # the CPU's take all
+        k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
+        gqa = False
     visible = None if mask is None else visible_rows(mask)
     if mask is not None and mask.dtype == torch.bool:
         mask = mask | ~visible
@@ -139,6 +143,14 @@ def torch_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0,
                                          is_causal=is_causal and mask is None, scale=scale, enable_gqa=gqa)
     out = out if visible is None else out.masked_fill(~visible, 0.0)
     return (out if sinks is None else out[..., :value_dim]), None
+
+
+def fused_kernels_take_grouped_heads(k, v, mask) -> bool:
+    """Off the CPU, whether SDPA may get the key/value heads grouped (enable_gqa) rather than repeated. CUDA's flash
+    and memory-efficient kernels refuse enable_gqa beside a mask, or with head dims over 256 or unequal: SDPA then
+    falls back, silently, to the math kernel, which materializes every score in fp32 (transformers'
+    use_gqa_in_sdpa, the same rule; pytorch#191085). The CPU's kernel takes every case."""
+    return mask is None and k.shape[-1] == v.shape[-1] <= 256
 
 
 def _no_weights(output_attentions: bool, backend: str) -> None:

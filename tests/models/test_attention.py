@@ -311,6 +311,39 @@ def test_sdpa_never_hands_a_fully_masked_row_to_the_kernel(monkeypatch):
         assert torch.all(out[0, :, 1] == 0)
 
 
+def test_sdpa_repeats_grouped_heads_where_the_fused_kernels_refuse_them(monkeypatch):
+    """Off the CPU, SDPA gets grouped K/V heads (enable_gqa) only without a mask and with equal head dims <= 256:
+    otherwise CUDA falls back to the math kernel, every score materialized (transformers' use_gqa_in_sdpa). The
+    repeated heads give the grouped result; tiled heads (each query head on the wrong group) do not."""
+    takes = attention.fused_kernels_take_grouped_heads
+    meta = lambda *shape, dtype=torch.float32: torch.empty(*shape, device="meta", dtype=dtype)  # noqa: E731
+    k = meta(1, 2, 3, 8)
+    assert takes(k, k, None) and not takes(k, k, meta(1, 1, 3, 3, dtype=torch.bool))
+    assert not takes(meta(1, 2, 3, 512), meta(1, 2, 3, 512), None)
+    assert not takes(k, meta(1, 2, 3, 6), None)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 4, 5, 8, generator=gen) for _ in range(3))
+    k, v = k[:, :2], v[:, :2]
+    mask = torch.rand(2, 1, 5, 5, generator=gen) > 0.3
+    seen = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        seen.append((k.shape[1], kwargs["enable_gqa"]))
+        return real_sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    grouped, _ = torch_attention(q, k, v, mask, scale=0.3)  # the CPU's kernel takes a mask beside grouped heads
+    meta_device = torch.device("meta")
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda self: meta_device))  # as an accelerator's tensors
+    repeated, _ = torch_attention(q, k, v, mask, scale=0.3)
+    monkeypatch.undo()
+    assert seen == [(2, True), (4, False)]
+    torch.testing.assert_close(repeated, grouped, rtol=0, atol=1e-6)
+    tiled, _ = torch_attention(q, k.repeat(1, 2, 1, 1), v.repeat(1, 2, 1, 1), mask, scale=0.3)
+    assert (tiled - grouped).abs().max() > 0.1
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Dropout, output_attentions, bad input, backend names.
 # ----------------------------------------------------------------------------------------------------------------
