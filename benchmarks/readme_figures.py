@@ -202,9 +202,12 @@ FIGURES = [
            quotes=quotes(ARCHITECTURE, "52 functions, 604 lines, 6 files") + quotes(README, "604 lines in 6 files")),
     Figure("host-work", SPEED, "python -m benchmarks.host_work", "Python calls of a prefill and a decoding step, "
            "official beside hf_tiny (cProfile)", "python -m benchmarks.host_work --models overhead --prompt 16 --repeats 3",
-           1, "cheap", results=("host-work-cpu-2026-11-27.md",),
-           quotes=quotes(SPEED, "| prefill | 7,504 | 6,182 | 0.82 | 6,161 |", "| decode step | 5,774 | 5,714 | 0.99 | 5,714 |")
-           + quotes(README, "6,182", "5,714", "7,504", "5,774", ("0.82×", "0.82"), ("0.99×", "0.99"))),
+           1, "cheap", results=("host-work-cpu-2026-11-27-gpu-paths.md", "host-work-cpu-2026-11-27.md"),
+           quotes=quotes(SPEED, ("| prefill | 7,504 | 6,182 | 0.82 | 6,161 | 6,071 (0.81) |",
+                                 "| prefill | 7,504 | 6,182 | 0.82 | 6,161 | 6,071 (0.81) |"),
+                         ("| decode step | 5,774 | 5,542 | 0.96 | 5,542 | 5,542 (0.96) |",
+                          "| decode step | 5,774 | 5,542 | 0.96 | 5,542 | 5,542 (0.96) |"), ("5,714 calls (0.99x)", "5,714"))
+           + quotes(README, "6,182", "5,542", "7,504", "5,774", ("0.82×", "0.82"), ("0.96×", "0.96"))),
     Figure("flash-kernel", SPEED, "python -m benchmarks.flash_kernel", "Triton FlashAttention TFLOP/s table (H100)",
            "python -m benchmarks.flash_kernel", 2, "cuda", results=("flash-kernel-nvidia-h100-80gb-hbm3-2026-11-23.md",),
            quotes=quotes(SPEED, ("398 / 311 (1.28) | 455", "398 (55%) | 311 (43%) | 455 (63%) | 1.28"),
@@ -214,8 +217,18 @@ FIGURES = [
            "(training step 2.0x / 2.4x, prefill 1.13-1.33x official's time, decode 0.86-0.88x its tokens/s; H100)", "bash benchmarks/gpu_check.sh",
            9, "cuda", results=("cuda-h100-2026-11-26-gpu-check.md", "cuda-nvidia-h100-80gb-hbm3-2026-11-26-quick.md"),
            quotes=quotes(SPEED, "2.0x (overhead model)", "2.4x (random TinyLlama-1.1B, bf16, 1x64)",
-                         "1.13–1.33x official's time", "0.86–0.88x official's tokens/s")
-           + quotes(README, ("2.4×", "2.4x"))),
+                         "1.13–1.33x official's time", "0.86–0.88x official's tokens/s")),
+    Figure("gpu-check-h200", SPEED, "gpu-check-nvidia-h200-2026-11-27.md", "issue 42's GPU rows on an H200: prefill, "
+           "eager and captured decode, training with and without Liger, the longest sequence, host work",
+           "bash benchmarks/gpu_check.sh (then a second call with --stages, and python -m benchmarks.gpu_report "
+           "--merge)", 9, "cuda", results=("gpu-check-nvidia-h200-2026-11-27.md",),
+           quotes=quotes(SPEED, "25.4 ms", "22.5 ms", "91.1 ms", "90.9 ms", "16.7 tok/s", "26.8 tok/s", "128.8 tok/s",
+                         "153.1 tok/s", "311.9 tok/s", "295.6 tok/s", ("2,498 tok/s", "2,498.0 tok/s"),
+                         ("2,329 tok/s", "2,328.5 tok/s"), "166.4 ms", "166.6 ms", "133.2 ms", "124.7 ms", "60,416",
+                         "4,303 GB/s", "3,932 / 3,687", "4,403 / 4,147", ("0.75x official's plain time", "0.75x"),
+                         ("0.66x its memory", "0.66x"))
+           + quotes(README, ("1.60×", "1.60x"), ("1.19×", "1.19x"), ("1.13×", "1.13x"), ("0.75×", "0.75x"),
+                    ("0.66×", "0.66x"))),
 ]
 
 HISTORICAL = [
