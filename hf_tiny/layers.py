@@ -286,10 +286,15 @@ class RotaryEmbedding(nn.Module):
             self._dynamic_update(position_ids, x.device)
         elif self.rope_type == "longrope":
             self._longrope_update(position_ids, x.device)
-        if self._table_positions and not torch.compiler.is_compiling() and int(position_ids.max()) < self._table_positions:
+        # The table is a CPU path: off the CPU its bounds check would wait on the device (int(max)) at every forward
+        # and it would hold 2 * positions * head_dim floats for the model's life (8 MiB for TinyLlama's layout, seen
+        # on an H200), so cos/sin are computed there as official computes them. Compiled graphs fuse that
+        # computation too; a Python-held table would only add guards.
+        if (self._table_positions and x.device.type == "cpu" and not torch.compiler.is_compiling()
+                and int(position_ids.max()) < self._table_positions):
             cos_table, sin_table = self._tables(x.device)
             cos, sin = cos_table[position_ids], sin_table[position_ids]
-        else:  # compiled graphs fuse this computation; a Python-held table would only add guards
+        else:
             cos, sin = self._cos_sin(position_ids, x.device)
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 

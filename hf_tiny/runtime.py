@@ -170,9 +170,6 @@ def path_on(module: nn.Module, path: str, device: torch.device) -> bool:
 def _declaring(math: Callable, dispatcher: Callable, declaration: str) -> Callable:
     dispatcher = functools.wraps(math)(dispatcher)
     dispatcher.runtime_declaration = declaration
-    # The math's signature, computed once: generate() reads a custom-code model's forward signature at every step
-    # (prepare_inputs_for_generation's cache_position check), 238 Python calls each time without it, 66 with it.
-    dispatcher.__signature__ = inspect.signature(math)
     return dispatcher
 
 
@@ -414,7 +411,12 @@ def runtime_decoding(head: str, tokens: str = "input_ids") -> Callable[[Callable
             finally:
                 _few_rows_step.reset(token)
 
-        return _declaring(math, forward, "runtime_decoding")
+        declared = _declaring(math, forward, "runtime_decoding")
+        # The math's signature, computed once: generate() reads a custom-code model's forward signature at every step
+        # (prepare_inputs_for_generation's cache_position check), 238 Python calls each time without it, 66 with it.
+        # Only here: vLLM compiles the stack's forward, and its compiler failed on a dispatcher carrying one.
+        declared.__signature__ = inspect.signature(math)
+        return declared
 
     return declare
 

@@ -93,6 +93,17 @@ def test_table_lookup_equals_direct_computation():
     torch.testing.assert_close(sin_table, sin_direct, rtol=0, atol=1e-7)
 
 
+def test_off_the_cpu_cos_sin_are_computed_without_a_table_or_a_sync():
+    """The table is a CPU path: on an accelerator (meta tensors stand in; they hold no values, so a bounds check
+    that waits on the device, int(position_ids.max()), would raise) cos/sin are computed from the positions and no
+    table is held."""
+    _, ours = configs(ROPE_CASES["llama3"])
+    rope = RotaryEmbedding(ours).to("meta")
+    cos, sin = rope(torch.zeros(1, device="meta"), torch.arange(64, device="meta")[None])
+    assert cos.device.type == sin.device.type == "meta" and cos.shape == (1, 64, rope.head_dim)
+    assert rope._table is None
+
+
 def test_dynamic_ntk_follows_the_official_stateful_update():
     """Growing past max_position_embeddings recomputes the frequencies; a short sequence afterwards resets them;
     a long-but-shorter one keeps the larger cached frequencies. Same sequence of calls, same outputs."""
