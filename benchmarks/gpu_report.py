@@ -402,7 +402,8 @@ def merge(runs: list[dict]) -> dict:
     keys = ("date", "git", "command", "budget_s", "elapsed_s")
     merged["meta"]["runs"] = [{key: run["meta"].get(key) for key in keys} for run in runs]
     tests = [test for run in runs for test in run["meta"].get("tests", [])]
-    merged["meta"]["tests"] = [test for test in tests if test["summary"] != "no log (not run)"] or tests[:2]
+    merged["meta"]["tests"] = ([test for test in tests if test["summary"] != "no log (not run)"]
+                               or runs[0]["meta"].get("tests", []))
     merged["meta"]["failed_tests"] = [name for run in runs for name in run["meta"].get("failed_tests", [])]
     merged["meta"]["complete"] = all(run["meta"].get("complete", True) for run in runs)
     return merged

@@ -132,7 +132,8 @@ def torch_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0,
         is_causal = False
     gqa = q.shape[1] != k.shape[1]
     if gqa and q.device.type != "cpu" and not fused_kernels_take_grouped_heads(k, v, mask):  # the CPU's take all
-        k, v = repeat_kv(k, q.shape[1] // k.shape[1]), repeat_kv(v, q.shape[1] // v.shape[1])
+        n_rep = q.shape[1] // k.shape[1]
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         gqa = False
     visible = None if mask is None else visible_rows(mask)
     if mask is not None and mask.dtype == torch.bool:
