@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import gpu_report
-from .gpu_rows import expected_rows
+from .gpu_rows import expected_rows, longest_fit_start
 from .machine import REPO_ROOT, file_stem, git_revision
 from .workloads import Shape
 
@@ -54,6 +54,7 @@ class GpuPlan:
     longest_cap: int = 262144
     longest_resolution: int = 1024
     longest_seconds: int = 60
+    longest_fit_seconds: int = 20
     gemm_n: int = 8192
     bandwidth_mb: int = 4096
     threads: int = 0
@@ -90,13 +91,16 @@ ESTIMATES = {
     "captured": (110, 55, "measured 38.6-51.5 s on the H200 (four stages): dynamo, inductor and the CUDA graph "
                           "capture of the 22-layer decode step, then 4 calls of ~0.4 s"),
     "longest": (90, 40, "measured 35.7-36.4 s on the H200: 11 probes up to 64K tokens, stopped by OOM at 61,440"),
+    "longest_fit": (120, 60, "not measured yet: start and load ~12 s, then one probe at 3x official's longest (~181K "
+                             "tokens on the H200: ~1.3e16 training FLOPs with the replays, ~30 s at ~450 TFLOP/s)"),
 }
 MIN_STAGE_S = 25  # a stage is started only when this much of the budget is left
 
 
 def stages_of(plan: GpuPlan, folders: dict, args) -> list[Stage]:
     """Every stage after the build, in order of value: the eager rows of both sides (training, prefill, decode,
-    host work), batch-1 captured decode, the longest trainable sequence, the runtime-off rows, batch-8 captured."""
+    host work), batch-1 captured decode, the longest trainable sequence (and with the fit_memory option), the
+    runtime-off rows, batch-8 captured."""
     common = {"model": plan.model, "device": plan.device, "dtype": plan.dtype, "folders": folders,
               "warmup": plan.warmup, "repeats": plan.repeats, "decode_repeats": plan.decode_repeats,
               "threads": plan.threads}
@@ -105,9 +109,13 @@ def stages_of(plan: GpuPlan, folders: dict, args) -> list[Stage]:
             "bandwidth_mb": plan.bandwidth_mb}
     longest = {**common, "kind": "longest", "start": plan.longest_start, "cap": plan.longest_cap,
                "resolution": plan.longest_resolution, "seconds": plan.longest_seconds}
+    # fit_memory on: from 3x official's longest when that is known by then (start_after_official), so that the first
+    # probe answers the target; the job's seconds stop the search after about one probe that long
+    longest_fit = {**longest, "side": "hf_tiny_fit", "seconds": plan.longest_fit_seconds,
+                   "start_after_official": gpu_report.LONGEST_FACTOR}
 
-    def stage(name: str, kind: str, job: dict) -> Stage:
-        cap, estimate, basis = ESTIMATES[kind]
+    def stage(name: str, estimated_as: str, job: dict) -> Stage:
+        cap, estimate, basis = ESTIMATES[estimated_as]
         return Stage(name, job, cap, estimate, basis)
 
     captured = [[stage(f"captured-{side}-{shape.batch}", "captured",
@@ -119,6 +127,7 @@ def stages_of(plan: GpuPlan, folders: dict, args) -> list[Stage]:
         *captured[0],
         stage("longest-official", "longest", {**longest, "side": "official"}),
         stage("longest-hf_tiny", "longest", {**longest, "side": "hf_tiny"}),
+        stage("longest-hf_tiny_fit", "longest_fit", longest_fit),
         stage("main-hf_tiny_off", "main", {**main, "side": "hf_tiny_off"}),
         *[s for later in captured[1:] for s in later],
     ]
@@ -197,6 +206,7 @@ def run(args, save=lambda results: None) -> dict:
             stage.outcome = {"status": "not run (no checkpoints: the build failed)"}
             fill_missing_rows(stage, results)
         else:
+            start_after_official(stage, results)
             run_stage(stage, results, deadline, args)
         results["stages"].append(summary(stage))
         save(results)
@@ -218,6 +228,16 @@ def run_stage(stage: Stage, results: dict, deadline: float, args) -> None:
         results["rows"].setdefault(row.pop("row"), {})[row.pop("side")] = row
     fill_missing_rows(stage, results)
     log(f"{stage.name}: {stage.outcome['status']} after {stage.outcome['seconds']} s")
+
+
+def start_after_official(stage: Stage, results: dict) -> None:
+    """A job with "start_after_official": its search starts at that many times official's longest sequence, when
+    official's stage found it (else at the plan's start)."""
+    factor = stage.job.pop("start_after_official", None)
+    official = results["rows"].get("longest batch 1", {}).get("official", {}).get("longest")
+    if factor and official:
+        stage.job["start"] = longest_fit_start(official, factor=factor, resolution=stage.job["resolution"],
+                                               cap=stage.job["cap"])
 
 
 def fill_missing_rows(stage: Stage, results: dict) -> None:

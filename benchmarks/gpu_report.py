@@ -17,7 +17,11 @@ from .workloads import Shape
 
 MIB = 1024 * 1024
 SIDES = ("official", "hf_tiny", "hf_tiny_off")
-SIDE_TITLES = {"official": "official", "hf_tiny": "hf_tiny", "hf_tiny_off": "hf_tiny, runtime off"}
+SIDE_TITLES = {"official": "official", "hf_tiny": "hf_tiny", "hf_tiny_off": "hf_tiny, runtime off",
+               "hf_tiny_fit": "hf_tiny, fit_memory on"}
+# The fit_memory option's cost where a step fits (its training row against hf_tiny's plain one): at most this much
+# slower, or it does not become a default (hf_tiny/memory_fit.py)
+FIT_MEMORY_COST = 1.02
 CONFIGS = {"llama1b": LLAMA_1B_CONFIG, "tiny": TINY_CONFIG}
 BANDWIDTH_SHARE = 0.40  # batch-1 captured decode, of the measured HBM read bandwidth
 TRAIN_TIME, TRAIN_MEMORY, LONGEST_FACTOR = 0.85, 0.60, 3.0
@@ -143,15 +147,15 @@ def row_labels(results: dict) -> list[str]:
     train = Shape(*plan["train"]).label()
     return ([f"prefill {s.label()}" for s in shapes("prefill")]
             + [f"decode {s.label()} {mode}" for mode in ("eager", "captured") for s in shapes("decode")]
-            + [f"train {train}", f"train {train} liger", f"train {train} recompute"])
+            + [f"train {train}", f"train {train} liger", f"train {train} recompute", f"train {train} fit_memory"])
 
 
 def row_targets(results: dict) -> list:
     """Every row (runtime on, Liger on both sides in the Liger row): >= 1.0x official's speed at <= 1.0x memory."""
     rows = []
     for label in row_labels(results):
-        if label.endswith("recompute"):
-            continue  # an opt-in switch, compared in the side-by-side table
+        if label.endswith(("recompute", "fit_memory")):
+            continue  # opt-in switches: in the side-by-side table, and fit_memory in fit_memory_targets
         faster = ratio(results, label, speed)
         memory = ratio(results, label, extra_bytes)
         if faster is None:
@@ -233,10 +237,32 @@ def longest_target(results: dict) -> tuple:
     return name, text, verdict(value, lambda v: v >= LONGEST_FACTOR)
 
 
+def fit_memory_targets(results: dict) -> list:
+    """What would make the fit_memory option a default on this device: the longest sequence it trains >= 3x
+    official's, at no cost where the step fits (its 4x2048 step against hf_tiny's without it)."""
+    name = f"With fit_memory on (a named option until both rows below pass): longest >= {LONGEST_FACTOR:.0f}x official's"
+    fit, theirs = cell(results, "longest batch 1", "hf_tiny_fit"), cell(results, "longest batch 1", "official")
+    if not (measured(fit) and measured(theirs)) or not theirs["longest"]:
+        rows = [(name, why_missing(results, "longest batch 1", ("official", "hf_tiny_fit")), "not run")]
+    else:
+        value = fit["longest"] / theirs["longest"]
+        rows = [(name, f"{fit['longest']:,} / {theirs['longest']:,} tokens = {times(value, LONGEST_FACTOR)} "
+                       f"(fit_memory: {fit['stopped']})", verdict(value, lambda v: v >= LONGEST_FACTOR))]
+    train = Shape(*results["meta"]["plan"]["train"]).label()
+    on, off = cell(results, f"train {train} fit_memory", "hf_tiny"), cell(results, f"train {train}", "hf_tiny")
+    name = f"With fit_memory on, where the {train} step fits: <= {FIT_MEMORY_COST}x hf_tiny's time without it"
+    if not (measured(on) and measured(off)):
+        rows.append((name, why_missing(results, f"train {train} fit_memory", ("hf_tiny",)), "not run"))
+    else:
+        value = on["seconds"] / off["seconds"]
+        rows.append((name, times(value, FIT_MEMORY_COST), verdict(value, lambda v: v <= FIT_MEMORY_COST)))
+    return rows
+
+
 def targets(results: dict) -> list:
     """[(target, measured, PASS | FAIL | not run)] for every GPU target of issue 42."""
     return [*host_targets(results), *row_targets(results), *decode_targets(results), *train_targets(results),
-            longest_target(results)]
+            longest_target(results), *fit_memory_targets(results)]
 
 
 # ---- the page ----------------------------------------------------------------------------------------------------
@@ -357,7 +383,7 @@ def longest_lines(results: dict) -> list[str]:
     lines = ["## Longest trainable sequence at batch 1", "",
              "One training step (forward, backward, AdamW) per probe, doubling then bisecting; the allocator emptied "
              "between probes.", "", "| side | longest | stopped | probes (tokens: fits) |", "|---|---|---|---|"]
-    for side in ("official", "hf_tiny"):
+    for side in ("official", "hf_tiny", "hf_tiny_fit"):
         entry = cell(results, "longest batch 1", side)
         if "longest" not in entry:
             lines.append(f"| {SIDE_TITLES[side]} | {status_of(entry)} | | |")

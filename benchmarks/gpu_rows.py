@@ -19,14 +19,14 @@ from pathlib import Path
 
 import torch
 
-from . import measure, roofline
+from . import roofline
 from .measure import time_interleaved
 from .models import HF_TINY, MODELS, OFFICIAL, convert_hf_tiny, load_model, official_folder
 from .workloads import (DECODE, PREFILL, Shape, apply_liger, build_generate, build_prefill, build_train_step,
                         captured_decoding_config, random_ids)
 
 # the sides: which model, and what is done to it after loading
-SIDES = {"official": OFFICIAL, "hf_tiny": HF_TINY, "hf_tiny_off": HF_TINY}
+SIDES = {"official": OFFICIAL, "hf_tiny": HF_TINY, "hf_tiny_off": HF_TINY, "hf_tiny_fit": HF_TINY}
 EXTRA_PREFILL = {"use_cache": False, "logits_to_keep": 1}  # generate's prefill, as workloads.prefill_kwargs gives
 
 
@@ -115,7 +115,7 @@ def expected_rows(job: dict) -> list[str]:
     rows += [f"decode {shape_of(s).label()} eager" for s in job["decode"]] + ["host prefill", "host decode step"]
     rows.append(f"train {train}")
     if job["side"] == "hf_tiny":
-        rows.append(f"train {train} recompute")
+        rows += [f"train {train} recompute", f"train {train} fit_memory"]
     if job.get("liger") and job["side"] != "hf_tiny_off":
         rows.append(f"train {train} liger")
     return rows
@@ -129,6 +129,8 @@ def load(job: dict, *, max_positions: int | None = None):
                        attn="sdpa", **overrides)
     if job["side"] == "hf_tiny_off":
         model.set_runtime(False)
+    if job["side"] == "hf_tiny_fit":
+        model.set_runtime(fit_memory=True)
     return model
 
 
@@ -156,6 +158,7 @@ def job_main(job: dict) -> None:
     free()
     if side == "hf_tiny":
         guarded(f"train {train.label()} recompute", side, lambda: recompute_row(job, train, device, side))
+        guarded(f"train {train.label()} fit_memory", side, lambda: fit_memory_row(job, train, device, side))
     if job.get("liger") and side != "hf_tiny_off":
         guarded(f"train {train.label()} liger", side, lambda: liger_row(job, train, device, side))
 
@@ -215,6 +218,14 @@ def recompute_row(job: dict, shape: Shape, device: torch.device, side: str) -> N
     model = load(job)
     model.set_runtime(recompute=True)
     train_row(model, shape, device, job, f"train {shape.label()} recompute", side, switch="set_runtime(recompute=True)")
+
+
+def fit_memory_row(job: dict, shape: Shape, device: torch.device, side: str) -> None:
+    """The training step with the fit_memory option on, where the step fits: what the option costs when it has
+    nothing to do (hf_tiny/memory_fit.py), the other half of the case for making it a default."""
+    model = load(job)
+    model.set_runtime(fit_memory=True)
+    train_row(model, shape, device, job, f"train {shape.label()} fit_memory", side, switch="set_runtime(fit_memory=True)")
 
 
 def liger_row(job: dict, shape: Shape, device: torch.device, side: str) -> None:
@@ -305,6 +316,12 @@ def search_longest(fits, *, start: int, cap: int, resolution: int, deadline: flo
 
 
 JOBS = {"build": job_build, "main": job_main, "captured": job_captured, "longest": job_longest}
+
+
+def longest_fit_start(official_longest: int, *, factor: float, resolution: int, cap: int) -> int:
+    """Where the fit_memory side's search starts: `factor` times official's longest, rounded up to `resolution`
+    (its first probe answers the target), at most `cap`."""
+    return min(-(-int(official_longest * factor) // resolution) * resolution, cap)
 
 
 def main(argv=None) -> None:

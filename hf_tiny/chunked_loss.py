@@ -20,6 +20,7 @@ from typing import Optional, Union
 import torch
 from torch.autograd.function import once_differentiable
 
+from .memory_fit import current_plan
 from .runtime import path_on, plain_linear
 from .step import check_skip_logits
 
@@ -117,10 +118,12 @@ def linear_cross_entropy(
 def use_chunked_loss(skip_logits: Optional[bool], labels, *, model, head) -> bool:
     """An LM head's choice: skip_logits (Liger-Kernel's name) True = the loss without logits, False = logits as
     usual, None = skip while training with labels where the runtime's "chunked_loss" path is on for the labels' device
-    (runtime.ON_BY_DEFAULT: the CPU). Skipping needs labels and a plain linear head."""
+    (runtime.ON_BY_DEFAULT: the CPU), or where the forward's memory plan needs it (memory_fit.py). Skipping needs
+    labels and a plain linear head."""
     check_skip_logits(skip_logits, labels)
-    if skip_logits is None:
-        skip_logits = model.training and labels is not None and path_on(model, "chunked_loss", labels.device)
+    if skip_logits is None and model.training and labels is not None:
+        plan = current_plan()
+        skip_logits = path_on(model, "chunked_loss", labels.device) or (plan is not None and plan.chunk_loss)
     return bool(skip_logits) and plain_linear(head)  # a PEFT-wrapped, quantized or hooked head: unchunked
 
 

@@ -69,8 +69,10 @@ class HfTinyPreTrainedModel(AtomicSaveAndCardMixin, PreTrainedModel):
     def set_runtime(self, enabled: bool = True, **paths: bool) -> "HfTinyPreTrainedModel":
         """The runtime (runtime.py) of this model. set_runtime(False): every module runs its modeling file's forward;
         set_runtime(True): each path at its device default (runtime.ON_BY_DEFAULT); a path named with True or False
-        (recompute=, in_place=, few_rows=) on or off on every device, e.g. set_runtime(recompute=True) to recompute
-        training activations on a GPU (a named option there, as gradient checkpointing is)."""
+        (recompute=, in_place=, few_rows=, chunked_loss=, fit_memory=) on or off on every device, e.g.
+        set_runtime(recompute=True) to recompute training activations on a GPU (a named option there, as gradient
+        checkpointing is), set_runtime(fit_memory=True) to replay only the layers a CUDA training step has no memory
+        for (memory_fit.py)."""
         return configure_runtime(self, enabled, **paths)
 
     @torch.no_grad()

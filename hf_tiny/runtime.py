@@ -31,6 +31,9 @@ the forward's own signature. The dispatcher calls the math unless one of these p
   decoding was 1.14x slower than with 36aebb4's per-module products; benchmarks.side_by_side, 2026-11-27), and the
   attention projections hold a fifth of the bytes. The one path that is not bit-identical: the same sum in another
   order (greedy tokens are unchanged in every test).
+- fit memory (training on CUDA; memory_fit.py, opened by `runtime_decoding` / `runtime_stack`, acted on by
+  `runtime_layer` and the chunked loss): a training forward that would not fit the device's memory chunks its loss,
+  then replays whole the layers that do not fit; where it fits, nothing changes.
 
 A path is on by default only on the device types where a benchmark showed it winning at the shapes users run
 (ON_BY_DEFAULT). `model.set_runtime(False)` runs the math only; `model.set_runtime(recompute=True)` (any path, True or
@@ -54,7 +57,10 @@ from torch.nn.modules import module as module_globals
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-PATHS = ("recompute", "in_place", "few_rows", "chunked_loss")
+from .memory_fit import current_plan, planned
+from .transformers_api import is_activation_checkpointing
+
+PATHS = ("recompute", "in_place", "few_rows", "chunked_loss", "fit_memory")
 ON_BY_DEFAULT = {
     # benchmarks/runtime_ab.py (2-core CPU): 0.6x the training memory at 1.0-1.16x the time. On an H100 the step took
     # 2.0-2.4x official's time at 1x64 for no memory saved (results/cuda-nvidia-h100-80gb-hbm3-2026-11-26-quick.md):
@@ -69,6 +75,9 @@ ON_BY_DEFAULT = {
     # On a GPU the field's kernel does it through the ecosystem's switch (use_liger_kernel=True: Liger's fused linear
     # cross-entropy); skip_logits=True asks for ours anywhere.
     "chunked_loss": frozenset({"cpu"}),
+    # memory_fit.py: acts only where the alternative is running out of device memory (CUDA). A named option until the
+    # GPU check's longest-sequence and training rows run with it on (benchmarks/gpu_check.py).
+    "fit_memory": frozenset(),
 }
 
 # In place: 128 KiB of fp32, glibc's smallest threshold for mapping an allocation from the OS (smaller tensors come
@@ -133,19 +142,24 @@ def is_enabled(model: nn.Module) -> bool:
     return False
 
 
-_DECLARED: dict = {}
+_DECLARATIONS: dict = {}
+
+
+def _declaration(cls: type) -> Optional[str]:
+    """The declaration the class's forward carries (through any wrappers of it, such as transformers'
+    GradientCheckpointingLayer's), or None."""
+    if cls not in _DECLARATIONS:
+        forward, found = getattr(cls, "forward", None), None
+        while forward is not None and found is None:
+            found = getattr(forward, "runtime_declaration", None)
+            forward = getattr(forward, "__wrapped__", None)
+        _DECLARATIONS[cls] = found
+    return _DECLARATIONS[cls]
 
 
 def declared(cls: type) -> bool:
-    """Whether the class's forward carries one of this file's declarations (through any wrappers of it, such as
-    transformers' GradientCheckpointingLayer's)."""
-    if cls not in _DECLARED:
-        forward, found = getattr(cls, "forward", None), False
-        while forward is not None and not found:
-            found = getattr(forward, "runtime_declaration", None) is not None
-            forward = getattr(forward, "__wrapped__", None)
-        _DECLARED[cls] = found
-    return _DECLARED[cls]
+    """Whether the class's forward carries one of this file's declarations."""
+    return _declaration(cls) is not None
 
 
 # Whether set_runtime ever turned a path on in this process: until then a path is on only on its devices, and
@@ -292,8 +306,12 @@ def runtime_layer(in_place: Optional[str] = None) -> Callable[[Callable], Callab
     def declare(math: Callable) -> Callable:
         def forward(self, hidden_states, *args, **kwargs):
             if self.training:
-                if kwargs.get("cache") is None and _recomputes(self, hidden_states):  # a replay would write a cache twice
-                    return _recomputed(math, self, hidden_states, args, kwargs)
+                if kwargs.get("cache") is None:  # a replay would write a cache twice
+                    if _recomputes(self, hidden_states):
+                        return _recomputed(math, self, hidden_states, args, kwargs)
+                    plan = current_plan()
+                    if plan is not None and _replayable(self):
+                        return plan.run_layer(math, self, hidden_states, args, kwargs)
             # a decoding step's one token never is (and dynamo specializes sizes of 1 anyway: no new guard)
             elif (in_place is not None and type(hidden_states) is torch.Tensor and hidden_states.shape[1] > 1
                   and in_place_scale(self, hidden_states) and untouched(self)):
@@ -358,7 +376,9 @@ def runtime_stack(math: Callable) -> Callable:
 
     def forward(self, *args, **kwargs):
         # Compilation before the ContextVar: dynamo cannot read one without a graph break.
-        if self.training or torch.is_grad_enabled() or torch.compiler.is_compiling() or _workspace.get() is not None:
+        if self.training:
+            return _fitted(math, self, args, kwargs, with_head=False)
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or _workspace.get() is not None:
             return math(self, *args, **kwargs)
         token = _workspace.set({})
         try:
@@ -367,6 +387,22 @@ def runtime_stack(math: Callable) -> Callable:
             _workspace.reset(token)
 
     return _declaring(math, forward, "runtime_stack")
+
+
+def _fitted(math: Callable, model: nn.Module, args: tuple, kwargs: dict, *, with_head: bool):
+    """A training forward, planned to fit its device's memory (memory_fit.py) where the fit_memory path is on,
+    gradients are recorded, no plan is open yet (a language model's opens it for its stack and its head's loss) and
+    gradient checkpointing is off."""
+    # fit_memory is on nowhere by default: until a model turns a path on, no call at all
+    if not _path_chosen_on or current_plan() is not None or not torch.is_grad_enabled():
+        return math(model, *args, **kwargs)
+    # the inputs' device: a DataParallel replica holds its weights as plain attributes, parameters() gives none
+    device = next((v.device for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
+    if device is None or not path_on(model, "fit_memory", device) or is_activation_checkpointing(model):
+        return math(model, *args, **kwargs)
+    layers = sum(1 for module in model.modules() if _declaration(type(module)) == "runtime_layer")
+    vocab_size = model.config.vocab_size if with_head else 0
+    return planned(math, model, args, kwargs, device=device, layers=layers, vocab_size=vocab_size)
 
 
 def workspace_tensor(name: str, rows: int, cols: int, like: torch.Tensor) -> Optional[torch.Tensor]:
@@ -403,7 +439,9 @@ def runtime_decoding(head: str, tokens: str = "input_ids") -> Callable[[Callable
         def forward(self, *args, **kwargs):
             step = args[position] if len(args) > position else kwargs.get(tokens)
             step = kwargs.get(embeds) if step is None else step
-            if self.training or torch.is_grad_enabled() or not _few_rows_apply(self, getattr(self, head), step):
+            if self.training:
+                return _fitted(math, self, args, kwargs, with_head=True)
+            if torch.is_grad_enabled() or not _few_rows_apply(self, getattr(self, head), step):
                 return math(self, *args, **kwargs)
             token = _few_rows_step.set(True)
             try:

@@ -204,12 +204,12 @@ def test_saved_folder_has_auto_map_and_every_code_file(saved_models):
 
 
 # What every family's modeling code runs: the base model class (with the tested-range warning of transformers_api),
-# attention, its flash dispatch and Triton kernel, masks, the layers, the runtime and its in-place forms, saving
-# with its model card, the step preparation and the config checks.
+# attention, its flash dispatch and Triton kernel, masks, the layers, the runtime with its in-place forms and memory
+# plan, saving with its model card, the step preparation and the config checks.
 SHARED_CODE_FILES = {
     "attention.py", "engines.py", "flash.py", "flash_triton.py", "hub.py", "io_utils.py", "layers.py", "masks.py",
-    "modeling_base.py", "rope.py", "runtime.py", "runtime_forms.py", "saving.py", "step.py", "transformers_api.py",
-    "validation.py",
+    "memory_fit.py", "modeling_base.py", "rope.py", "runtime.py", "runtime_forms.py", "saving.py", "step.py",
+    "transformers_api.py", "validation.py",
 }
 # Each family's saved folder, written out by hand: a module a family starts to import is added here on purpose. An
 # encoder folder once carried the causal configuration (and through it mla.py and moe.py) because the encoder

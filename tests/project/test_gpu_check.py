@@ -108,6 +108,39 @@ def test_verdicts_of_hand_made_results():
     assert verdicts["Longest trainable sequence at batch 1 >= 3x official's"][1] == "PASS"  # 4096 / 1024 = 4
 
 
+def test_the_fit_memory_option_is_judged_by_its_longest_sequence_and_its_cost_where_the_step_fits():
+    results = hand_made_results()
+    fit_target = "With fit_memory on (a named option until both rows below pass): longest >= 3x official's"
+    cost_target = "With fit_memory on, where the 2x32 step fits: <= 1.02x hf_tiny's time without it"
+    verdicts = {name: (text, status) for name, text, status in gpu_report.targets(results)}
+    assert verdicts[fit_target] == ("hf_tiny, fit_memory on: not run", "not run")
+    assert verdicts[cost_target] == ("hf_tiny: not run", "not run")
+    rows = results["rows"]
+    rows["longest batch 1"]["hf_tiny_fit"] = {"longest": 3072, "stopped": "time cap while doubling", "probes": []}
+    rows["train 2x32 fit_memory"] = {"hf_tiny": timed(0.81, 500)}  # 0.81 / 0.8 s
+    verdicts = {name: (text, status) for name, text, status in gpu_report.targets(results)}
+    assert verdicts[fit_target] == ("3,072 / 1,024 tokens = 3.00x (fit_memory: time cap while doubling)", "PASS")
+    assert verdicts[cost_target] == ("1.01x", "PASS")
+    rows["longest batch 1"]["hf_tiny_fit"] = {"longest": 0, "stopped": "3072 tokens do not fit", "probes": []}
+    rows["train 2x32 fit_memory"] = {"hf_tiny": timed(0.84, 500)}  # 1.05x
+    verdicts = {name: status for name, _, status in gpu_report.targets(results)}
+    assert verdicts[fit_target] == "FAIL" and verdicts[cost_target] == "FAIL"
+
+
+def test_the_fit_memory_search_starts_at_three_times_officials_longest():
+    """60,416 x 3 = 181,248 = 177 x 1,024; 1,000 x 3 rounds up to 3,072; never past the cap."""
+    assert gpu_check.longest_fit_start(60_416, factor=3.0, resolution=1024, cap=262_144) == 181_248
+    assert gpu_check.longest_fit_start(1_000, factor=3.0, resolution=1024, cap=262_144) == 3_072
+    assert gpu_check.longest_fit_start(100_000, factor=3.0, resolution=1024, cap=262_144) == 262_144
+    stage = gpu_check.Stage("longest-hf_tiny_fit", {"start": 16, "resolution": 16, "cap": 128,
+                                                    "start_after_official": 3.0}, 1, 1, "")
+    gpu_check.start_after_official(stage, {"rows": {}})
+    assert stage.job == {"start": 16, "resolution": 16, "cap": 128}
+    stage.job["start_after_official"] = 3.0
+    gpu_check.start_after_official(stage, {"rows": {"longest batch 1": {"official": {"longest": 32}}}})
+    assert stage.job["start"] == 96
+
+
 def test_an_official_side_left_out_passes_nothing():
     """Official's captured decode not run in this call (`--stages`, the budget) is no crash of official's: "not run"."""
     results = hand_made_results()
@@ -194,6 +227,8 @@ DRY_RUN_TARGETS = [
     "Training 2x32: peak memory <= 0.6x official's, Liger on ours, none on official's",
     "Training 2x32, Liger on both sides: no slower than official",
     "Longest trainable sequence at batch 1 >= 3x official's",
+    "With fit_memory on (a named option until both rows below pass): longest >= 3x official's",
+    "With fit_memory on, where the 2x32 step fits: <= 1.02x hf_tiny's time without it",
 ]
 
 
@@ -202,8 +237,8 @@ def test_dry_run_runs_every_kind_of_job_and_lists_every_target(tmp_path):
     """The script on the CPU, hf_tiny's side of every kind of job (the build, the eager rows, captured decode, the
     longest-sequence search; each a process of its own; the official side runs the same functions): every selected
     stage ends "ok" and measures its rows, the others say they were not selected, and the page and the JSON list
-    every target. (`python -m benchmarks.gpu_check --dry-run` runs all ten stages: ~5 min on 2 busy cores.)"""
-    stages = "main-hf_tiny,captured-hf_tiny-1,longest-hf_tiny"
+    every target. (`python -m benchmarks.gpu_check --dry-run` runs all eleven stages: ~5 min on 2 busy cores.)"""
+    stages = "main-hf_tiny,captured-hf_tiny-1,longest-hf_tiny,longest-hf_tiny_fit"
     env = dict(os.environ, HF_TINY_BENCH_CACHE=str(tmp_path / "checkpoints"))
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--out", str(tmp_path),
                            "--budget-s", "600", "--stages", stages], cwd=REPO, env=env, capture_output=True,
@@ -227,4 +262,7 @@ def test_dry_run_runs_every_kind_of_job_and_lists_every_target(tmp_path):
     assert "seconds" in rows["train 2x32 recompute"]["hf_tiny"]  # set_runtime(recompute=True)
     assert "status" in rows["train 2x32 liger"]["hf_tiny"]  # Liger's Triton kernels need a GPU, or it is absent
     assert rows["longest batch 1"]["hf_tiny"]["longest"] == 128  # the dry run's cap: no OOM on a CPU
+    # set_runtime(fit_memory=True): its row, and its search from the plan's start (official's longest not run)
+    assert "seconds" in rows["train 2x32 fit_memory"]["hf_tiny"]
+    assert rows["longest batch 1"]["hf_tiny_fit"]["probes"][0] == [16, True]
     assert rows["ceilings"]["hf_tiny"]["bandwidth"]["read_bytes_per_s"] > 0

@@ -1,0 +1,108 @@
+"""The runtime's "fit_memory" path: a training forward that would not fit the device's memory keeps less.
+
+Keeping every activation of a training step runs out of device memory at some sequence length. With this path on
+(`model.set_runtime(fit_memory=True)`), a training forward on a device whose memory torch counts (CUDA) plans as it
+goes, cheapest saving first:
+
+1. its first layer runs as written, and what that layer kept (the bytes allocated after it, less those before) stands
+   for what each later layer would keep;
+2. when the remaining layers, the loss's logits and the backward's own needs would no longer fit the memory the device
+   had at the start, the loss is computed without logits (chunked_loss.py: its matrix products are the ones an
+   unchunked loss does);
+3. and when the layers alone would still not fit, each layer that does not keeps only its input and is replayed whole
+   in backward (torch's non-reentrant checkpoint, as gradient checkpointing does), until the rest fits.
+
+Where everything fits, every layer runs as written and nothing is replayed: the path costs a few counter reads a
+layer. A replayed layer reruns the same kernels, so gradients are those of the plain step; the chunked loss equals the
+plain one up to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+# Bytes a [tokens, vocab] loss keeps per logit without chunking: the fp32 logits, their log-softmax and, in backward,
+# their gradient (chunked_loss.py), plus the head's own half-precision output.
+LOGIT_BYTES = 16
+# Of the memory the device has at the start, the share a plan counts on: the allocator's blocks never fit exactly.
+USABLE_SHARE = 0.9
+
+
+def device_memory(device: torch.device) -> Optional[tuple[int, int]]:
+    """(bytes torch holds allocated on `device`, bytes it could still allocate there: free on the device plus its own
+    cached blocks), or None on a device whose memory torch does not count."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    return allocated, free + torch.cuda.memory_reserved(device) - allocated
+
+
+def allocated_bytes(device: torch.device) -> int:
+    return torch.cuda.memory_allocated(device)
+
+
+def gradient_bytes(model: nn.Module) -> int:
+    """What backward will allocate for the parameters' gradients not allocated yet."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
+
+
+class MemoryPlan:
+    """One training forward's plan (the module docstring): built before its first layer, consulted by each layer and
+    by the loss."""
+
+    def __init__(self, device: torch.device, layers: int, vocab_size: int, gradient_bytes: int, memory: tuple[int, int]):
+        allocated, available = memory
+        self.device = device
+        self.limit = allocated + int(available * USABLE_SHARE) - gradient_bytes
+        self.layers_left = layers
+        self.logit_bytes_per_token = LOGIT_BYTES * vocab_size
+        self.kept_per_layer: Optional[int] = None
+        self.tokens = 0
+        self.chunk_loss = False
+        self.replayed = 0
+
+    def run_layer(self, math: Callable, layer: nn.Module, hidden_states: torch.Tensor, args: tuple, kwargs: dict):
+        self.layers_left -= 1
+        if self.kept_per_layer is None:
+            before = allocated_bytes(self.device)
+            output = math(layer, hidden_states, *args, **kwargs)
+            self.kept_per_layer = max(allocated_bytes(self.device) - before, 0)
+            self.tokens = hidden_states.shape[:-1].numel()
+            self.chunk_loss = not self._fits(self.layers_left, self.tokens * self.logit_bytes_per_token)
+            return output
+        if self._fits(self.layers_left + 1, 0 if self.chunk_loss else self.tokens * self.logit_bytes_per_token):
+            return math(layer, hidden_states, *args, **kwargs)
+        self.replayed += 1
+        return checkpoint(math, layer, hidden_states, *args, use_reentrant=False, **kwargs)
+
+    def _fits(self, plain_layers: int, loss_bytes: int) -> bool:
+        """Whether `plain_layers` more layers kept whole, the loss and backward's working set (a layer replayed and
+        its gradients) fit under the limit."""
+        kept = self.kept_per_layer * (plain_layers + 2)
+        return allocated_bytes(self.device) + kept + loss_bytes <= self.limit
+
+
+_plan: contextvars.ContextVar = contextvars.ContextVar("hf_tiny_memory_plan", default=None)
+
+
+def current_plan() -> Optional[MemoryPlan]:
+    return _plan.get()
+
+
+def planned(math: Callable, model: nn.Module, args: tuple, kwargs: dict, *, device: torch.device, layers: int,
+            vocab_size: int):
+    """model's forward `math` run under a new plan for `device`; as written where the device's memory is not counted."""
+    memory = device_memory(device)
+    if memory is None:
+        return math(model, *args, **kwargs)
+    token = _plan.set(MemoryPlan(device, layers, vocab_size, gradient_bytes(model), memory))
+    try:
+        return math(model, *args, **kwargs)
+    finally:
+        _plan.reset(token)

@@ -1,0 +1,155 @@
+"""The runtime's fit_memory path (hf_tiny/memory_fit.py): a training forward that would not fit the device's memory
+chunks its loss, then replays whole the layers that do not fit; where everything fits nothing changes.
+
+The CPU's memory is not counted by torch, so the device's counters are stood in for: `allocated_bytes` grows by
+STEP at every read (about what a plain layer keeps between two reads), and `device_memory` gives the bytes free at the
+start. The decisions below follow from those numbers by hand; what a replay computes is checked against the plain step
+(bit for bit: it reruns the same kernels). On a GPU, benchmarks/gpu_check.py measures the real thing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_tiny import memory_fit, runtime
+from hf_tiny.transformers_api import enable_activation_checkpointing
+from runtime_checks import batch, training_step
+from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM
+from runtime_models import CAUSAL_VARIANTS, SIZES, causal_model
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+STEP = 100
+ONLY_FIT = dict(fit_memory=True, recompute=False, chunked_loss=False, in_place=False, few_rows=False)
+
+
+@pytest.fixture
+def counted_memory(monkeypatch):
+    """The stand-in counters; returns the list of replayed layers (their checkpoint calls) and the plans' reads."""
+    reads, replays = [], []
+    state = {"allocated": 0, "available": 0}
+
+    def allocated_bytes(device):
+        reads.append(device)
+        value = state["allocated"]
+        state["allocated"] += STEP
+        return value
+
+    def device_memory(device):
+        state["allocated"] = 0
+        return 0, state["available"]
+
+    real_checkpoint = memory_fit.checkpoint
+
+    def counted_checkpoint(*args, **kwargs):
+        replays.append(args[1])
+        return real_checkpoint(*args, **kwargs)
+
+    monkeypatch.setattr(memory_fit, "allocated_bytes", allocated_bytes)
+    monkeypatch.setattr(memory_fit, "device_memory", device_memory)
+    monkeypatch.setattr(memory_fit, "gradient_bytes", lambda model: 0)
+    monkeypatch.setattr(memory_fit, "USABLE_SHARE", 1.0)
+    monkeypatch.setattr(memory_fit, "checkpoint", counted_checkpoint)
+    return state, replays, reads
+
+
+def four_layers(variant: str = "llama"):
+    torch.manual_seed(0)
+    config = TinyCausalConfig(**{**SIZES, "num_hidden_layers": 4}, pad_token_id=0, **CAUSAL_VARIANTS[variant])
+    return TinyCausalForCausalLM(config).eval()
+
+
+def plain_and_fitted(model, inputs, *, available, state):
+    state["available"] = available
+    model.set_runtime(False)
+    plain = training_step(model, inputs)
+    model.set_runtime(True, **ONLY_FIT)
+    fitted = training_step(model, inputs)
+    return plain, fitted
+
+
+def test_where_everything_fits_every_layer_runs_as_written(counted_memory):
+    state, replays, reads = counted_memory
+    model, inputs = four_layers(), batch(causal_model())
+    plain, fitted = plain_and_fitted(model, inputs, available=10**12, state=state)
+    assert replays == [] and len(reads) == 6  # the first layer's two reads, its loss decision, one for each other
+    assert all(torch.equal(plain[name], fitted[name]) for name in plain)
+
+
+def test_a_layer_that_does_not_fit_is_replayed_with_the_plain_steps_gradients(counted_memory):
+    """Four layers, STEP bytes a layer, 16 * 97 bytes a token of logits (160 tokens: 248,320): the loss never fits,
+    so it is chunked; then (reads at 200, 300, 400, 500) layer 1 needs 300 + 100 * (3 + 2) = 800, layer 2 400 + 400,
+    layer 3 500 + 300: with 750 bytes free all three are replayed, with 800 none is."""
+    state, replays, _ = counted_memory
+    model, inputs = four_layers(), batch(causal_model())
+    plain, fitted = plain_and_fitted(model, inputs, available=750, state=state)
+    assert replays == list(model.model.layers[1:])
+    assert torch.allclose(plain["loss"], fitted["loss"], rtol=1e-6, atol=0)  # chunked: another summation order
+    for name in plain:
+        assert torch.allclose(plain[name], fitted[name], rtol=1e-5, atol=1e-6), name
+    replays.clear()
+    state["available"] = 800
+    assert torch.equal(training_step(model, inputs)["loss"], fitted["loss"]) and replays == []
+
+
+def test_replayed_layers_alone_give_bit_identical_gradients_even_with_dropout(counted_memory):
+    """No loss in the plan (labels None, the loss summed outside): the replays are the only change, and a replay
+    draws the dropout masks the forward drew (checkpoint keeps the random state)."""
+    state, replays, _ = counted_memory
+    model = four_layers("gpt2")
+    inputs = {k: v for k, v in batch(model).items() if k != "labels"}
+    state["available"] = 750
+
+    def summed_step():
+        model.train()
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(5)
+        model(**inputs).logits.float().square().mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    model.set_runtime(False)
+    plain = summed_step()
+    model.set_runtime(True, **ONLY_FIT)
+    fitted = summed_step()
+    assert len(replays) == 3
+    assert plain.keys() == fitted.keys() and all(torch.equal(plain[n], fitted[n]) for n in plain)
+
+
+def test_the_chunked_loss_is_the_first_saving_and_gives_no_logits(counted_memory):
+    """Free memory for every layer but not for the logits (160 tokens x 97 x 16 bytes = 248,320): the loss is chunked
+    and no layer replayed."""
+    state, replays, _ = counted_memory
+    model, inputs = four_layers(), batch(causal_model())
+    model.set_runtime(True, **ONLY_FIT)
+    state["available"] = 10_000
+    model.train()
+    output = model(**inputs)
+    assert output.logits is None and replays == []
+    state["available"] = 10**6
+    assert model(**inputs).logits is not None
+
+
+def test_the_plan_stays_off_by_default_under_checkpointing_in_eval_and_where_memory_is_not_counted(counted_memory):
+    state, replays, reads = counted_memory
+    model, inputs = four_layers(), batch(causal_model())
+    state["available"] = 0
+    assert not runtime.ON_BY_DEFAULT["fit_memory"]
+    model.set_runtime(True)  # the device defaults: off everywhere
+    training_step(model, inputs)
+    assert reads == [] and replays == []
+    model.set_runtime(True, **ONLY_FIT)
+    with torch.no_grad():
+        model.train()(**inputs)
+    enable_activation_checkpointing(model, {"use_reentrant": False})
+    training_step(model, inputs)
+    assert reads == [] and replays == []
+
+
+def test_on_a_device_whose_memory_is_not_counted_the_plan_is_not_made(monkeypatch):
+    opened = []
+    monkeypatch.setattr(memory_fit, "MemoryPlan", lambda *a, **k: opened.append(a))
+    assert memory_fit.device_memory(torch.device("cpu")) is None
+    model = four_layers().set_runtime(True, **ONLY_FIT)
+    training_step(model, batch(model))
+    assert opened == []
