@@ -14,7 +14,9 @@ mask is complete (causality already inside it). `is_causal` says whether the att
 the backend applies it, aligned bottom-right (query i sees keys j <= i + Sk - Sq, the rule for decoding after a
 KV cache); with a mask, the backends here ignore it. layout (masks.MaskLayout) says what the mask holds — padding,
 causality, window, chunks, packed sequences — for the flash kernels, which take sequence boundaries instead of masks
-(flash.py); the backends here apply the mask itself and ignore it.
+(flash.py); the backends here apply the mask itself and ignore it. hidden_rows ([B | 1, 1, Sq, 1] bool, True where
+a query row sees no key, whose output is zeroed): given (masks.with_hidden_rows, once per forward), the mask already
+lets those rows see every key; None, the backends that apply the mask derive both at every call.
 A query row with no visible key returns zeros, never NaN, in every backend.
 sinks ([H], GPT-OSS's attention sinks, transformers' `s_aux`) is one more logit per head in every query's softmax
 denominator, attached to no value: softmax([Q Kᵀ · scale + M, sinks[h]]) without its last column, so a row's weights
@@ -43,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from .flash import check_flash_can_run, check_triton_can_run, flash_attention, hf_tiny_flash_attention, sink_as_first_key
-from .masks import causal_bool_mask, visible_rows
+from .masks import causal_bool_mask, unhidden, visible_rows
 
 BackendOutput = tuple[torch.Tensor, Optional[torch.Tensor]]
 
@@ -93,7 +95,7 @@ def softmax_with_sinks(scores: torch.Tensor, sinks: Optional[torch.Tensor]) -> t
 
 
 def naive_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0, is_causal: bool = False,
-                    output_attentions: bool = False, layout=None, sinks=None) -> BackendOutput:
+                    output_attentions: bool = False, layout=None, sinks=None, hidden_rows=None) -> BackendOutput:
     """softmax(Q Kᵀ · scale + M) V written out; the reference the other backends are tested against."""
     n_rep = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
@@ -109,7 +111,7 @@ def naive_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0,
             scores = (scores + mask.to(scores.dtype)).clamp(min=lowest)
     weights = softmax_with_sinks(scores, sinks).to(q.dtype)
     if mask is not None:
-        weights = weights * visible_rows(mask).to(weights.dtype)
+        weights = weights.masked_fill(~visible_rows(mask) if hidden_rows is None else hidden_rows, 0.0)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p, training=True)
     out = torch.matmul(weights, v)
@@ -117,7 +119,7 @@ def naive_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0,
 
 
 def torch_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0, is_causal: bool = False,
-                    output_attentions: bool = False, layout=None, sinks=None) -> BackendOutput:
+                    output_attentions: bool = False, layout=None, sinks=None, hidden_rows=None) -> BackendOutput:
     """torch's scaled_dot_product_attention (it picks the flash, memory-efficient or math kernel). A row that sees
     no key is handed to the kernel as seeing every key and zeroed after: some kernels return NaN for a fully masked
     row, forward and backward (CUDA memory-efficient, pytorch#110213). Sinks: sink_as_first_key."""
@@ -135,14 +137,15 @@ def torch_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0,
         n_rep = q.shape[1] // k.shape[1]
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         gqa = False
-    visible = None if mask is None else visible_rows(mask)
-    if mask is not None and mask.dtype == torch.bool:
-        mask = mask | ~visible
-    elif mask is not None:
-        mask = torch.where(visible, mask.to(q.dtype).clamp(min=torch.finfo(q.dtype).min), 0.0).to(q.dtype)
+    hidden = hidden_rows
+    if mask is not None and hidden is None:
+        hidden = ~visible_rows(mask)
+        mask = unhidden(mask, hidden, q.dtype)
+    elif mask is not None and mask.dtype != torch.bool:
+        mask = mask.to(q.dtype)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                          is_causal=is_causal and mask is None, scale=scale, enable_gqa=gqa)
-    out = out if visible is None else out.masked_fill(~visible, 0.0)
+    out = out if hidden is None else out.masked_fill(hidden, 0.0)
     return (out if sinks is None else out[..., :value_dim]), None
 
 
@@ -217,8 +220,9 @@ def as_attention_interface(backend: Callable[..., BackendOutput]) -> AttentionIn
 
     def attention_forward(
         module, query, key, value, attention_mask, scaling=None, dropout=0.0, *, is_causal=None,
-        output_attentions=False, layout=None, s_aux=None, **kwargs,
+        output_attentions=False, layout=None, s_aux=None, hidden_rows=None, **kwargs,
     ):
+        extra = {} if hidden_rows is None else {"hidden_rows": hidden_rows}  # the flash backends take no mask
         out, weights = backend(
             query, key, value, attention_mask,
             scale=module.scaling if scaling is None else scaling,
@@ -227,6 +231,7 @@ def as_attention_interface(backend: Callable[..., BackendOutput]) -> AttentionIn
             output_attentions=output_attentions,
             layout=layout,
             sinks=s_aux,
+            **extra,
         )
         return out.transpose(1, 2), weights
 
@@ -241,6 +246,8 @@ HF_TINY_INTERFACES: dict[str, AttentionInterfaceFn] = {
 
 # Our own backends, also under transformers' "paged|" prefix (our wrappers handle paged caches).
 HF_TINY_BACKEND_NAMES = frozenset(HF_TINY_INTERFACES) | {f"paged|{name}" for name in HF_TINY_INTERFACES}
+# Ours that apply the mask tensor itself (and take hidden_rows)
+MASK_KERNEL_BACKENDS = frozenset({"eager", "sdpa", "paged|eager", "paged|sdpa"})
 
 
 def is_hf_tiny_backend(name: str) -> bool:

@@ -328,10 +328,12 @@ def interface_inputs(module, implementation: str, attention_mask, query: torch.T
     """(mask, is_causal, visible rows or None) from a masks.AttentionMask (or None) for the attention function
     `implementation`: ours take it as it is (its declared layout into attention_kwargs, for the flash kernels),
     transformers' take their own forms (engines.foreign_mask)."""
-    mask, is_causal, layout = attention_mask if attention_mask is not None else (None, False, None)
+    mask, is_causal, layout, hidden_rows = attention_mask if attention_mask is not None else (None, False, None, None)
     if implementation in HF_TINY_BACKEND_NAMES:
         if layout is not None:
             attention_kwargs["layout"] = layout
+        if hidden_rows is not None:
+            attention_kwargs["hidden_rows"] = hidden_rows
         return mask, is_causal, None
     return foreign_mask(module, implementation, mask, is_causal, query, key.shape[2])
 

@@ -82,6 +82,26 @@ class AttentionMask(NamedTuple):
     mask: Optional[torch.Tensor]
     is_causal: bool
     layout: Optional[MaskLayout] = None  # None with a mask: a mask from outside, whose layout nobody declared
+    # [B | 1, 1, Sq, 1] bool, True where a query row sees no key, whose output the kernels zero; set (with_hidden_rows),
+    # `mask` lets those rows see every key, so that no kernel meets a fully masked row. None: each call derives them
+    hidden_rows: Optional[torch.Tensor] = None
+
+
+def with_hidden_rows(mask: AttentionMask) -> AttentionMask:
+    """The mask as the kernels that apply it take it (a row that sees no key sees every key) and those rows, derived
+    once for every layer the mask serves rather than by each layer."""
+    if mask.mask is None or mask.hidden_rows is not None:
+        return mask
+    hidden = ~visible_rows(mask.mask)
+    return mask._replace(mask=unhidden(mask.mask, hidden), hidden_rows=hidden)
+
+
+def unhidden(mask: torch.Tensor, hidden: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """`mask` (bool, or an additive bias clamped to `dtype`'s range) with the `hidden` rows seeing every key."""
+    if mask.dtype == torch.bool:
+        return mask | hidden
+    dtype = dtype or mask.dtype
+    return torch.where(hidden, 0.0, mask.to(dtype).clamp(min=torch.finfo(dtype).min)).to(dtype)
 
 
 # ---- self-attention and cross-attention ------------------------------------------------------------------------

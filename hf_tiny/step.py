@@ -18,10 +18,11 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache
 from transformers.utils import ModelOutput
 
-from .attention import is_hf_tiny_backend
+from .attention import MASK_KERNEL_BACKENDS, is_hf_tiny_backend
 from .engines import interface_takes_mask
 from .masks import (
     AttentionMask, CausalShape, alibi_mask, causal_mask, chunked_layer_mask, packed_causal_mask, refuse_alibi,
+    with_hidden_rows,
     segment_ids_from_cu_seq_lens, segment_ids_from_position_ids, segment_ids_from_seq_idx,
 )
 
@@ -411,6 +412,8 @@ def causal_masks(model, attention_mask, cache, shape: CausalShape, segment_ids) 
     if config.position_embedding_type == "alibi":
         dtype = model.get_input_embeddings().weight.dtype
         masks = {kind: alibi_mask(config, mask, cache, shape, kind, dtype) for kind, mask in masks.items()}
+    if implementation in MASK_KERNEL_BACKENDS:  # each of their layers would otherwise derive the rows itself
+        masks = {kind: with_hidden_rows(mask) for kind, mask in masks.items()}
     return masks
 
 

@@ -143,27 +143,27 @@ def attention_cases(draw, kinds=tuple(KINDS), dtype=torch.float32):
         )
         if kind == "causal":
             assert built.mask is None and built.is_causal == (sq > 1), built  # the fast path
-        mask, is_causal, layout = built
+        mask, is_causal, layout, _ = built
         if kind == "additive":
             gen = torch.Generator().manual_seed(seed + 1)
             bias = 2 * torch.randn(1, heads, sq, sk, generator=gen)
-            mask, is_causal, layout = with_position_bias(built, bias, torch.float32)
+            mask, is_causal, layout, _ = with_position_bias(built, bias, torch.float32)
     elif kind == "cross":
         sq, sk = draw(st.integers(1, 9)), draw(st.integers(1, 9))
         if sq == sk:
             sk += 1
         encoder_padding = padding_mask(lengths(sk), sk, side)
-        mask, is_causal, layout = cross_attention_mask(encoder_padding, query_length=sq)
+        mask, is_causal, layout, _ = cross_attention_mask(encoder_padding, query_length=sq)
     elif kind in ("decode", "chunk"):
         sk = draw(st.integers(2 if kind == "decode" else 3, 10))
         sq = 1 if kind == "decode" else draw(st.integers(2, sk - 1))
         if draw(st.booleans()):
             key_padding = padding_mask(lengths(sk), sk, side)
-        mask, is_causal, layout = self_attention_mask(
+        mask, is_causal, layout, _ = self_attention_mask(
             key_padding, batch_size=batch, query_length=sq, key_length=sk, causal=True, device=CPU
         )
     elif kind == "local_chunks":
-        (mask, is_causal, layout), key_padding, sq, sk = draw(local_chunk_masks(batch, lengths, side))
+        (mask, is_causal, layout, _), key_padding, sq, sk = draw(local_chunk_masks(batch, lengths, side))
     else:  # raw_bool: any pattern, including rows with no visible key
         sq, sk = draw(st.integers(1, 9)), draw(st.integers(1, 9))
         gen = torch.Generator().manual_seed(seed + 2)
@@ -481,7 +481,7 @@ def test_large_activations_do_not_overflow_in_half_precision(dtype, backend):
     v0 = torch.randn(2, 2, 7, 64, generator=gen)
     k0 = k0[:, :2]
     padding = padding_mask([7, 4], 7, "left")
-    mask, is_causal, _ = self_attention_mask(padding, batch_size=2, query_length=7, key_length=7, causal=True, device=CPU)
+    mask, is_causal, _, _ = self_attention_mask(padding, batch_size=2, query_length=7, key_length=7, causal=True, device=CPU)
     q, k, v = (t.to(dtype).requires_grad_() for t in (q0, k0, v0))
     expected, _ = reference_attention(q.detach(), k.detach(), v.detach(), mask, scale=64**-0.5, is_causal=is_causal)
     out, _ = get_attention_backend(backend)(q, k, v, mask, scale=64**-0.5, is_causal=is_causal)
@@ -506,7 +506,7 @@ def test_bf16_softmax_precision_matches_official_eager_bit_for_bit():
     k = torch.randint(-3, 4, (2, 2, 9, 16), generator=gen).to(torch.bfloat16)
     v = torch.randn(2, 2, 9, 16, generator=gen).to(torch.bfloat16)
     padding = padding_mask([9, 5], 9, "left")
-    mask, is_causal, _ = self_attention_mask(padding, batch_size=2, query_length=9, key_length=9, causal=True, device=CPU)
+    mask, is_causal, _, _ = self_attention_mask(padding, batch_size=2, query_length=9, key_length=9, causal=True, device=CPU)
     official_mask = torch.where(mask, 0.0, torch.finfo(torch.bfloat16).min).to(torch.bfloat16)
     official_out, official_weights = official_eager(q, k, v, official_mask, 0.25)
     ours_out, ours_weights = naive_attention(q, k, v, mask, scale=0.25, is_causal=is_causal, output_attentions=True)
@@ -724,11 +724,11 @@ def test_flash_emulation_uses_varlen_for_padding_and_dense_without():
     k, v = k[:, :2], v[:, :2]
     with pytest.MonkeyPatch.context() as patch:
         flash_on_cpu(patch, package=package)
-        mask, is_causal, layout = self_attention_mask(padding_mask([5, 2], 5, "left"), batch_size=2, query_length=5,
+        mask, is_causal, layout, _ = self_attention_mask(padding_mask([5, 2], 5, "left"), batch_size=2, query_length=5,
                                                       key_length=5, causal=True, device=CPU)
         flash_attention(q, k, v, mask, scale=0.3, is_causal=is_causal, layout=layout)
         assert package.calls == ["varlen"]
-        mask, is_causal, layout = self_attention_mask(torch.ones(2, 5), batch_size=2, query_length=5, key_length=5,
+        mask, is_causal, layout, _ = self_attention_mask(torch.ones(2, 5), batch_size=2, query_length=5, key_length=5,
                                                       causal=True, device=CPU)
         flash_attention(q, k, v, mask, scale=0.3, is_causal=is_causal, layout=layout)
         assert package.calls == ["varlen", "dense"]
@@ -761,9 +761,9 @@ def _cuda_cases(device):
         lengths = [sk, sk // 2, 3]
         padding = padding_mask(lengths, sk, side).to(device) if side else None
         if kind == "cross":
-            mask, is_causal, layout = cross_attention_mask(padding, query_length=sq)
+            mask, is_causal, layout, _ = cross_attention_mask(padding, query_length=sq)
         else:
-            mask, is_causal, layout = self_attention_mask(
+            mask, is_causal, layout, _ = self_attention_mask(
                 padding, batch_size=3, query_length=sq, key_length=sk, causal=kind != "padding", device=device
             )
         q = torch.randn(3, 8, sq, 64, generator=gen)

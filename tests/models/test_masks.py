@@ -117,7 +117,7 @@ def test_chunked_prefill_without_padding_builds_the_bottom_right_causal_mask():
 
 def test_sliding_window_wider_than_the_keys_is_plain_causal():
     built = self_attention_mask(None, batch_size=1, query_length=4, key_length=4, causal=True, sliding_window=4, device=CPU)
-    assert built == (None, True, None)
+    assert built == (None, True, None, None)
     built = self_attention_mask(None, batch_size=1, query_length=4, key_length=4, causal=True, sliding_window=2, device=CPU)
     assert built.mask[0, 0].int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
 
@@ -225,8 +225,8 @@ def test_bad_self_attention_inputs_raise_clear_errors(kwargs, message):
 
 
 def test_cross_attention_mask():
-    assert cross_attention_mask(None, query_length=4) == (None, False, None)
-    assert cross_attention_mask(torch.ones(2, 6), query_length=4) == (None, False, None)
+    assert cross_attention_mask(None, query_length=4) == (None, False, None, None)
+    assert cross_attention_mask(torch.ones(2, 6), query_length=4) == (None, False, None, None)
     encoder_padding = [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1]]
     built = cross_attention_mask(torch.tensor(encoder_padding), query_length=4)
     assert not built.is_causal and built.mask.dtype == torch.bool and built.mask.shape == (2, 1, 4, 6)
@@ -288,3 +288,34 @@ def test_with_position_bias_rejects_bad_shapes():
         with_position_bias(built, torch.zeros(1, 2, 3, 4), torch.float32)
     with pytest.raises(ValueError, match=r"position bias of shape \(2, 3, 3\)"):
         with_position_bias(AttentionMask(None, False), torch.zeros(2, 3, 3), torch.float32)
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_rows_that_see_no_key_are_derived_once_per_forward_not_by_every_layer(implementation, monkeypatch):
+    """Left padding: the pad positions' queries see no key. The kernels that apply the mask zero those rows; the rows
+    are derived once per layer type (masks.with_hidden_rows), not by each of the 4 layers, and the logits are those
+    of layers that derive them each (negative control: with_hidden_rows left out, 3 more derivations)."""
+    from runtime_checks import ops_of
+
+    import hf_tiny
+    from hf_tiny import step
+
+    torch.manual_seed(0)
+    config = hf_tiny.TinyCausalConfig(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
+                                      attn_implementation=implementation)
+    model = hf_tiny.TinyCausalForCausalLM(config).eval().set_runtime(False)
+    ids = torch.randint(3, 97, (2, 9))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+
+    def run():
+        with torch.no_grad():
+            return ops_of(lambda: model(input_ids=ids, attention_mask=mask)).count("any"), model(
+                input_ids=ids, attention_mask=mask).logits
+
+    once, derived_once = run()
+    monkeypatch.setattr(step, "with_hidden_rows", lambda built: built)  # every layer derives the rows itself
+    per_layer, derived_per_layer = run()
+    assert per_layer - once == 3
+    assert torch.equal(derived_once[mask.bool()], derived_per_layer[mask.bool()])
