@@ -1,12 +1,14 @@
 """Attention masks, each with its layout declared: built once per forward, read by every layer of one type.
 
-A mask is an `AttentionMask(mask, is_causal, layout)`. `mask` is what naive and SDPA kernels apply: None (plain
+A mask is an `AttentionMask(mask, is_causal, layout, hidden_rows)`. `mask` is what naive and SDPA kernels apply: None (plain
 causality or nothing to mask, so that kernels take their fast path), a bool tensor [B, 1, Sq, Sk] (True = attend),
 or a float tensor holding an additive bias (T5's relative buckets, ALiBi) with masked entries at the dtype's lowest
 value. `layout` (a MaskLayout) says what the tensor holds — the padding of each row, causality, a sliding window,
 chunks, packed sequences — for the kernels that take sequence boundaries instead of masks (flash varlen, flash.py).
 The function that builds a mask states its layout; no code reads a layout back out of a tensor. A mask that comes
 from outside (a caller's 4-D mask) has none: flash kernels refuse it, naming the backends that take any pattern.
+`hidden_rows`, the query rows that see no key, is derived once per forward for the kernels that apply the mask
+(with_hidden_rows).
 
 Padding rules, the same in every family and every backend: keys that are padding are never attended to; queries
 are never masked for being padding. A padded query therefore sees the real tokens before it (right padding), as in
