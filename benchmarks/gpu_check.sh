@@ -48,7 +48,7 @@ rm -f "$HF_TINY_FAILURE_LOG"
 
 CUDA_MARKED=(tests/models/test_cuda_families.py tests/models/test_cuda.py tests/models/test_gpt_oss.py
   tests/models/test_numerics.py tests/models/test_attention.py tests/models/test_seq2seq.py
-  tests/conversion/test_bart.py tests/conversion/test_bert.py tests/conversion/test_t5.py)
+  tests/conversion/test_bart.py tests/conversion/test_bert.py tests/conversion/test_t5.py tests/runtime/test_memory_fit.py)
 if [ "${GPU_CHECK_SKIP_TESTS:-0}" != 1 ]; then  # 1: a later session that only finishes benchmark stages
   timeout 170 "${PYTEST[@]}" "${PARALLEL[@]}" -m cuda "${CUDA_MARKED[@]}" 2>&1 | tee "$OUT/cuda_tests.log" | tail -30
   timeout 80 "${PYTEST[@]}" "${PARALLEL[@]}" tests/models/test_flash_triton.py 2>&1 | tee "$OUT/flash_kernel_tests.log" | tail -15

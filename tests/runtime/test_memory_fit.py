@@ -153,3 +153,27 @@ def test_on_a_device_whose_memory_is_not_counted_the_plan_is_not_made(monkeypatc
     model = four_layers().set_runtime(True, **ONLY_FIT)
     training_step(model, batch(model))
     assert opened == []
+
+
+@pytest.mark.cuda
+@pytest.mark.usefixtures("no_tf32")
+def test_on_cuda_the_real_counters_plan_a_step_and_replays_give_the_plain_steps_gradients(monkeypatch):
+    """The device's own counters (torch.cuda.mem_get_info / memory_allocated): a small step fits and replays nothing;
+    told that nothing more fits (the free memory read as 0), every layer after the first is replayed and the loss is
+    chunked, with the plain step's loss and gradients (fp32; the chunked loss sums in another order)."""
+    replays, real_checkpoint = [], memory_fit.checkpoint
+    monkeypatch.setattr(memory_fit, "checkpoint", lambda *a, **k: replays.append(a[1]) or real_checkpoint(*a, **k))
+    model = four_layers().cuda()
+    inputs = {name: value.cuda() for name, value in batch(causal_model()).items()}
+    model.set_runtime(False)
+    plain = training_step(model, inputs)
+    model.set_runtime(True, **ONLY_FIT)
+    fitting = training_step(model, inputs)
+    assert replays == [] and torch.equal(plain["loss"], fitting["loss"])
+    real_memory = memory_fit.device_memory
+    monkeypatch.setattr(memory_fit, "device_memory", lambda device: (real_memory(device)[0], 0))
+    short = training_step(model, inputs)
+    assert replays == list(model.model.layers[1:])
+    assert torch.allclose(plain["loss"], short["loss"], rtol=1e-6, atol=0)
+    for name in plain:
+        assert torch.allclose(plain[name], short[name], rtol=1e-4, atol=1e-6), name
