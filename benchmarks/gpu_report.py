@@ -249,8 +249,9 @@ def fit_memory_targets(results: dict) -> list:
         text = f"{fit['longest']:,} / {theirs['longest']:,} tokens = {times(value, LONGEST_FACTOR)} (fit_memory: {fit['stopped']})"
         if not theirs["stopped"].startswith("fails at"):
             rows = [(name, text + " — official's search did not reach its limit", "not run")]
-        elif value < LONGEST_FACTOR and fit["stopped"].startswith("cap "):
-            rows = [(name, text + " — the search's cap is below the target", "not run")]
+        elif value < LONGEST_FACTOR and not fit["stopped"].startswith("fails at") and not fit["stopped"].endswith(
+                "do not fit"):
+            rows = [(name, text + " — its search stopped before its limit", "not run")]
         else:
             rows = [(name, text, verdict(value, lambda v: v >= LONGEST_FACTOR))]
     train = Shape(*results["meta"]["plan"]["train"]).label()

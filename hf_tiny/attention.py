@@ -141,8 +141,8 @@ def torch_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0,
     if mask is not None and hidden is None:
         hidden = ~visible_rows(mask)
         mask = unhidden(mask, hidden, q.dtype)
-    elif mask is not None and mask.dtype != torch.bool:
-        mask = mask.to(q.dtype)
+    elif mask is not None and mask.dtype != torch.bool:  # a bias derived in another dtype (autocast)
+        mask = mask.to(q.dtype).clamp(min=torch.finfo(q.dtype).min)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
                                          is_causal=is_causal and mask is None, scale=scale, enable_gqa=gqa)
     out = out if hidden is None else out.masked_fill(hidden, 0.0)

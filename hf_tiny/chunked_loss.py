@@ -122,8 +122,10 @@ def use_chunked_loss(skip_logits: Optional[bool], labels, *, model, head) -> boo
     labels and a plain linear head."""
     check_skip_logits(skip_logits, labels)
     if skip_logits is None and model.training and labels is not None:
-        plan = current_plan()
-        skip_logits = path_on(model, "chunked_loss", labels.device) or (plan is not None and plan.chunk_loss)
+        skip_logits = path_on(model, "chunked_loss", labels.device)
+        if not skip_logits and not torch.compiler.is_compiling():  # dynamo cannot read the plan's ContextVar
+            plan = current_plan()
+            skip_logits = plan is not None and plan.chunk_loss
     return bool(skip_logits) and plain_linear(head)  # a PEFT-wrapped, quantized or hooked head: unchunked
 
 

@@ -8,7 +8,8 @@ goes, cheapest saving first:
    for what each later layer would keep;
 2. when the remaining layers, the loss's logits and the backward's own needs would no longer fit the memory the device
    had at the start, the loss is computed without logits (chunked_loss.py: its matrix products are the ones an
-   unchunked loss does);
+   unchunked loss does), where it may be (labels given by name, skip_logits not False, a plain nn.Linear head); a
+   step that keeps its logits counts them;
 3. and when the layers alone would still not fit, each layer that does not keeps only its input and is replayed whole
    in backward (torch's non-reentrant checkpoint, as gradient checkpointing does), until the rest fits.
 
@@ -20,7 +21,7 @@ plain one up to fp32 summation order.
 from __future__ import annotations
 
 import contextvars
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -52,20 +53,29 @@ def gradient_bytes(model: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
 
 
+class LossPlan(NamedTuple):
+    """A language model's logits in its training forward: vocab_size; tokens (None: the first layer's); whether the
+    loss may be computed without them (labels given, skip_logits not False, a plain head: chunked_loss.py)."""
+
+    vocab_size: int
+    tokens: Optional[int]
+    chunkable: bool
+
+
 class MemoryPlan:
     """One training forward's plan (the module docstring): built before its first layer, consulted by each layer and
     by the loss."""
 
-    def __init__(self, device: torch.device, layers: int, vocab_size: int, gradient_bytes: int, memory: tuple[int, int]):
+    def __init__(self, device: torch.device, layers: int, loss: Optional[LossPlan], gradient_bytes: int,
+                 memory: tuple[int, int]):
         allocated, available = memory
         self.device = device
         self.limit = allocated + int(available * USABLE_SHARE) - gradient_bytes
         self.layers_left = layers
-        self.logit_bytes_per_token = LOGIT_BYTES * vocab_size
+        self.loss = loss
         self.kept_per_layer: Optional[int] = None
-        self.tokens = 0
+        self.logit_bytes = 0
         self.chunk_loss = False
-        self.replayed = 0
 
     def run_layer(self, math: Callable, layer: nn.Module, hidden_states: torch.Tensor, args: tuple, kwargs: dict):
         self.layers_left -= 1
@@ -73,13 +83,19 @@ class MemoryPlan:
             before = allocated_bytes(self.device)
             output = math(layer, hidden_states, *args, **kwargs)
             self.kept_per_layer = max(allocated_bytes(self.device) - before, 0)
-            self.tokens = hidden_states.shape[:-1].numel()
-            self.chunk_loss = not self._fits(self.layers_left, self.tokens * self.logit_bytes_per_token)
+            self._plan_loss(hidden_states.shape[:-1].numel())
             return output
-        if self._fits(self.layers_left + 1, 0 if self.chunk_loss else self.tokens * self.logit_bytes_per_token):
+        if self._fits(self.layers_left + 1, 0 if self.chunk_loss else self.logit_bytes):
             return math(layer, hidden_states, *args, **kwargs)
-        self.replayed += 1
         return checkpoint(math, layer, hidden_states, *args, use_reentrant=False, **kwargs)
+
+    def _plan_loss(self, first_layer_tokens: int) -> None:
+        """The logits' bytes, and whether the loss goes without them: only where it may, and the rest would not fit."""
+        if self.loss is None:
+            return
+        tokens = first_layer_tokens if self.loss.tokens is None else self.loss.tokens
+        self.logit_bytes = LOGIT_BYTES * self.loss.vocab_size * tokens
+        self.chunk_loss = self.loss.chunkable and not self._fits(self.layers_left, self.logit_bytes)
 
     def _fits(self, plain_layers: int, loss_bytes: int) -> bool:
         """Whether `plain_layers` more layers kept whole, the loss and backward's working set (a layer replayed and
@@ -96,12 +112,13 @@ def current_plan() -> Optional[MemoryPlan]:
 
 
 def planned(math: Callable, model: nn.Module, args: tuple, kwargs: dict, *, device: torch.device, layers: int,
-            vocab_size: int):
-    """model's forward `math` run under a new plan for `device`; as written where the device's memory is not counted."""
+            loss: Optional[LossPlan]):
+    """model's forward `math` run under a new plan for `device` (loss: a language model's, None for a stack of
+    layers); as written where the device's memory is not counted."""
     memory = device_memory(device)
     if memory is None:
         return math(model, *args, **kwargs)
-    token = _plan.set(MemoryPlan(device, layers, vocab_size, gradient_bytes(model), memory))
+    token = _plan.set(MemoryPlan(device, layers, loss, gradient_bytes(model), memory))
     try:
         return math(model, *args, **kwargs)
     finally:

@@ -57,7 +57,7 @@ from torch.nn.modules import module as module_globals
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .memory_fit import current_plan, planned
+from .memory_fit import LossPlan, current_plan, planned
 from .transformers_api import is_activation_checkpointing
 
 PATHS = ("recompute", "in_place", "few_rows", "chunked_loss", "fit_memory")
@@ -309,7 +309,8 @@ def runtime_layer(in_place: Optional[str] = None) -> Callable[[Callable], Callab
                 if kwargs.get("cache") is None:  # a replay would write a cache twice
                     if _recomputes(self, hidden_states):
                         return _recomputed(math, self, hidden_states, args, kwargs)
-                    plan = current_plan()
+                    # dynamo cannot read a ContextVar without a graph break; no plan exists before a path is chosen
+                    plan = current_plan() if _path_chosen_on and not torch.compiler.is_compiling() else None
                     if plan is not None and _replayable(self):
                         return plan.run_layer(math, self, hidden_states, args, kwargs)
             # a decoding step's one token never is (and dynamo specializes sizes of 1 anyway: no new guard)
@@ -377,7 +378,7 @@ def runtime_stack(math: Callable) -> Callable:
     def forward(self, *args, **kwargs):
         # Compilation before the ContextVar: dynamo cannot read one without a graph break.
         if self.training:
-            return _fitted(math, self, args, kwargs, with_head=False)
+            return _fitted(math, self, args, kwargs)
         if torch.is_grad_enabled() or torch.compiler.is_compiling() or _workspace.get() is not None:
             return math(self, *args, **kwargs)
         token = _workspace.set({})
@@ -389,20 +390,38 @@ def runtime_stack(math: Callable) -> Callable:
     return _declaring(math, forward, "runtime_stack")
 
 
-def _fitted(math: Callable, model: nn.Module, args: tuple, kwargs: dict, *, with_head: bool):
+def _fitted(math: Callable, model: nn.Module, args: tuple, kwargs: dict, *, head: Optional[nn.Module] = None,
+            tokens=None):
     """A training forward, planned to fit its device's memory (memory_fit.py) where the fit_memory path is on,
     gradients are recorded, no plan is open yet (a language model's opens it for its stack and its head's loss) and
     gradient checkpointing is off."""
     # fit_memory is on nowhere by default: until a model turns a path on, no call at all
-    if not _path_chosen_on or current_plan() is not None or not torch.is_grad_enabled():
+    if (not _path_chosen_on or torch.compiler.is_compiling() or current_plan() is not None
+            or not torch.is_grad_enabled()):
         return math(model, *args, **kwargs)
     # the inputs' device: a DataParallel replica holds its weights as plain attributes, parameters() gives none
     device = next((v.device for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
     if device is None or not path_on(model, "fit_memory", device) or is_activation_checkpointing(model):
         return math(model, *args, **kwargs)
     layers = sum(1 for module in model.modules() if _declaration(type(module)) == "runtime_layer")
-    vocab_size = model.config.vocab_size if with_head else 0
-    return planned(math, model, args, kwargs, device=device, layers=layers, vocab_size=vocab_size)
+    loss = None if head is None else _planned_loss(model, head, kwargs, tokens)
+    return planned(math, model, args, kwargs, device=device, layers=layers, loss=loss)
+
+
+def _planned_loss(model: nn.Module, head: nn.Module, kwargs: dict, tokens) -> LossPlan:
+    """What a language model's training forward will make of its logits: their tokens (the labels', else the step's
+    tokens: a seq2seq model's decoder side) and whether the loss may be computed without them (chunked_loss.py's
+    conditions: labels given by name, skip_logits not False, a plain head, every position's logits)."""
+    labels = kwargs.get("labels")
+    if isinstance(labels, torch.Tensor):
+        count = labels.numel()
+    elif isinstance(tokens, torch.Tensor) and tokens.dim() >= 2:
+        count = tokens.shape[0] * tokens.shape[1]
+    else:
+        count = None  # the first layer's tokens
+    chunkable = (isinstance(labels, torch.Tensor) and kwargs.get("skip_logits") is not False and plain_linear(head)
+                 and kwargs.get("logits_to_keep", 0) == 0)
+    return LossPlan(model.config.vocab_size, count, chunkable)
 
 
 def workspace_tensor(name: str, rows: int, cols: int, like: torch.Tensor) -> Optional[torch.Tensor]:
@@ -440,7 +459,7 @@ def runtime_decoding(head: str, tokens: str = "input_ids") -> Callable[[Callable
             step = args[position] if len(args) > position else kwargs.get(tokens)
             step = kwargs.get(embeds) if step is None else step
             if self.training:
-                return _fitted(math, self, args, kwargs, with_head=True)
+                return _fitted(math, self, args, kwargs, head=getattr(self, head), tokens=step)
             if torch.is_grad_enabled() or not _few_rows_apply(self, getattr(self, head), step):
                 return math(self, *args, **kwargs)
             token = _few_rows_step.set(True)

@@ -177,3 +177,36 @@ def test_on_cuda_the_real_counters_plan_a_step_and_replays_give_the_plain_steps_
     assert torch.allclose(plain["loss"], short["loss"], rtol=1e-6, atol=0)
     for name in plain:
         assert torch.allclose(plain[name], short[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_logits_the_loss_must_keep_are_counted_and_never_dropped(counted_memory):
+    """skip_logits=False: the loss keeps its logits, so the plan counts their 248,320 bytes and replays the three
+    layers (with 10,000 bytes free, where a step that may drop them replays none: the test above)."""
+    state, replays, _ = counted_memory
+    model, inputs = four_layers(), batch(causal_model())
+    model.set_runtime(True, **ONLY_FIT)
+    state["available"] = 10_000
+    model.train()
+    output = model(**inputs, skip_logits=False)
+    assert output.logits is not None and replays == list(model.model.layers[1:])
+
+
+def test_a_seq2seq_plan_counts_the_logits_of_the_decoder_side(counted_memory, monkeypatch):
+    """A 7-token source and a 40-token target: the first planned layer is the encoder's, the logits are the
+    target's (2 x 40 x 97 x 16 bytes)."""
+    from runtime_models import seq2seq_model
+
+    state, _, _ = counted_memory
+    plans = []
+
+    class Recorded(memory_fit.MemoryPlan):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            plans.append(self)
+
+    monkeypatch.setattr(memory_fit, "MemoryPlan", Recorded)
+    model = seq2seq_model().set_runtime(True, **ONLY_FIT).train()
+    state["available"] = 10**12
+    source, target = torch.randint(3, 97, (2, 7)), torch.randint(3, 97, (2, 40))
+    model(input_ids=source, attention_mask=torch.ones_like(source), labels=target).loss.backward()
+    assert len(plans) == 1 and plans[0].logit_bytes == 2 * 40 * 97 * 16
