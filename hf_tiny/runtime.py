@@ -419,8 +419,9 @@ def _planned_loss(model: nn.Module, head: nn.Module, kwargs: dict, tokens) -> Lo
         count = tokens.shape[0] * tokens.shape[1]
     else:
         count = None  # the first layer's tokens
+    keep = kwargs.get("logits_to_keep", 0)  # an int, or a tensor of the positions to keep
     chunkable = (isinstance(labels, torch.Tensor) and kwargs.get("skip_logits") is not False and plain_linear(head)
-                 and kwargs.get("logits_to_keep", 0) == 0)
+                 and isinstance(keep, int) and keep == 0)
     return LossPlan(model.config.vocab_size, count, chunkable)
 
 
