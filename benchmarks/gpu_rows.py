@@ -157,8 +157,8 @@ def job_main(job: dict) -> None:
     del model  # the rows below load the model again, changed for good
     free()
     if side == "hf_tiny":
-        guarded(f"train {train.label()} recompute", side, lambda: recompute_row(job, train, device, side))
-        guarded(f"train {train.label()} fit_memory", side, lambda: fit_memory_row(job, train, device, side))
+        for path in ("recompute", "fit_memory"):
+            guarded(f"train {train.label()} {path}", side, lambda: runtime_option_row(job, train, device, side, path))
     if job.get("liger") and side != "hf_tiny_off":
         guarded(f"train {train.label()} liger", side, lambda: liger_row(job, train, device, side))
 
@@ -212,20 +212,14 @@ def train_row(model, shape: Shape, device: torch.device, job: dict, label: str, 
     model.zero_grad(set_to_none=True)
 
 
-def recompute_row(job: dict, shape: Shape, device: torch.device, side: str) -> None:
-    """The training step with hf_tiny's training recompute, a named option off the CPU (runtime.ON_BY_DEFAULT),
-    turned on: the benchmark that decides whether it becomes a default on this device."""
+def runtime_option_row(job: dict, shape: Shape, device: torch.device, side: str, path: str) -> None:
+    """The training step with one of hf_tiny's runtime paths that are named options off the CPU
+    (runtime.ON_BY_DEFAULT) turned on: the benchmark that decides whether it becomes a default on this device.
+    recompute: its time and memory; fit_memory (hf_tiny/memory_fit.py), at a step that fits: what it costs when it
+    has nothing to do."""
     model = load(job)
-    model.set_runtime(recompute=True)
-    train_row(model, shape, device, job, f"train {shape.label()} recompute", side, switch="set_runtime(recompute=True)")
-
-
-def fit_memory_row(job: dict, shape: Shape, device: torch.device, side: str) -> None:
-    """The training step with the fit_memory option on, where the step fits: what the option costs when it has
-    nothing to do (hf_tiny/memory_fit.py), the other half of the case for making it a default."""
-    model = load(job)
-    model.set_runtime(fit_memory=True)
-    train_row(model, shape, device, job, f"train {shape.label()} fit_memory", side, switch="set_runtime(fit_memory=True)")
+    model.set_runtime(**{path: True})
+    train_row(model, shape, device, job, f"train {shape.label()} {path}", side, switch=f"set_runtime({path}=True)")
 
 
 def liger_row(job: dict, shape: Shape, device: torch.device, side: str) -> None:
