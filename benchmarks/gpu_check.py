@@ -310,7 +310,8 @@ def write(results: dict, out: Path, *, final: bool = False) -> Path:
     """<out>/gpu-check-<device>-<date>[-dry-run].md and .json; returns the .md."""
     out.mkdir(parents=True, exist_ok=True)
     results["meta"]["complete"] = final
-    stem = f"gpu-check-{file_stem(gpu_report.device_name(results))}-{datetime.date.today().isoformat()}"
+    # the run's start date (meta["date"]): a run across midnight rewrites one page, not two
+    stem = f"gpu-check-{file_stem(gpu_report.device_name(results))}-{results['meta']['date'][:10]}"
     stem += "-dry-run" if results["meta"]["dry_run"] else ""
     (out / f"{stem}.md").write_text(gpu_report.render_markdown(results))
     (out / f"{stem}.json").write_text(json.dumps(results, indent=2, default=_shape_json))
