@@ -33,8 +33,9 @@ class Streamed:
     tensors: LazyTensors
     kwargs: dict = field(default_factory=dict)  # for the class's constructor (e.g. add_pooling_layer)
 
-    def build(self, dtype: torch.dtype) -> nn.Module:
-        """The model with parameters on the meta device, buffers computed as from_pretrained(dtype=...) would."""
+    def build(self, dtype: torch.dtype, device: str = "cpu") -> nn.Module:
+        """The model with parameters on the meta device, buffers computed as from_pretrained(dtype=...) would, on
+        `device`: a buffer the checkpoint does not hold (BERT's position_ids) is read beside the streamed weights."""
         from accelerate import init_empty_weights
 
         previous = torch.get_default_dtype()
@@ -44,6 +45,10 @@ class Streamed:
                 model = self.model_class(copy.deepcopy(self.config), **self.kwargs)  # each its own backend
         finally:
             torch.set_default_dtype(previous)
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.device.type != "meta":
+                    module._buffers[name] = buffer.to(device)
         return model.eval()
 
 
@@ -345,7 +350,7 @@ def streamed_runner(spec: Streamed, *, base_prefix: str = "", on_layer=None):
     other runs' (the build sets torch's process-wide default dtype, so it must not overlap another)."""
 
     def prepare(inputs, device: str, dtype: torch.dtype, backend: str):
-        model = spec.build(dtype)
+        model = spec.build(dtype, device)
         model.set_attn_implementation(backend)
         names = stored_names(model, spec.tensors, base_prefix=base_prefix)
         moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}

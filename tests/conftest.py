@@ -37,7 +37,15 @@ FAILURE_LOG = os.environ.get("HF_TINY_FAILURE_LOG")
 def pytest_runtest_logreport(report):
     if FAILURE_LOG and report.failed and "PYTEST_XDIST_WORKER" not in os.environ:
         with open(FAILURE_LOG, "a") as log:
-            log.write(f"=== FAILED {report.nodeid} ({report.when})\n{report.longreprtext[-3000:]}\n\n")
+            log.write(f"=== FAILED {report.nodeid} ({report.when})\n{_call_chain(report)}{report.longreprtext[-2500:]}\n\n")
+
+
+def _call_chain(report) -> str:
+    """Every frame of the failure, one 'path:line' each: the tail of a long traceback (a library's docstring
+    printed with its last frame) does not say which of our calls led there."""
+    entries = getattr(getattr(report.longrepr, "reprtraceback", None), "reprentries", None) or []
+    locations = [entry.reprfileloc for entry in entries if getattr(entry, "reprfileloc", None) is not None]
+    return "".join(f"  at {location.path}:{location.lineno}\n" for location in locations)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -255,3 +255,24 @@ def test_a_writer_failure_mid_way_is_the_error_and_nothing_is_left(official_fold
                                               r"model.layers.1.mlp.down_proj.weight"):
         llama.convert(official_folder, tmp_path / "out")
     assert not (tmp_path / "out").exists() and list(tmp_path.iterdir()) == []
+
+
+def test_buffers_the_checkpoint_does_not_hold_are_built_on_the_runs_device(tmp_path):
+    """BERT's position_ids and token_type_ids are not saved: the streamed model reads them beside its weights, on
+    the run's device. They stayed on the CPU, and every BERT-style conversion on a CUDA machine failed in its
+    parity proof (an embedding's index on the CPU, its weights on the GPU). The meta device stands in for a second
+    device here; by default (the CPU run) they stay where they were built, with their values."""
+    from bert_models import official_model
+    from transformers import BertModel
+
+    official = official_model("BertModel")
+    official.save_pretrained(tmp_path)
+    spec = Streamed(BertModel, official.config, open_checkpoint(tmp_path))
+    unsaved = {"embeddings.position_ids", "embeddings.token_type_ids"}
+    on_cpu = dict(spec.build(torch.float32).named_buffers())
+    assert unsaved <= set(on_cpu) and not unsaved & set(spec.tensors)
+    assert all(on_cpu[name].device.type == "cpu" for name in unsaved)
+    assert torch.equal(on_cpu["embeddings.position_ids"], official.embeddings.position_ids)
+    on_other = spec.build(torch.float32, "meta")
+    assert {name: buffer.device.type for name, buffer in on_other.named_buffers()} == dict.fromkeys(on_cpu, "meta")
+    assert all(parameter.device.type == "meta" for parameter in on_other.parameters())

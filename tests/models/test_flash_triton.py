@@ -63,7 +63,7 @@ def reference_varlen(q, k, v, cu_q, cu_k, *, scale, causal, window, sinks=None):
         ks = k[cu_k[s]:cu_k[s + 1]].double().repeat_interleave(group, dim=1)
         vs = v[cu_k[s]:cu_k[s + 1]].double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
-        allowed = visible(qs.shape[0], ks.shape[0], causal, window)
+        allowed = visible(qs.shape[0], ks.shape[0], causal, window).to(scores.device)
         scores = scores.masked_fill(~allowed, -math.inf)
         if sinks is not None:
             scores = torch.cat([scores, sinks.double()[:, None, None].expand(-1, scores.shape[1], 1)], dim=-1)
