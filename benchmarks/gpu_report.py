@@ -282,7 +282,7 @@ def render_markdown(results: dict) -> str:
              "", *header_lines(results), "", "## Targets (issue 42)", "", "| target | measured | status |", "|---|---|---|"]
     lines += [f"| {name} | {text} | **{status}** |" for name, text, status in targets(results)]
     lines += ["", *side_by_side_lines(results), "", *decode_lines(results), "", *host_lines(results), "",
-              *longest_lines(results), "", *stage_lines(results)]
+              *longest_lines(results), "", *kernel_lines(results), "", *stage_lines(results)]
     return "\n".join(lines) + "\n"
 
 
@@ -360,6 +360,27 @@ def decode_lines(results: dict) -> list[str]:
             lines.append(f"| {label} | {SIDE_TITLES[side]} | {entry['tokens_per_s']:,.1f} | {rate / 1e9:,.1f} | {share} | "
                          f"{entry.get('graphs_compiled', '—')} | {same} |")
     return lines
+
+
+def kernel_lines(results: dict) -> list[str]:
+    """Each captured decode call's profile (gpu_rows.kernel_row): how long the device was busy of the wall time,
+    and the kernels that took most of it, side by side (on a CPU dry run: operators)."""
+    lines = ["## Captured decode: where one call's time goes (torch.profiler, one call after the timed ones)", ""]
+    for label in [r for r in row_labels(results) if r.endswith("captured")]:
+        profiled = {side: cell(results, f"{label} kernels", side) for side in SIDES}
+        profiled = {side: entry for side, entry in profiled.items() if "kernels" in entry}
+        if not profiled:
+            continue
+        lines += [f"**{label}**", ""]
+        for side, entry in profiled.items():
+            busy = entry["busy_us"] / max(entry["wall_us"], 1e-9)
+            lines.append(f"- {SIDE_TITLES[side]}: wall {entry['wall_us'] / 1e3:,.1f} ms; {entry['busy_of']}' own time "
+                         f"{entry['busy_us'] / 1e3:,.1f} ms ({busy:.0%} of it), {entry['kernel_launches']:,} of them")
+        lines += ["", "| side | kernel | calls | own time (ms) |", "|---|---|---|---|"]
+        for side, entry in profiled.items():
+            lines += [f"| {SIDE_TITLES[side]} | `{name}` | {count:,} | {own / 1e3:,.2f} |" for name, count, own in entry["kernels"]]
+        lines.append("")
+    return lines if len(lines) > 2 else lines + ["not run"]
 
 
 def agreement(tokens: list, reference: list) -> float:

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from . import roofline
-from .measure import time_interleaved
+from .measure import synchronize, time_interleaved
 from .models import HF_TINY, MODELS, OFFICIAL, convert_hf_tiny, load_model, official_folder
 from .workloads import (DECODE, PREFILL, Shape, apply_liger, build_generate, build_prefill, build_train_step,
                         captured_decoding_config, random_ids)
@@ -168,7 +168,7 @@ def ceilings(job: dict, device: torch.device) -> dict:
             "bandwidth": roofline.memory_bandwidth(device, job["bandwidth_mb"])}
 
 
-def decode_row(model, shape: Shape, device: torch.device, job: dict, side: str, *, captured: bool = False) -> None:
+def decode_row(model, shape: Shape, device: torch.device, job: dict, side: str, *, captured: bool = False):
     """generate() of shape.new_tokens tokens: eager (DynamicCache; warm-up: a 4-token generate) or captured
     (static cache, generate's auto-compile; the warm-up is one full call, which compiles and records)."""
     label = f"decode {shape.label()} {'captured' if captured else 'eager'}"
@@ -185,6 +185,7 @@ def decode_row(model, shape: Shape, device: torch.device, job: dict, side: str, 
     if captured:
         extra["graphs_compiled"] = compiled_graphs() - graphs_before
     emit_measured(label, side, result, **extra)
+    return fn
 
 
 def compiled_graphs() -> int:
@@ -234,8 +235,38 @@ def job_captured(job: dict) -> None:
     """One side's captured decode at one shape, in a process of its own (a crash ends this job only)."""
     device, side, shape = torch.device(job["device"]), job["side"], shape_of(job["shape"])
     model = load(job)
-    guarded(f"decode {shape.label()} captured", side,
-            lambda: decode_row(model, shape, device, job, side, captured=True))
+    label = f"decode {shape.label()} captured"
+    calls = []
+    guarded(label, side, lambda: calls.append(decode_row(model, shape, device, job, side, captured=True)))
+    if calls:
+        guarded(f"{label} kernels", side, lambda: kernel_row(calls[0], device, f"{label} kernels", side))
+
+
+KERNELS_SHOWN = 12
+
+
+def kernel_row(call, device: torch.device, label: str, side: str) -> None:
+    """One more call (compiled and recorded by then) under torch.profiler: its wall time, the device's busy time
+    (the kernels' own times summed) and the kernels taking most of it; on a CPU (the dry run), operators' own CPU
+    times. Where a side's decode step goes: kernels (which, how many, how long) or idle device (host-bound)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device.type == "cuda"
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]
+    synchronize(device)
+    start = time.perf_counter()
+    with profile(activities=activities) as profiler:
+        call()
+        synchronize(device)
+    wall = time.perf_counter() - start
+    own = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
+    events = [e for e in profiler.key_averages()
+              if own(e) > 0 and (not on_gpu or e.device_type == DeviceType.CUDA)]
+    events.sort(key=own, reverse=True)
+    emit(label, side, busy_of="GPU kernels" if on_gpu else "CPU operators (nested ones counted twice)",
+         wall_us=wall * 1e6, busy_us=sum(own(e) for e in events), kernel_launches=sum(e.count for e in events),
+         kernels=[[e.key[:100], e.count, own(e)] for e in events[:KERNELS_SHOWN]])
 
 
 def job_longest(job: dict) -> None:

@@ -213,6 +213,7 @@ def test_the_failure_log_names_each_failure_as_it_happens(tmp_path):
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert gpu_report.failed_tests(log) == ["test_two.py::test_bad"]
     assert "planted" in log.read_text()
+    assert "  at test_two.py:5\n" in log.read_text()  # every frame named, however long the traceback's tail
 
 
 def test_a_search_stopped_by_its_cap_proves_no_ratio():
@@ -275,3 +276,8 @@ def test_dry_run_runs_every_kind_of_job_and_lists_every_target(tmp_path):
     assert "seconds" in rows["train 2x32 fit_memory"]["hf_tiny"]
     assert rows["longest batch 1"]["hf_tiny_fit"]["probes"][0] == [16, True]
     assert rows["ceilings"]["hf_tiny"]["bandwidth"]["read_bytes_per_s"] > 0
+    # the captured call's profile: its own time within its wall time, the most expensive first, on the page
+    profile = rows["decode 1x8 +4 new captured kernels"]["hf_tiny"]
+    owns = [own for _, _, own in profile["kernels"]]
+    assert 0 < owns[0] and owns == sorted(owns, reverse=True) and profile["kernel_launches"] >= len(owns)
+    assert f"`{profile['kernels'][0][0]}`" in markdown
