@@ -213,14 +213,43 @@ def train_row(model, shape: Shape, device: torch.device, job: dict, label: str, 
     model.zero_grad(set_to_none=True)
 
 
+PAIRED_REPEATS = 5  # a named path's step beside the same model's without it: a few percent apart at most
+
+
 def runtime_option_row(job: dict, shape: Shape, device: torch.device, side: str, path: str) -> None:
     """The training step with one of hf_tiny's runtime paths that are named options off the CPU
     (runtime.ON_BY_DEFAULT) turned on: the benchmark that decides whether it becomes a default on this device.
     recompute: its time and memory; fit_memory (hf_tiny/memory_fit.py), at a step that fits: what it costs when it
-    has nothing to do."""
+    has nothing to do. Timed interleaved with the same model's step with the path off (set_runtime toggled before
+    each call): "paired_off_seconds" is that step's median, so the ratio compares the path alone, not two loads of
+    the model in a process whose allocator earlier rows have shaped. Peak memory: the path's calls only."""
     model = load(job)
-    model.set_runtime(**{path: True})
-    train_row(model, shape, device, job, f"train {shape.label()} {path}", side, switch=f"set_runtime({path}=True)")
+    step = build_train_step(model, "causal", shape, device)
+    cuda = device.type == "cuda"
+    peaks = {True: 0, False: 0}
+
+    def with_path(on: bool):
+        def call():
+            model.set_runtime(**{path: on})
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            output = step()
+            if cuda:
+                peaks[on] = max(peaks[on], torch.cuda.max_memory_allocated(device))
+            return output
+        return call
+
+    free()
+    base = torch.cuda.memory_allocated(device) if cuda else None
+    timings = time_interleaved({"on": with_path(True), "off": with_path(False)}, device=device,
+                               warmup=max(job["warmup"], 1), repeats=max(job["repeats"], PAIRED_REPEATS))
+    on, off = timings["on"], timings["off"]
+    emit(f"train {shape.label()} {path}", side, seconds=on.median, samples=on.samples,
+         peak_bytes=peaks[True] if cuda else None, extra_bytes=peaks[True] - base if cuda else None,
+         paired_off_seconds=off.median, paired_off_samples=off.samples,
+         paired_off_extra_bytes=peaks[False] - base if cuda else None, switch=f"set_runtime({path}=True)")
+    del step
+    model.zero_grad(set_to_none=True)
 
 
 def liger_row(job: dict, shape: Shape, device: torch.device, side: str) -> None:

@@ -121,6 +121,10 @@ def test_the_fit_memory_option_is_judged_by_its_longest_sequence_and_its_cost_wh
     verdicts = {name: (text, status) for name, text, status in gpu_report.targets(results)}
     assert verdicts[fit_target] == ("3,072 / 1,024 tokens = 3.00x (fit_memory: time cap while doubling)", "PASS")
     assert verdicts[cost_target] == ("1.01x", "PASS")
+    # timed interleaved with the same model's step without it: that pair decides, not the separately loaded row
+    rows["train 2x32 fit_memory"] = {"hf_tiny": {**timed(0.81, 500), "paired_off_seconds": 0.75}}  # 1.08x
+    verdicts = {name: (text, status) for name, text, status in gpu_report.targets(results)}
+    assert verdicts[cost_target] == ("1.08x (810.0 / 750.0 ms, interleaved)", "FAIL")
     rows["longest batch 1"]["hf_tiny_fit"] = {"longest": 0, "stopped": "3072 tokens do not fit", "probes": []}
     rows["train 2x32 fit_memory"] = {"hf_tiny": timed(0.84, 500)}  # 1.05x
     verdicts = {name: status for name, _, status in gpu_report.targets(results)}
@@ -274,6 +278,7 @@ def test_dry_run_runs_every_kind_of_job_and_lists_every_target(tmp_path):
     assert rows["longest batch 1"]["hf_tiny"]["longest"] == 128  # the dry run's cap: no OOM on a CPU
     # set_runtime(fit_memory=True): its row, and its search from the plan's start (official's longest not run)
     assert "seconds" in rows["train 2x32 fit_memory"]["hf_tiny"]
+    assert len(rows["train 2x32 fit_memory"]["hf_tiny"]["paired_off_samples"]) == 5  # interleaved, same model
     assert rows["longest batch 1"]["hf_tiny_fit"]["probes"][0] == [16, True]
     assert rows["ceilings"]["hf_tiny"]["bandwidth"]["read_bytes_per_s"] > 0
     # the captured call's profile: its own time within its wall time, the most expensive first, on the page
