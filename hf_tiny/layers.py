@@ -48,11 +48,12 @@ class RMSNorm(nn.Module):
         hidden_states = hidden_states.to(torch.float32)
         variance = hidden_states.pow(2).mean(-1, keepdim=True)
         hidden_states = hidden_states * torch.rsqrt(variance + self.variance_epsilon)
-        if self.weight is None:
+        weight = self.weight
+        if weight is None:
             return hidden_states.to(input_dtype)
         if self.unit_offset:
-            return (hidden_states * (1.0 + self.weight.float())).to(input_dtype)
-        return self.weight * hidden_states.to(input_dtype)
+            return (hidden_states * (1.0 + weight.float())).to(input_dtype)
+        return weight * hidden_states.to(input_dtype)
 
     def reset_weight(self) -> None:
         if self.weight is not None:
@@ -153,14 +154,16 @@ class PreNormResidual:
 
     @runtime_layer(in_place="pre_norm_in_place")
     def forward(self, hidden_states, attention_mask=None, position_embeddings=None, **attention_kwargs) -> torch.Tensor:
-        normed = hidden_states if self.input_layernorm is None else self.input_layernorm(hidden_states)
+        norm = self.input_layernorm  # a submodule read once: each read is a Python call of nn.Module.__getattr__
+        normed = hidden_states if norm is None else norm(hidden_states)
         attended, _ = self.self_attn(normed, attention_mask, position_embeddings, **attention_kwargs)
         if self.attn_output_layernorm is not None:
             attended = self.attn_output_layernorm(attended)
         if self.dropout is not None:
             attended = self.dropout(attended)
         hidden_states = hidden_states + attended
-        normed = hidden_states if self.post_attention_layernorm is None else self.post_attention_layernorm(hidden_states)
+        norm = self.post_attention_layernorm
+        normed = hidden_states if norm is None else norm(hidden_states)
         transformed = self.mlp(normed)
         if self.mlp_output_layernorm is not None:
             transformed = self.mlp_output_layernorm(transformed)

@@ -48,6 +48,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import threading
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -281,6 +282,26 @@ _contexts = functools.partial(create_selective_checkpoint_contexts, _policy)
 # Set while a layer that draws random numbers runs in training: its feed-forward is recomputed alone.
 _parts_recomputed: contextvars.ContextVar = contextvars.ContextVar("hf_tiny_parts_recomputed", default=False)
 
+# How many step-scoped paths (_parts_recomputed, _few_rows_step) are open, in any thread. While none is, a
+# feed-forward or an output projection reads no ContextVar: on a GPU, where no path is on by default, that is every
+# step (2 Python calls a layer saved). Under the lock, so that no open path is ever counted out.
+_scoped_open = 0
+_scoped_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _scoped(flag: contextvars.ContextVar) -> Iterator[None]:
+    global _scoped_open
+    with _scoped_lock:
+        _scoped_open += 1
+    token = flag.set(True)
+    try:
+        yield
+    finally:
+        flag.reset(token)
+        with _scoped_lock:
+            _scoped_open -= 1
+
 
 def _replayed(math: Callable, module: nn.Module, *args, **kwargs):
     return checkpoint(math, module, *args, use_reentrant=False, context_fn=_contexts, **kwargs)
@@ -289,11 +310,8 @@ def _replayed(math: Callable, module: nn.Module, *args, **kwargs):
 def _recomputed(math: Callable, layer: nn.Module, hidden_states, args: tuple, kwargs: dict):
     if not draws_random(layer):
         return _replayed(math, layer, hidden_states, *args, **kwargs)
-    token = _parts_recomputed.set(True)
-    try:
+    with _scoped(_parts_recomputed):
         return math(layer, hidden_states, *args, **kwargs)
-    finally:
-        _parts_recomputed.reset(token)
 
 
 # ---- the declarations ----------------------------------------------------------------------------------------------
@@ -341,7 +359,7 @@ def runtime_feed_forward(math: Callable) -> Callable:
 
     def forward(self, x):
         # Compilation first: dynamo cannot read a ContextVar without a graph break.
-        if torch.compiler.is_compiling():
+        if not _scoped_open or torch.compiler.is_compiling():
             return math(self, x)
         if self.training:
             if _parts_recomputed.get() and untouched(self) and not draws_random(self):
@@ -360,7 +378,7 @@ def runtime_products(math: Callable) -> Callable:
     step with few rows its product is taken weight-first."""
 
     def forward(self, *args, **kwargs):
-        if torch.compiler.is_compiling() or not _few_rows_step.get():
+        if not _scoped_open or torch.compiler.is_compiling() or not _few_rows_step.get():
             return math(self, *args, **kwargs)
         with WeightFirstProducts():
             return math(self, *args, **kwargs)
@@ -463,11 +481,8 @@ def runtime_decoding(head: str, tokens: str = "input_ids") -> Callable[[Callable
                 return _fitted(math, self, args, kwargs, head=getattr(self, head), tokens=step)
             if torch.is_grad_enabled() or not _few_rows_apply(self, getattr(self, head), step):
                 return math(self, *args, **kwargs)
-            token = _few_rows_step.set(True)
-            try:
+            with _scoped(_few_rows_step):
                 return math(self, *args, **kwargs)
-            finally:
-                _few_rows_step.reset(token)
 
         declared = _declaring(math, forward, "runtime_decoding")
         # The math's signature, computed once: generate() reads a custom-code model's forward signature at every step

@@ -180,6 +180,27 @@ def test_off_its_devices_a_path_is_answered_without_a_call_until_a_model_turns_o
     assert not runtime.path_on(chosen.model.layers[0], "recompute", meta)
 
 
+def test_with_no_step_scoped_path_open_a_feed_forward_asks_nothing(monkeypatch, spy, threads):
+    """A GPU's decoding step opens no step-scoped path (few rows, recomputed parts): its feed-forwards then read
+    neither torch.compiler.is_compiling nor a ContextVar. A few-rows step on the CPU opens one for its duration
+    (its feed-forwards take their weight-first form), and the count is back to none after it, after an error too."""
+    threads(2)
+    model = weight_first_model()
+    mlp = model.model.layers[0].mlp
+    calls = []
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: calls.append(1) or False)
+    x = torch.randn(1, 1, model.config.hidden_size)
+    with torch.no_grad():
+        assert runtime._scoped_open == 0 and torch.equal(mlp(x), type(mlp).forward.__wrapped__(mlp, x))
+        assert calls == [] and spy == []
+        model(torch.randint(3, 512, (1, 1)))  # a few-rows decoding step
+    assert spy and calls and runtime._scoped_open == 0
+    with pytest.raises(RuntimeError, match="planted"), runtime._scoped(runtime._few_rows_step):
+        assert runtime._scoped_open == 1 and runtime._few_rows_step.get()
+        raise RuntimeError("planted")
+    assert runtime._scoped_open == 0 and not runtime._few_rows_step.get()
+
+
 def test_a_path_turned_off_on_the_cpu_is_off_there():
     """The backward of a training step runs the norms again only while the recompute path is on."""
     model = causal_model().train()
