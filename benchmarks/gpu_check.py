@@ -48,7 +48,8 @@ class GpuPlan:
     decode: tuple  # batch-1 first: the captured stages are built from it
     train: Shape
     warmup: int = 1
-    repeats: int = 3
+    # 5: the H200's Liger steps spread 132-152 ms over 3 calls (2026-11-28); a prefill or training call costs < 0.2 s
+    repeats: int = 5
     decode_repeats: int = 2  # a 128-token eager generate takes seconds
     longest_start: int = 2048
     longest_cap: int = 262144
