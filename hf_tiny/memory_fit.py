@@ -34,10 +34,15 @@ LOGIT_BYTES = 16
 USABLE_SHARE = 0.9
 
 
+def counts_memory(device: torch.device) -> bool:
+    """Whether torch counts the memory of `device` (CUDA's allocator does; the CPU's does not)."""
+    return device.type == "cuda"
+
+
 def device_memory(device: torch.device) -> Optional[tuple[int, int]]:
     """(bytes torch holds allocated on `device`, bytes it could still allocate there: free on the device plus its own
     cached blocks), or None on a device whose memory torch does not count."""
-    if device.type != "cuda":
+    if not counts_memory(device):
         return None
     free, _ = torch.cuda.mem_get_info(device)
     allocated = torch.cuda.memory_allocated(device)
@@ -49,8 +54,13 @@ def allocated_bytes(device: torch.device) -> int:
 
 
 def gradient_bytes(model: nn.Module) -> int:
-    """What backward will allocate for the parameters' gradients not allocated yet."""
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad and p.grad is None)
+    """What backward will allocate for the parameters' gradients not allocated yet. A DataParallel replica holds its
+    weights as plain attributes (parameters() gives none), listed in each module's _former_parameters; backward gives
+    them gradients on the replica's device as well."""
+    weights = [w for module in model.modules()
+               for w in {**module._parameters, **getattr(module, "_former_parameters", {})}.values() if w is not None]
+    # a replica's copies are not leaves: their gradients pass through its device on their way to the originals
+    return sum(w.numel() * w.element_size() for w in weights if w.requires_grad and (not w.is_leaf or w.grad is None))
 
 
 class LossPlan(NamedTuple):
@@ -77,7 +87,10 @@ class MemoryPlan:
         self.logit_bytes = 0
         self.chunk_loss = False
 
-    def run_layer(self, math: Callable, layer: nn.Module, hidden_states: torch.Tensor, args: tuple, kwargs: dict):
+    def run_layer(self, math: Callable, layer: nn.Module, hidden_states: torch.Tensor, args: tuple, kwargs: dict, *,
+                  replayable: bool = True):
+        """One layer of the step; one that may not be replayed (runtime._replayable, a cache to write) runs as written
+        and is counted all the same."""
         self.layers_left -= 1
         if self.kept_per_layer is None:
             before = allocated_bytes(self.device)
@@ -85,7 +98,7 @@ class MemoryPlan:
             self.kept_per_layer = max(allocated_bytes(self.device) - before, 0)
             self._plan_loss(hidden_states.shape[:-1].numel())
             return output
-        if self._fits(self.layers_left + 1, 0 if self.chunk_loss else self.logit_bytes):
+        if not replayable or self._fits(self.layers_left + 1, 0 if self.chunk_loss else self.logit_bytes):
             return math(layer, hidden_states, *args, **kwargs)
         return checkpoint(math, layer, hidden_states, *args, use_reentrant=False, **kwargs)
 

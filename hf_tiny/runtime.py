@@ -58,7 +58,7 @@ from torch.nn.modules import module as module_globals
 from torch.overrides import TorchFunctionMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .memory_fit import LossPlan, current_plan, planned
+from .memory_fit import LossPlan, counts_memory, current_plan, planned
 from .transformers_api import is_activation_checkpointing
 
 PATHS = ("recompute", "in_place", "few_rows", "chunked_loss", "fit_memory")
@@ -324,13 +324,14 @@ def runtime_layer(in_place: Optional[str] = None) -> Callable[[Callable], Callab
     def declare(math: Callable) -> Callable:
         def forward(self, hidden_states, *args, **kwargs):
             if self.training:
-                if kwargs.get("cache") is None:  # a replay would write a cache twice
-                    if _recomputes(self, hidden_states):
-                        return _recomputed(math, self, hidden_states, args, kwargs)
-                    # dynamo cannot read a ContextVar without a graph break; no plan exists before a path is chosen
-                    plan = current_plan() if _path_chosen_on and not torch.compiler.is_compiling() else None
-                    if plan is not None and _replayable(self):
-                        return plan.run_layer(math, self, hidden_states, args, kwargs)
+                fresh = kwargs.get("cache") is None  # a replay would write a cache twice
+                if fresh and _recomputes(self, hidden_states):
+                    return _recomputed(math, self, hidden_states, args, kwargs)
+                # dynamo cannot read a ContextVar without a graph break; no plan exists before a path is chosen
+                plan = current_plan() if _path_chosen_on and not torch.compiler.is_compiling() else None
+                if plan is not None:
+                    return plan.run_layer(math, self, hidden_states, args, kwargs,
+                                          replayable=fresh and _replayable(self))
             # a decoding step's one token never is (and dynamo specializes sizes of 1 anyway: no new guard)
             elif (in_place is not None and type(hidden_states) is torch.Tensor and hidden_states.shape[1] > 1
                   and in_place_scale(self, hidden_states) and untouched(self)):
@@ -419,7 +420,8 @@ def _fitted(math: Callable, model: nn.Module, args: tuple, kwargs: dict, *, head
         return math(model, *args, **kwargs)
     # the inputs' device: a DataParallel replica holds its weights as plain attributes, parameters() gives none
     device = next((v.device for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
-    if device is None or not path_on(model, "fit_memory", device) or is_activation_checkpointing(model):
+    if (device is None or not counts_memory(device) or not path_on(model, "fit_memory", device)
+            or is_activation_checkpointing(model)):
         return math(model, *args, **kwargs)
     layers = sum(1 for module in model.modules() if _declaration(type(module)) == "runtime_layer")
     loss = None if head is None else _planned_loss(model, head, kwargs, tokens)

@@ -3,7 +3,10 @@ operators a step runs."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 import hf_tiny
 from hf_tiny import runtime
@@ -78,3 +81,28 @@ def assert_bit_identical_on_and_off(model, *, runs_in_place: bool = True) -> Non
     if runs_in_place:
         assert "add_" in on_ops and "add_" not in off_ops
     model.set_runtime(True)
+
+
+def replicate_on_cpu(network: nn.Module, scale: float = 0.5) -> nn.Module:
+    """One replica of `network`, wired as torch.nn.parallel.replicate wires each of its replicas (which needs CUDA
+    devices; torch/nn/parallel/replicate.py), its parameters copies of the original's times `scale`."""
+    modules = list(network.modules())
+    copies = {id(module): module._replicate_for_data_parallel() for module in modules}
+    for module in modules:
+        replica = copies[id(module)]
+        replica._former_parameters = OrderedDict()
+        for key, child in module._modules.items():
+            if child is None:
+                replica._modules[key] = None
+            else:
+                setattr(replica, key, copies[id(child)])
+        for key, param in module._parameters.items():
+            if param is None:
+                replica._parameters[key] = None
+            else:
+                param_copy = param * scale  # not a leaf, as replicate's broadcast copies
+                setattr(replica, key, param_copy)
+                replica._former_parameters[key] = param_copy
+        for key, buffer in module._buffers.items():
+            setattr(replica, key, None if buffer is None else buffer.clone())
+    return copies[id(network)]

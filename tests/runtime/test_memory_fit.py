@@ -14,7 +14,7 @@ import torch
 
 from hf_tiny import memory_fit, runtime
 from hf_tiny.transformers_api import enable_activation_checkpointing
-from runtime_checks import batch, training_step
+from runtime_checks import batch, replicate_on_cpu, training_step
 from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM
 from runtime_models import CAUSAL_VARIANTS, SIZES, causal_model
 
@@ -46,6 +46,7 @@ def counted_memory(monkeypatch):
         replays.append(args[1])
         return real_checkpoint(*args, **kwargs)
 
+    monkeypatch.setattr(runtime, "counts_memory", lambda device: True)
     monkeypatch.setattr(memory_fit, "allocated_bytes", allocated_bytes)
     monkeypatch.setattr(memory_fit, "device_memory", device_memory)
     monkeypatch.setattr(memory_fit, "gradient_bytes", lambda model: 0)
@@ -91,6 +92,39 @@ def test_a_layer_that_does_not_fit_is_replayed_with_the_plain_steps_gradients(co
     replays.clear()
     state["available"] = 800
     assert torch.equal(training_step(model, inputs)["loss"], fitted["loss"]) and replays == []
+
+
+def test_a_layer_that_may_not_be_replayed_runs_as_written_and_is_counted(counted_memory):
+    """A hook inside layer 2 keeps it from being replayed (the hook would run twice); it still counts as a layer the
+    step keeps. With 750 bytes free (the test above): layer 1 is replayed (300 + 100 * 5), layer 2 runs as written
+    and reads no counter, layer 3 fits (400 + 100 * 3). Counted as absent, layer 3 would have been replayed."""
+    state, replays, _ = counted_memory
+    model, inputs = four_layers(), batch(causal_model())
+    model.model.layers[2].self_attn.register_forward_hook(lambda *args: None)
+    plain, fitted = plain_and_fitted(model, inputs, available=750, state=state)
+    assert replays == [model.model.layers[1]]
+    for name in plain:
+        assert torch.allclose(plain[name], fitted[name], rtol=1e-5, atol=1e-6), name
+
+
+def test_the_gradients_a_replica_will_hold_are_reserved():
+    """A DataParallel replica holds its weights as plain attributes (parameters() gives none): the plan reserves their
+    gradients' bytes all the same, as for the model it copies."""
+    model = four_layers()
+    whole = memory_fit.gradient_bytes(model)
+    assert whole == sum(p.numel() * p.element_size() for p in model.parameters())
+    replica = replicate_on_cpu(model)
+    assert list(replica.parameters()) == [] and memory_fit.gradient_bytes(replica) == whole
+
+
+def test_where_memory_is_not_counted_the_step_counts_no_layers(monkeypatch):
+    """On the CPU with fit_memory on, a training forward asks the device first and walks no module."""
+    walked = []
+    model = four_layers().set_runtime(True, **ONLY_FIT)
+    inputs = batch(model)
+    monkeypatch.setattr(runtime, "_declaration", lambda cls: walked.append(cls))
+    training_step(model, inputs)
+    assert walked == []
 
 
 def test_replayed_layers_alone_give_bit_identical_gradients_even_with_dropout(counted_memory):

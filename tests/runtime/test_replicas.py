@@ -2,54 +2,28 @@
 
 `nn.DataParallel` (which Trainer wraps a model in by itself on several GPUs without torchrun) copies each module with
 `_replicate_for_data_parallel()` (a copy of its __dict__) and sets the copies of the parameters on the copies.
-`torch.nn.parallel.replicate` itself needs CUDA devices, so `replicate_on_cpu` below wires the replicas the way it does
-(torch/nn/parallel/replicate.py), with each parameter copy scaled by 0.5. The replica must compute what a model
-holding those weights computes: a forward bound to the original module (what the runtime used to set on instances)
-would run the original's weights.
+`torch.nn.parallel.replicate` itself needs CUDA devices, so `runtime_checks.replicate_on_cpu` wires the replicas the
+way it does (torch/nn/parallel/replicate.py), with each parameter copy scaled by 0.5. The replica must compute what a
+model holding those weights computes: a forward bound to the original module (what the runtime used to set on
+instances) would run the original's weights.
 """
 
 from __future__ import annotations
 
 import copy
-from collections import OrderedDict
 
 import pytest
 import torch
 from torch import nn
 
 from hf_tiny import runtime
-from runtime_checks import batch, logits
+from runtime_checks import batch, logits, replicate_on_cpu
 
 from runtime_models import FAMILIES
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 SCALE = 0.5
-
-
-def replicate_on_cpu(network: nn.Module, scale: float = SCALE) -> nn.Module:
-    """One replica of `network`, wired as torch.nn.parallel.replicate wires each of its replicas, its parameters
-    copies of the original's times `scale`."""
-    modules = list(network.modules())
-    copies = {id(module): module._replicate_for_data_parallel() for module in modules}
-    for module in modules:
-        replica = copies[id(module)]
-        replica._former_parameters = OrderedDict()
-        for key, child in module._modules.items():
-            if child is None:
-                replica._modules[key] = None
-            else:
-                setattr(replica, key, copies[id(child)])
-        for key, param in module._parameters.items():
-            if param is None:
-                replica._parameters[key] = None
-            else:
-                param_copy = param * scale  # not a leaf, as replicate's broadcast copies
-                setattr(replica, key, param_copy)
-                replica._former_parameters[key] = param_copy
-        for key, buffer in module._buffers.items():
-            setattr(replica, key, None if buffer is None else buffer.clone())
-    return copies[id(network)]
 
 
 def scaled(model: nn.Module, scale: float = SCALE) -> nn.Module:
