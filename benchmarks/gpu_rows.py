@@ -118,6 +118,8 @@ def expected_rows(job: dict) -> list[str]:
         rows += [f"train {train} recompute", f"train {train} fit_memory"]
     if job.get("liger") and job["side"] != "hf_tiny_off":
         rows.append(f"train {train} liger")
+    if job.get("liger") and job["side"] == "hf_tiny":
+        rows.append(f"train {train} liger rebuild")
     return rows
 
 
@@ -161,6 +163,9 @@ def job_main(job: dict) -> None:
             guarded(f"train {train.label()} {path}", side, lambda: runtime_option_row(job, train, device, side, path))
     if job.get("liger") and side != "hf_tiny_off":
         guarded(f"train {train.label()} liger", side, lambda: liger_row(job, train, device, side))
+    if job.get("liger") and side == "hf_tiny":
+        guarded(f"train {train.label()} liger rebuild", side,
+                lambda: runtime_option_row(job, train, device, side, "rebuild", liger=True))
 
 
 def ceilings(job: dict, device: torch.device) -> dict:
@@ -216,14 +221,20 @@ def train_row(model, shape: Shape, device: torch.device, job: dict, label: str, 
 PAIRED_REPEATS = 5  # a named path's step beside the same model's without it: a few percent apart at most
 
 
-def runtime_option_row(job: dict, shape: Shape, device: torch.device, side: str, path: str) -> None:
+def runtime_option_row(job: dict, shape: Shape, device: torch.device, side: str, path: str, *,
+                       liger: bool = False) -> None:
     """The training step with one of hf_tiny's runtime paths that are named options off the CPU
     (runtime.ON_BY_DEFAULT) turned on: the benchmark that decides whether it becomes a default on this device.
     recompute: its time and memory; fit_memory (hf_tiny/memory_fit.py), at a step that fits: what it costs when it
     has nothing to do. Timed interleaved with the same model's step with the path off (set_runtime toggled before
     each call): "paired_off_seconds" is that step's median, so the ratio compares the path alone, not two loads of
-    the model in a process whose allocator earlier rows have shaped. Peak memory: the path's calls only."""
+    the model in a process whose allocator earlier rows have shaped. Peak memory: the path's calls only.
+    liger: on a model with Liger's kernels (rebuild: what it saves beside Liger's feed-forward)."""
+    if liger:
+        import liger_kernel  # noqa: F401  (ImportError before loading: the row says "not installed")
     model = load(job)
+    if liger:
+        apply_liger(model)
     step = build_train_step(model, "causal", shape, device)
     cuda = device.type == "cuda"
     peaks = {True: 0, False: 0}
@@ -244,7 +255,7 @@ def runtime_option_row(job: dict, shape: Shape, device: torch.device, side: str,
     timings = time_interleaved({"on": with_path(True), "off": with_path(False)}, device=device,
                                warmup=max(job["warmup"], 1), repeats=max(job["repeats"], PAIRED_REPEATS))
     on, off = timings["on"], timings["off"]
-    emit(f"train {shape.label()} {path}", side, seconds=on.median, samples=on.samples,
+    emit(f"train {shape.label()}{' liger' if liger else ''} {path}", side, seconds=on.median, samples=on.samples,
          peak_bytes=peaks[True] if cuda else None, extra_bytes=peaks[True] - base if cuda else None,
          paired_off_seconds=off.median, paired_off_samples=off.samples,
          paired_off_extra_bytes=peaks[False] - base if cuda else None, switch=f"set_runtime({path}=True)")

@@ -36,7 +36,7 @@ from torch import nn
 from transformers.activations import ACT2FN
 
 from .layers import Attention, GatedFeedForward, RMSNorm
-from .runtime import configure as configure_runtime
+from .runtime import configure as configure_runtime, rebuilds, rebuilt_in_backward
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +91,7 @@ def apply_liger_kernel_to_hf_tiny(rope: bool = True, cross_entropy: bool = False
 
 
 @functools.lru_cache(maxsize=None)
+@functools.cache  # read by every Liger feed-forward of every step
 def _liger():
     """The parts of Liger-Kernel this file uses. Imported in a try block: transformers' check of a remote-code
     folder's imports reads function bodies too, and leaves out only try blocks (Liger stays optional)."""
@@ -100,6 +101,7 @@ def _liger():
         from liger_kernel.transformers.monkey_patch import (
             _patch_geglu_module, _patch_rms_norm_module, _patch_swiglu_module,
         )
+        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
         from liger_kernel.transformers.rope import liger_rotary_pos_emb
         from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
         from transformers.loss.loss_utils import nn as loss_utils_nn
@@ -109,7 +111,7 @@ def _liger():
     return types.SimpleNamespace(
         patch_rms_norm=_patch_rms_norm_module, patch_swiglu=_patch_swiglu_module, patch_geglu=_patch_geglu_module,
         SwiGLUMLP=LigerSwiGLUMLP, rotary_pos_emb=liger_rotary_pos_emb, causal_lm_loss=LigerForCausalLMLoss,
-        cross_entropy=liger_cross_entropy, loss_utils_nn=loss_utils_nn,
+        cross_entropy=liger_cross_entropy, loss_utils_nn=loss_utils_nn, silu_mul=LigerSiLUMulFunction.apply,
     )
 
 
@@ -130,10 +132,24 @@ def _patch_feed_forwards(base, liger, flags: dict, replaced: Counter, kept: Coun
             kept[type(mlp).__name__] += 1
             continue
         if kind == "swiglu":
-            liger.patch_swiglu(mlp, liger.SwiGLUMLP)
+            swiglu = types.SimpleNamespace(forward=_liger_swiglu_forward, __name__=liger.SwiGLUMLP.__name__)
+            liger.patch_swiglu(mlp, swiglu)
         else:
             liger.patch_geglu(mlp)
         replaced[kind] += 1
+
+
+def _liger_swiglu_forward(self, x):
+    """LigerSwiGLUMLP.forward: down(silu(gate(x)) * up(x)), the product by Liger's kernel. With the runtime's rebuild
+    path on (set_runtime(rebuild=True)), the down projection does not keep the product: backward runs the kernel
+    again on the gate and up outputs Liger's function keeps (runtime.rebuilt_in_backward)."""
+    silu_mul = _liger().silu_mul
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    product = silu_mul(gate, up)
+    if not rebuilds(self, product):  # a plain call where it is off (no context manager for dynamo to trace)
+        return self.down_proj(product)
+    with rebuilt_in_backward(self, product, lambda: silu_mul(gate, up)):
+        return self.down_proj(product)
 
 
 def _liger_module_of(model):

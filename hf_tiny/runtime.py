@@ -61,7 +61,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from .memory_fit import LossPlan, counts_memory, current_plan, planned
 from .transformers_api import is_activation_checkpointing
 
-PATHS = ("recompute", "in_place", "few_rows", "chunked_loss", "fit_memory")
+PATHS = ("recompute", "in_place", "few_rows", "chunked_loss", "fit_memory", "rebuild")
 ON_BY_DEFAULT = {
     # benchmarks/runtime_ab.py (2-core CPU): 0.6x the training memory at 1.0-1.16x the time. On an H100 the step took
     # 2.0-2.4x official's time at 1x64 for no memory saved (results/cuda-nvidia-h100-80gb-hbm3-2026-11-26-quick.md):
@@ -79,6 +79,10 @@ ON_BY_DEFAULT = {
     # memory_fit.py: acts only where the alternative is running out of device memory (CUDA). A named option until the
     # GPU check's longest-sequence and training rows run with it on (benchmarks/gpu_check.py).
     "fit_memory": frozenset(),
+    # rebuilt_in_backward: a gated feed-forward's product, not kept for the down projection, rebuilt in backward from
+    # what its activation keeps anyway (one element-wise kernel a layer). A named option until the GPU check's
+    # Liger row with it on shows its memory saved and its time (benchmarks/gpu_rows.py).
+    "rebuild": frozenset(),
 }
 
 # In place: 128 KiB of fp32, glibc's smallest threshold for mapping an allocation from the OS (smaller tensors come
@@ -314,6 +318,48 @@ def _recomputed(math: Callable, layer: nn.Module, hidden_states, args: tuple, kw
         return math(layer, hidden_states, *args, **kwargs)
 
 
+# ---- rebuild: a tensor backward recomputes cheaply, not kept for it -----------------------------------------------
+
+
+def rebuilds(module: nn.Module, tensor) -> bool:
+    """A training step records gradients with the rebuild path on, not compiled, and no saved-tensor hooks are open
+    already (gradient checkpointing's, CPU offloading's: theirs decide what is kept)."""
+    # path_on first: off its devices it answers without a call, and under compilation it says no
+    return (
+        type(tensor) is torch.Tensor
+        and path_on(module, "rebuild", tensor.device)
+        and torch.is_grad_enabled()
+        and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+    )
+
+
+@contextlib.contextmanager
+def rebuilt_in_backward(module: nn.Module, tensor: torch.Tensor, rebuild: Callable[[], torch.Tensor]) -> Iterator[None]:
+    """While open, what autograd saves of `tensor` (it, or a view of its memory) is kept as a recipe, and backward
+    takes the same view of rebuild() (run without gradients; it must compute `tensor` bit for bit from tensors that
+    are kept anyway): `tensor`'s memory is freed after the forward, not after the backward. As written elsewhere."""
+    if not (rebuilds(module, tensor) and tensor.requires_grad and tensor.is_contiguous()):
+        yield
+        return
+    memory = tensor.untyped_storage().data_ptr(), tensor.dtype, tensor.device
+    base = tensor.storage_offset()
+
+    def pack(saved: torch.Tensor):
+        if (saved.untyped_storage().data_ptr(), saved.dtype, saved.device) != memory:
+            return saved
+        return tuple(saved.shape), saved.stride(), saved.storage_offset() - base
+
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        shape, stride, offset = packed
+        with torch.no_grad():
+            return rebuild().as_strided(shape, stride, offset)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
 # ---- the declarations ----------------------------------------------------------------------------------------------
 
 
@@ -348,9 +394,13 @@ def runtime_layer(in_place: Optional[str] = None) -> Callable[[Callable], Callab
 def runtime_form(table: str, key) -> Optional[Callable]:
     """The form runtime_forms' `table` holds for `key` (imported on first use: runtime_forms imports the modules that
     declare)."""
-    from .runtime_forms import FEW_ROWS_FEED_FORWARDS, IN_PLACE_LAYERS  # transformers copies `from .x import` files
+    from .runtime_forms import (  # transformers copies `from .x import` files
+        FEW_ROWS_FEED_FORWARDS, IN_PLACE_LAYERS, REBUILT_FEED_FORWARDS,
+    )
 
-    return {"FEW_ROWS_FEED_FORWARDS": FEW_ROWS_FEED_FORWARDS, "IN_PLACE_LAYERS": IN_PLACE_LAYERS}[table].get(key)
+    tables = {"FEW_ROWS_FEED_FORWARDS": FEW_ROWS_FEED_FORWARDS, "IN_PLACE_LAYERS": IN_PLACE_LAYERS,
+              "REBUILT_FEED_FORWARDS": REBUILT_FEED_FORWARDS}
+    return tables[table].get(key)
 
 
 def runtime_feed_forward(math: Callable) -> Callable:
@@ -359,6 +409,11 @@ def runtime_feed_forward(math: Callable) -> Callable:
     own (runtime_forms.feed_forward_in_place)."""
 
     def forward(self, x):
+        # a named path only (nowhere a default): a GPU's every step passes on the first test
+        if _path_chosen_on and self.training and rebuilds(self, x):
+            form = runtime_form("REBUILT_FEED_FORWARDS", type(self))
+            if form is not None:
+                return form(self, x)
         # Compilation first: dynamo cannot read a ContextVar without a graph break.
         if not _scoped_open or torch.compiler.is_compiling():
             return math(self, x)

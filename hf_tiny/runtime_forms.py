@@ -21,7 +21,9 @@ from torch import nn
 from transformers import activations
 
 from .layers import FeedForward, GatedFeedForward, RMSNorm
-from .runtime import MAX_FEW_ROWS, few_rows_product, in_place_scale, plain_linear, untouched, workspace_tensor
+from .runtime import (
+    MAX_FEW_ROWS, few_rows_product, in_place_scale, plain_linear, rebuilt_in_backward, untouched, workspace_tensor,
+)
 
 
 def pre_norm_in_place(layer, hidden_states, attention_mask=None, position_embeddings=None, **attention_kwargs):
@@ -198,3 +200,21 @@ def in_place_activation(act_fn: nn.Module) -> Optional[Callable[[torch.Tensor], 
         if any(kind is cls and kind.forward is forward for cls, forward in classes):
             return make(act_fn)
     return None
+
+
+# ---- rebuilt: a feed-forward's product not kept for backward (runtime.rebuilt_in_backward) ---------------------------
+
+
+def gated_rebuilt(module: GatedFeedForward, x: torch.Tensor) -> torch.Tensor:
+    """GatedFeedForward.forward whose product act(gate) * up the down projection does not keep: backward rebuilds it
+    from act(gate) and up, which the product's own backward keeps. With activation dropout, the forward as written
+    (its mask would have to be kept instead)."""
+    if module.dropout is not None:
+        return type(module).forward.__wrapped__(module, x)
+    activated, up = module.act_fn(module.gate_proj(x)), module.up_proj(x)
+    hidden = activated * up
+    with rebuilt_in_backward(module, hidden, lambda: activated * up):
+        return module.down_proj(hidden)
+
+
+REBUILT_FEED_FORWARDS = {GatedFeedForward: gated_rebuilt}

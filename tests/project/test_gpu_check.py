@@ -140,6 +140,25 @@ def test_the_fit_memory_option_is_judged_by_its_longest_sequence_and_its_cost_wh
     assert verdicts[fit_target][1] == "not run" and "did not reach its limit" in verdicts[fit_target][0]
 
 
+def test_the_rebuild_option_is_judged_by_its_memory_beside_liger_and_its_cost():
+    """official's plain 2x32 step keeps 1000 bytes above the model; ours with Liger and rebuild 550 (0.55x), timed
+    interleaved at 0.81 s against 0.80 s without it (1.01x)."""
+    results = hand_made_results()
+    memory = ("With rebuild on (a named option until both rows below pass): Training 2x32: peak memory <= 0.6x "
+              "official's, Liger on ours, none on official's")
+    cost = "With rebuild on, Liger on ours: <= 1.02x the time without it"
+    verdicts = {name: (text, status) for name, text, status in gpu_report.targets(results)}
+    assert verdicts[memory][1] == verdicts[cost][1] == "not run"
+    results["rows"]["train 2x32 liger rebuild"] = {"hf_tiny": {**timed(0.81, 550), "paired_off_seconds": 0.80}}
+    verdicts = {name: (text, status) for name, text, status in gpu_report.targets(results)}
+    assert verdicts[memory] == ("0.55x", "PASS")
+    assert verdicts[cost] == ("1.01x (810.0 / 800.0 ms, interleaved)", "PASS")
+    results["rows"]["train 2x32 liger rebuild"] = {"hf_tiny": {**timed(0.81, 650), "paired_off_seconds": 0.70}}
+    verdicts = {name: status for name, _, status in gpu_report.targets(results)}
+    assert verdicts[memory] == verdicts[cost] == "FAIL"
+    assert not any(name.startswith("train 2x32 liger rebuild:") for name in verdicts)  # an option: no row target
+
+
 def test_the_fit_memory_search_starts_at_three_times_officials_longest():
     """60,416 x 3 = 181,248 = 177 x 1,024; 1,000 x 3 rounds up to 3,072; never past the cap."""
     assert gpu_check.longest_fit_start(60_416, factor=3.0, resolution=1024, cap=262_144) == 181_248
@@ -243,6 +262,9 @@ DRY_RUN_TARGETS = [
     "Longest trainable sequence at batch 1 >= 3x official's",
     "With fit_memory on (a named option until both rows below pass): longest >= 3x official's",
     "With fit_memory on, where the 2x32 step fits: <= 1.02x hf_tiny's time without it",
+    "With rebuild on (a named option until both rows below pass): Training 2x32: peak memory <= 0.6x official's, "
+    "Liger on ours, none on official's",
+    "With rebuild on, Liger on ours: <= 1.02x the time without it",
 ]
 
 
@@ -275,6 +297,7 @@ def test_dry_run_runs_every_kind_of_job_and_lists_every_target(tmp_path):
     assert rows["host decode step"]["hf_tiny"]["python_calls"] > 0
     assert "seconds" in rows["train 2x32 recompute"]["hf_tiny"]  # set_runtime(recompute=True)
     assert "status" in rows["train 2x32 liger"]["hf_tiny"]  # Liger's Triton kernels need a GPU, or it is absent
+    assert "status" in rows["train 2x32 liger rebuild"]["hf_tiny"]
     assert rows["longest batch 1"]["hf_tiny"]["longest"] == 128  # the dry run's cap: no OOM on a CPU
     # set_runtime(fit_memory=True): its row, and its search from the plan's start (official's longest not run)
     assert "seconds" in rows["train 2x32 fit_memory"]["hf_tiny"]
