@@ -261,9 +261,7 @@ def fit_memory_targets(results: dict) -> list:
     if not (measured(on) and measured(off)):
         rows.append((name, why_missing(results, f"train {train} fit_memory", ("hf_tiny",)), "not run"))
     elif "paired_off_seconds" in on:  # timed interleaved with the same model's step without it
-        value = on["seconds"] / on["paired_off_seconds"]
-        text = f"{times(value, FIT_MEMORY_COST)} ({on['seconds'] * 1e3:,.1f} / {on['paired_off_seconds'] * 1e3:,.1f} ms, interleaved)"
-        rows.append((name, text, verdict(value, lambda v: v <= FIT_MEMORY_COST)))
+        rows.append((name, *paired_cost(on)))
     else:
         value = on["seconds"] / off["seconds"]
         rows.append((name, times(value, FIT_MEMORY_COST), verdict(value, lambda v: v <= FIT_MEMORY_COST)))
@@ -285,10 +283,16 @@ def rebuild_targets(results: dict) -> list:
     value = _ratio_between(results, row, plain, extra_bytes)
     rows = [(memory, "memory not measured" if value is None else times(value, TRAIN_MEMORY),
              verdict(value, lambda v: v <= TRAIN_MEMORY))]
-    value = on["seconds"] / on["paired_off_seconds"]
-    rows.append((cost, f"{times(value, FIT_MEMORY_COST)} ({on['seconds'] * 1e3:,.1f} / {on['paired_off_seconds'] * 1e3:,.1f} "
-                       "ms, interleaved)", verdict(value, lambda v: v <= FIT_MEMORY_COST)))
+    rows.append((cost, *paired_cost(on)))
     return rows
+
+
+def paired_cost(on: dict) -> tuple[str, str]:
+    """(text, verdict) of a named path's step against the same model's without it, timed interleaved
+    (gpu_rows.runtime_option_row): at most FIT_MEMORY_COST times."""
+    value = on["seconds"] / on["paired_off_seconds"]
+    text = f"{times(value, FIT_MEMORY_COST)} ({on['seconds'] * 1e3:,.1f} / {on['paired_off_seconds'] * 1e3:,.1f} ms, interleaved)"
+    return text, verdict(value, lambda v: v <= FIT_MEMORY_COST)
 
 
 def targets(results: dict) -> list:

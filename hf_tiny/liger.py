@@ -90,8 +90,7 @@ def apply_liger_kernel_to_hf_tiny(rope: bool = True, cross_entropy: bool = False
     return +replaced
 
 
-@functools.lru_cache(maxsize=None)
-@functools.cache  # read by every Liger feed-forward of every step
+@functools.lru_cache(maxsize=None)  # read by every Liger feed-forward of every step
 def _liger():
     """The parts of Liger-Kernel this file uses. Imported in a try block: transformers' check of a remote-code
     folder's imports reads function bodies too, and leaves out only try blocks (Liger stays optional)."""

@@ -37,13 +37,18 @@ def rebuilds(monkeypatch):
     return calls
 
 
-def test_gradients_are_the_plain_steps_and_each_product_is_rebuilt_once(rebuilds):
-    model = causal_model()
+def plain_and_rebuilt(model) -> tuple[dict, dict]:
+    """A training step's loss and gradients with the runtime off, then with only the rebuild path on."""
     inputs = batch(model)
     model.set_runtime(False)
     plain = training_step(model, inputs)
     model.set_runtime(True, **ONLY_REBUILD)
-    rebuilt = training_step(model, inputs)
+    return plain, training_step(model, inputs)
+
+
+def test_gradients_are_the_plain_steps_and_each_product_is_rebuilt_once(rebuilds):
+    model = causal_model()
+    plain, rebuilt = plain_and_rebuilt(model)
     assert plain.keys() == rebuilt.keys() and all(torch.equal(plain[n], rebuilt[n]) for n in plain)
     assert rebuilds == [layer.mlp for layer in reversed(model.model.layers)]  # backward runs the layers in reverse
 
@@ -72,12 +77,7 @@ def test_a_wrong_rebuild_shows_in_the_gradients(monkeypatch):
     weight gradient is wrong, the others (computed from the product's own saved inputs) are not."""
     real = runtime.rebuilt_in_backward
     monkeypatch.setattr(runtime_forms, "rebuilt_in_backward", lambda m, t, rebuild: real(m, t, lambda: 2 * rebuild()))
-    model = causal_model()
-    inputs = batch(model)
-    model.set_runtime(False)
-    plain = training_step(model, inputs)
-    model.set_runtime(True, **ONLY_REBUILD)
-    wrong = training_step(model, inputs)
+    plain, wrong = plain_and_rebuilt(causal_model())
     down = [n for n in plain if n.endswith("down_proj.weight")]
     assert down and all(torch.allclose(2 * plain[n], wrong[n], rtol=1e-5, atol=1e-6) for n in down)
     assert torch.equal(plain["model.layers.0.mlp.up_proj.weight"], wrong["model.layers.0.mlp.up_proj.weight"])
