@@ -2,9 +2,10 @@
 transformers' names, computed exactly as `from_pretrained(dir, gguf_file=...)` computes them.
 
 transformers' own `load_gguf_checkpoint(..., return_tensors=True)` re-parses the file and rebuilds gguf's
-tensor-name table once per submodule (~25 s extra for a 100 MB file). Here the file is parsed once for the
-tensors, the name table is built once, and the per-tensor work uses transformers' own tensor processors
-(which un-permute Llama's q/k, split fused tensors, ...). Nothing outside this module is patched.
+tensor-name table once per submodule (~25 s extra for a 100 MB file). Here the tensor table is read once, past
+the header's values without decoding them (gguf_tensors), the name table is built once, and the per-tensor work
+uses gguf's dequantize and transformers' own tensor processors (which un-permute Llama's q/k, split fused
+tensors, ...). Nothing outside this module is patched.
 """
 
 from __future__ import annotations
@@ -87,6 +88,91 @@ def _read_value(handle, kind: int):
     return struct.unpack(fmt, handle.read(struct.calcsize(fmt)))[0]
 
 
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: its name, GGML type, GGML shape (innermost dimension first) and its bytes, a
+    read-only view of the memory-mapped file in the layout gguf's `dequantize` takes (what gguf's GGUFReader gives)."""
+
+    name: str
+    tensor_type: object  # gguf.GGMLQuantizationType
+    shape: tuple[int, ...]
+    data: object  # numpy array
+
+
+def gguf_tensors(path: Path) -> list[GGUFTensor]:
+    """The tensor table of a (little-endian) GGUF file, read past the header's values without decoding them.
+    gguf's GGUFReader decodes every element of the tokenizer's arrays first: ~14 s for Gemma 3's 262k-token
+    vocabulary, which nothing here reads."""
+    try:
+        with open(path, "rb") as handle:
+            if handle.read(4) != _GGUF_MAGIC:
+                raise ConversionError(f"{path} is not a valid GGUF file (no GGUF magic bytes at its start)")
+            version, tensor_count, kv_count = struct.unpack("<IQQ", handle.read(20))
+            if version & 0xFFFF == 0:
+                raise ConversionError(f"{path} is a big-endian GGUF file; only little-endian files are read")
+            alignment = 32
+            for _ in range(kv_count):
+                key, kind = _read_string(handle), struct.unpack("<I", handle.read(4))[0]
+                value = _read_value(handle, kind)
+                if key == "general.alignment":
+                    alignment = _checked_alignment(path, kind, value)
+            entries = [_tensor_entry(handle) for _ in range(tensor_count)]
+            data_start = handle.tell() + (-handle.tell()) % alignment
+    except (struct.error, UnicodeDecodeError, OSError, MemoryError) as error:
+        raise ConversionError(f"{path} is not a valid GGUF file (truncated or corrupt?): {error}") from error
+    import numpy as np
+
+    mapped = np.memmap(path, mode="r") if entries else None
+    names = [name for name, _, _, _ in entries]
+    if len(set(names)) != len(names):
+        raise ConversionError(f"{path} holds tensors of the same name twice: "
+                              f"{list_names(sorted({n for n in names if names.count(n) > 1}))}")
+    return [_mapped_tensor(path, mapped, data_start, *entry) for entry in entries]
+
+
+def _checked_alignment(path: Path, kind: int, value) -> int:
+    if kind != 4 or not value or value & (value - 1):
+        raise ConversionError(f"{path}: general.alignment must be a uint32 power of two, got {value!r} (type {kind})")
+    return value
+
+
+def _tensor_entry(handle) -> tuple[str, tuple[int, ...], int, int]:
+    name = _read_string(handle)
+    (n_dims,) = struct.unpack("<I", handle.read(4))
+    if n_dims > 8:
+        raise struct.error(f"tensor {name!r} has {n_dims} dimensions")
+    dims = struct.unpack(f"<{n_dims}Q", handle.read(8 * n_dims))
+    raw_type, offset = struct.unpack("<IQ", handle.read(12))
+    return name, dims, raw_type, offset
+
+
+def _mapped_tensor(path: Path, mapped, data_start: int, name: str, dims: tuple, raw_type: int, offset: int):
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+
+    try:
+        kind = GGMLQuantizationType(raw_type)
+    except ValueError:
+        raise ConversionError(f"{path}: tensor {name!r} has GGML type {raw_type}, which gguf does not know") from None
+    block, type_size = GGML_QUANT_SIZES[kind]
+    elements = int(np.prod(dims, dtype=np.int64))
+    begin, size = data_start + offset, elements * type_size // block
+    if begin + size > mapped.size:
+        raise ConversionError(f"{path} is not a valid GGUF file (truncated): tensor {name!r} needs bytes "
+                              f"{begin}..{begin + size}, the file has {mapped.size}")
+    shape = tuple(reversed(dims))
+    data = mapped[begin : begin + size]
+    plain = _PLAIN_GGML_DTYPES.get(kind.name)
+    data = data.view(plain).reshape(shape) if plain else data.reshape(quant_shape_to_byte_shape(shape, kind))
+    return GGUFTensor(name, kind, tuple(dims), data)
+
+
+# GGML types stored as plain numbers (no blocks): gguf's reader views their bytes as these
+_PLAIN_GGML_DTYPES = {"F16": "float16", "F32": "float32", "F64": "float64", "I8": "int8", "I16": "int16",
+                      "I32": "int32", "I64": "int64"}
+
+
 def _dequantizable_types() -> set:
     """GGML tensor types that gguf-py (used by transformers) can dequantize."""
     from gguf import GGMLQuantizationType
@@ -164,29 +250,26 @@ def _checked_architecture(path: Path, expected_architecture: str | tuple[str, ..
     return architecture
 
 
-def _checked_reader(path: Path, reader_class):
-    """The file's reader, after checking that every tensor's quantization type can be dequantized."""
-    try:
-        reader = reader_class(str(path))
-    except (ValueError, OSError, IndexError, KeyError) as error:
-        raise ConversionError(f"{path} is not a valid GGUF file (truncated or corrupt?): {error}") from error
+def _checked_tensors(path: Path) -> list[GGUFTensor]:
+    """The file's tensor table, after checking that every tensor's quantization type can be dequantized."""
+    tensors = gguf_tensors(path)
     supported = _dequantizable_types()
-    unsupported = [f"{t.name} ({t.tensor_type.name})" for t in reader.tensors if t.tensor_type not in supported]
+    unsupported = [f"{t.name} ({t.tensor_type.name})" for t in tensors if t.tensor_type not in supported]
     if unsupported:
         raise ConversionError(
             f"{path}: cannot dequantize tensor(s) with unsupported quantization type: {list_names(unsupported)}; "
             f"supported types: {list_names(t.name for t in supported)}"
         )
-    return reader
+    return tensors
 
 
 @dataclass
 class _Opened:
-    """A checked GGUF file: transformers' config dict, gguf's reader, transformers' tensor processor for the
+    """A checked GGUF file: transformers' config dict, its tensors, transformers' tensor processor for the
     architecture and {GGUF tensor name: transformers name}."""
 
     config: dict
-    reader: object
+    tensors: list[GGUFTensor]
     processor: object
     names: dict[str, str]
 
@@ -197,13 +280,13 @@ def _opened(path: Path, expected_architecture: str | tuple[str, ...]) -> _Opened
     if not path.is_file():
         raise ConversionError(f"GGUF file {path} does not exist")
     try:
-        from gguf import GGUFReader
+        import gguf  # noqa: F401
 
         from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, load_gguf_checkpoint
     except ImportError as error:
         raise ConversionError(f"reading GGUF needs the `gguf` package (pip install gguf): {error}") from error
     architecture = _checked_architecture(path, expected_architecture)
-    reader = _checked_reader(path, GGUFReader)
+    tensors = _checked_tensors(path)
     try:
         config = dict(load_gguf_checkpoint(str(path), return_tensors=False)["config"])
         model = official_meta_model(config)
@@ -211,12 +294,12 @@ def _opened(path: Path, expected_architecture: str | tuple[str, ...]) -> _Opened
         names = _gguf_to_transformers_names(model, processor, architecture, model.config.num_hidden_layers)
     except (ValueError, KeyError, NotImplementedError, OSError) as error:
         raise ConversionError(f"cannot read GGUF file {path}: {type(error).__name__}: {error}") from error
-    unmapped = [t.name for t in reader.tensors if t.name not in names]
+    unmapped = [t.name for t in tensors if t.name not in names]
     if unmapped:
         raise ConversionError(
             f"{path}: GGUF tensors with no transformers name for architecture {architecture!r}: {list_names(unmapped)}"
         )
-    return _Opened(config, reader, processor, names)
+    return _Opened(config, tensors, processor, names)
 
 
 def load_gguf(
@@ -236,7 +319,7 @@ def load_gguf(
     try:
         parsed = {"config": config, "tensors": {}}
         state: dict[str, torch.Tensor] = {}
-        for tensor in opened.reader.tensors:
+        for tensor in opened.tensors:
             weights = dequantize(tensor.data, tensor.tensor_type)
             result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=names, parsed_parameters=parsed)
             if result.name not in names:  # a processor may consume a tensor into another (e.g. fused experts)
@@ -265,7 +348,7 @@ def open_gguf(path: str | os.PathLike, *, expected_architecture: str | tuple[str
     if type(opened.processor).__name__ not in PER_TENSOR_PROCESSORS:
         config, state = load_gguf(path, expected_architecture=expected_architecture)
         return config, LazyTensors.of(state)
-    tensors = {opened.names[tensor.name]: tensor for tensor in opened.reader.tensors}
+    tensors = {opened.names[tensor.name]: tensor for tensor in opened.tensors}
     infos = {name: _dequantized_info(tensor) for name, tensor in tensors.items()}
     return opened.config, LazyTensors(infos, lambda name: _read_gguf_tensor(path, opened, tensors[name], infos[name]))
 
@@ -273,7 +356,7 @@ def open_gguf(path: str | os.PathLike, *, expected_architecture: str | tuple[str
 def _dequantized_info(tensor) -> TensorInfo:
     """Shape and dtype of a tensor as gguf's dequantize gives it: GGML lists dimensions innermost first; every
     type comes out float32."""
-    return TensorInfo(tuple(int(size) for size in reversed(tensor.shape.tolist())), torch.float32)
+    return TensorInfo(tuple(int(size) for size in reversed(tensor.shape)), torch.float32)
 
 
 def _read_gguf_tensor(path: Path, opened: _Opened, tensor, info: TensorInfo) -> torch.Tensor:

@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 from conversion import writer
 from conversion.__main__ import FAMILIES, main
+from conversion.gguf_files import gguf_tensors
 from conversion import (
     ConversionError,
     KeyMap,
@@ -753,6 +754,59 @@ def test_load_gguf_refuses_other_architectures_unmapped_tensors_and_non_gguf(tmp
         load_gguf(tmp_path / "fake.gguf", expected_architecture="llama")
     with pytest.raises(ConversionError, match="does not exist"):
         load_gguf(tmp_path / "missing.gguf", expected_architecture="llama")
+
+
+def write_aligned_gguf(path: Path, alignment: int) -> None:
+    """Plain and Q8_0 tensors of odd sizes behind a header with a string array (a vocabulary) and general.alignment."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_custom_alignment(alignment)
+    writer.add_token_list([f"token-{i}" * (i % 5) for i in range(300)])
+    writer.add_tensor("first.weight", np.arange(7, dtype=np.float32))
+    writer.add_tensor("half.weight", np.linspace(-1, 1, 3 * 5, dtype=np.float16).reshape(3, 5))
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType.Q8_0][0]
+    values = np.random.default_rng(0).standard_normal((3, 2 * block)).astype(np.float32)
+    writer.add_tensor("quantized.weight", gguf.quants.quantize(values, gguf.GGMLQuantizationType.Q8_0),
+                      raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+    writer.add_tensor("last.weight", np.full((2, 3, 5), 2.5, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def assert_same_tensors_as_ggufs_reader(path: Path) -> None:
+    from gguf import GGUFReader
+
+    ours, theirs = gguf_tensors(path), GGUFReader(str(path)).tensors
+    assert [t.name for t in ours] == [t.name for t in theirs]
+    for mine, reference in zip(ours, theirs):
+        assert (mine.tensor_type, mine.shape) == (reference.tensor_type, tuple(reference.shape.tolist())), mine.name
+        assert mine.data.dtype == reference.data.dtype and np.array_equal(mine.data, reference.data), mine.name
+
+
+def test_the_gguf_tensor_table_is_what_ggufs_reader_reads_behind_any_alignment(tmp_path):
+    for alignment in (32, 64, 8):
+        write_aligned_gguf(tmp_path / f"aligned{alignment}.gguf", alignment)
+        assert_same_tensors_as_ggufs_reader(tmp_path / f"aligned{alignment}.gguf")
+    # negative control: the same bytes read as if aligned to 32 put the tensors elsewhere
+    data = bytearray((tmp_path / "aligned64.gguf").read_bytes())
+    key = b"general.alignment"
+    at = data.index(key) + len(key) + 4  # past the key and its value type
+    data[at : at + 4] = (32).to_bytes(4, "little")
+    (tmp_path / "realigned.gguf").write_bytes(bytes(data))
+    moved = {t.name: t.data for t in gguf_tensors(tmp_path / "realigned.gguf")}
+    assert not np.array_equal(moved["last.weight"], np.full((2, 3, 5), 2.5, dtype=np.float32))
+    data[at : at + 4] = (48).to_bytes(4, "little")
+    (tmp_path / "odd_alignment.gguf").write_bytes(bytes(data))
+    with pytest.raises(ConversionError, match=r"general\.alignment must be a uint32 power of two, got 48"):
+        gguf_tensors(tmp_path / "odd_alignment.gguf")
+
+
+@pytest.mark.real_weights
+def test_the_gguf_tensor_table_of_the_real_smollm2_is_what_ggufs_reader_reads(smollm2_gguf):
+    assert_same_tensors_as_ggufs_reader(smollm2_gguf)
 
 
 @pytest.mark.real_weights
