@@ -804,6 +804,19 @@ def test_the_gguf_tensor_table_is_what_ggufs_reader_reads_behind_any_alignment(t
         gguf_tensors(tmp_path / "odd_alignment.gguf")
 
 
+def test_the_gguf_tensor_table_refuses_a_big_endian_file_and_a_name_given_twice(tmp_path):
+    write_aligned_gguf(tmp_path / "file.gguf", 32)
+    data = (tmp_path / "file.gguf").read_bytes()
+    version = int.from_bytes(data[4:8], "little")
+    (tmp_path / "big_endian.gguf").write_bytes(data[:4] + version.to_bytes(4, "big") + data[8:])
+    with pytest.raises(ConversionError, match=r"big_endian\.gguf is a big-endian GGUF file"):
+        gguf_tensors(tmp_path / "big_endian.gguf")
+    assert data.count(b"half.weight") == 1
+    (tmp_path / "twice.gguf").write_bytes(data.replace(b"half.weight", b"last.weight"))
+    with pytest.raises(ConversionError, match=r"twice\.gguf holds tensors of the same name twice: .*last\.weight"):
+        gguf_tensors(tmp_path / "twice.gguf")
+
+
 @pytest.mark.real_weights
 def test_the_gguf_tensor_table_of_the_real_smollm2_is_what_ggufs_reader_reads(smollm2_gguf):
     assert_same_tensors_as_ggufs_reader(smollm2_gguf)
