@@ -75,6 +75,27 @@ def smollm2_gguf() -> Path:
     return package / SMOLLM2_GGUF_NAME
 
 
+@pytest.fixture(scope="session")
+def smollm2_official(smollm2_gguf):
+    """Official transformers' SmolLM2 from the GGUF (~15 s of parsing and dequantizing), loaded once for the session
+    (the vLLM and the SmolLM2 modules compare against it). Each test sets the attention implementation it uses."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_converted(smollm2_gguf, smollm2_official, tmp_path_factory) -> tuple[Path, dict]:
+    """The production converter's folder of the same GGUF (its parity measured against smollm2_official) and the
+    converter's result. Read-only: a test that changes a file copies the folder first."""
+    from conversion import llama
+
+    folder = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct-hf_tiny"
+    return folder, llama.convert(smollm2_gguf, folder, reference_model=smollm2_official)
+
+
 GEMMA3_GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 GEMMA3_PARTS = 4
 

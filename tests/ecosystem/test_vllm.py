@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
-from conversion import llama
 from vllm_env import ensure_vllm_venv, vllm_environment
 
 REPO = Path(__file__).resolve().parents[2]
@@ -37,13 +36,10 @@ def vllm_python() -> Path:
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_gguf, tmp_path_factory):
+def smollm2(smollm2_official, smollm2_converted):
     """The converted folder, its tokenizer, and official transformers' greedy tokens for PROMPTS."""
-    official = AutoModelForCausalLM.from_pretrained(
-        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
-    ).eval()
-    folder = tmp_path_factory.mktemp("vllm") / "SmolLM2-135M-Instruct-hf_tiny"
-    llama.convert(smollm2_gguf, folder, reference_model=official)
+    official, (folder, _) = smollm2_official, smollm2_converted
+    official.set_attn_implementation("sdpa")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     prompt_ids = [tokenizer(prompt, add_special_tokens=False).input_ids for prompt in PROMPTS]
     expected = []

@@ -9,7 +9,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_tiny  # noqa: F401
 from causal_helpers import max_diff, small_paged_cache
-from conversion import llama
 
 pytestmark = [pytest.mark.real_weights, pytest.mark.slow, pytest.mark.usefixtures("single_torch_thread")]
 
@@ -23,18 +22,15 @@ QUESTIONS = (
 
 
 @pytest.fixture(scope="module")
-def official(smollm2_gguf):
-    """Dequantizing the GGUF takes ~17 s: loaded once for the module (and handed to the converter)."""
-    model = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32)
-    return model.eval()
+def official(smollm2_official):
+    return smollm2_official
 
 
 @pytest.fixture(scope="module")
-def converted(smollm2_gguf, official, tmp_path_factory):
-    dst = tmp_path_factory.mktemp("smollm2") / "SmolLM2-135M-Instruct-hf_tiny"
-    result = llama.convert(smollm2_gguf, dst, reference_model=official)
-    tokenizer = AutoTokenizer.from_pretrained(dst, padding_side="left")
-    return AutoModelForCausalLM.from_pretrained(dst).eval(), tokenizer, result
+def converted(smollm2_converted):
+    folder, result = smollm2_converted
+    tokenizer = AutoTokenizer.from_pretrained(folder, padding_side="left")
+    return AutoModelForCausalLM.from_pretrained(folder).eval(), tokenizer, result
 
 
 def chat_batch(tokenizer):
