@@ -171,7 +171,7 @@ def check_input_ids(input_ids: torch.Tensor, *, vocab_size: int, field: str = "i
                          f"{tuple(input_ids.shape)}")
     if is_compiling():
         return  # data-dependent checks would break the graph; eager runs already checked the same code path
-    low, high = int(input_ids.min()), int(input_ids.max())
+    low, high = torch.stack(torch.aminmax(input_ids)).tolist()  # one wait on the device, not two
     if low < 0 or high >= vocab_size:
         raise ValueError(f"{field} contains token id {low if low < 0 else high}, outside the vocabulary [0, {vocab_size})")
 
