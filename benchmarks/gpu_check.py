@@ -92,6 +92,8 @@ ESTIMATES = {
     "captured": (110, 55, "measured 38.6-51.5 s on the H200 (four stages): dynamo, inductor and the CUDA graph "
                           "capture of the 22-layer decode step, then 4 calls of ~0.4 s"),
     "longest": (90, 40, "measured 35.7-36.4 s on the H200: 11 probes up to 64K tokens, stopped by OOM at 61,440"),
+    "liger_paired": (110, 50, "not measured yet: two 1.1B loads, Liger's Triton kernels compiled for both models "
+                              "(~20 s in the main stages), then 12 training steps of ~0.13 s"),
     "longest_fit": (120, 50, "measured 48.8 s on the H200 (2026-11-28): start and load, then one probe at 3x "
                              "official's longest (181,248 tokens), which fit"),
 }
@@ -99,9 +101,10 @@ MIN_STAGE_S = 25  # a stage is started only when this much of the budget is left
 
 
 def stages_of(plan: GpuPlan, folders: dict, args) -> list[Stage]:
-    """Every stage after the build, in order of value: the eager rows of both sides (training, prefill, decode,
-    host work), batch-1 captured decode, the longest trainable sequence (and with the fit_memory option), the
-    runtime-off rows, batch-8 captured."""
+    """Every stage after the build, in order of value (what the last run left unsettled first): the eager rows of
+    both sides (training, prefill, decode, host work), batch-1 captured decode, Liger on both sides in one process,
+    batch-8 captured decode (0.81x on the H200, 2026-11-28), the longest trainable sequence with the fit_memory
+    option (3.00x there) and without it, the runtime-off rows."""
     common = {"model": plan.model, "device": plan.device, "dtype": plan.dtype, "folders": folders,
               "warmup": plan.warmup, "repeats": plan.repeats, "decode_repeats": plan.decode_repeats,
               "threads": plan.threads}
@@ -126,11 +129,13 @@ def stages_of(plan: GpuPlan, folders: dict, args) -> list[Stage]:
         stage("main-official", "main", {**main, "side": "official", "ceilings": True}),
         stage("main-hf_tiny", "main", {**main, "side": "hf_tiny", "ceilings": True}),
         *captured[0],
-        stage("longest-official", "longest", {**longest, "side": "official"}),
-        stage("longest-hf_tiny", "longest", {**longest, "side": "hf_tiny"}),
-        stage("longest-hf_tiny_fit", "longest_fit", longest_fit),
-        stage("main-hf_tiny_off", "main", {**main, "side": "hf_tiny_off"}),
+        stage("liger-paired", "liger_paired", {**common, "kind": "liger_paired", "train": plan.train,
+                                               "sides": ["official", "hf_tiny"]}),
         *[s for later in captured[1:] for s in later],
+        stage("longest-official", "longest", {**longest, "side": "official"}),
+        stage("longest-hf_tiny_fit", "longest_fit", longest_fit),
+        stage("longest-hf_tiny", "longest", {**longest, "side": "hf_tiny"}),
+        stage("main-hf_tiny_off", "main", {**main, "side": "hf_tiny_off"}),
     ]
 
 
@@ -247,9 +252,10 @@ def fill_missing_rows(stage: Stage, results: dict) -> None:
     status = stage.outcome["status"]
     if status == "ok":
         status = "no result (the job ended without reporting this row)"
-    side = stage.job.get("side", "both")
+    sides = stage.job.get("sides") or [stage.job.get("side", "both")]
     for label in expected_rows(stage.job):
-        results["rows"].setdefault(label, {}).setdefault(side, {"status": status})
+        for side in sides:
+            results["rows"].setdefault(label, {}).setdefault(side, {"status": status})
 
 
 def summary(stage: Stage) -> dict:

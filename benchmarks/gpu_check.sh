@@ -11,8 +11,9 @@
 # image has neither: carry liger-kernel's wheel, see benchmarks/README.md).
 # Measured on one H200 (2026-11-27, 2026-11-28): the CUDA tests take ~140 s, our Triton kernel's 23 tests more than
 # 80 s (14 had run), the stages after them ~470 s, so one 9-minute call ends after batch-1 captured decode or the
-# longest-sequence search; a second call on the same warm machine finishes the rest, and one page is made of both:
-#   GPU_CHECK_SKIP_TESTS=1 GPU_CHECK_ARGS="--stages longest-official,longest-hf_tiny,longest-hf_tiny_fit,main-hf_tiny_off,captured-official-8,captured-hf_tiny-8" bash benchmarks/gpu_check.sh
+# stages just after it; a second call on the same warm machine finishes the rest, and one page is made of both
+# (name the stages the first call's page lists "not run"; longest-hf_tiny_fit needs longest-official in its call):
+#   GPU_CHECK_SKIP_TESTS=1 GPU_CHECK_ARGS="--stages captured-official-8,captured-hf_tiny-8,longest-official,longest-hf_tiny_fit,longest-hf_tiny,main-hf_tiny_off" bash benchmarks/gpu_check.sh
 #   python -m benchmarks.gpu_report --merge FIRST.json SECOND.json --out benchmarks/results/gpu-check-DEVICE-DATE.md
 #
 #   bash benchmarks/gpu_check.sh              on the GPU machine, from the repository root

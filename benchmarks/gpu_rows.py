@@ -74,13 +74,17 @@ def guarded(row: str, side: str, action) -> None:
     ending the job, so the rows after it still run."""
     try:
         action()
-    except torch.OutOfMemoryError:
-        emit(row, side, status="out of memory")
-    except ImportError as error:
-        emit(row, side, status=f"not installed: {error.name or error}")
     except Exception as error:  # reported in the table, the job goes on
-        emit(row, side, status=f"error: {type(error).__name__}: {str(error)[:300]}")
+        emit(row, side, status=failure_status(error))
     free()
+
+
+def failure_status(error: Exception) -> str:
+    if isinstance(error, torch.OutOfMemoryError):
+        return "out of memory"
+    if isinstance(error, ImportError):
+        return f"not installed: {error.name or error}"
+    return f"error: {type(error).__name__}: {str(error)[:300]}"
 
 
 # ---- jobs --------------------------------------------------------------------------------------------------------
@@ -110,6 +114,8 @@ def expected_rows(job: dict) -> list[str]:
         return [f"decode {shape_of(job['shape']).label()} captured"]
     if job["kind"] == "longest":
         return ["longest batch 1"]
+    if job["kind"] == "liger_paired":
+        return [f"train {shape_of(job['train']).label()} liger paired"]
     train = shape_of(job["train"]).label()
     rows = (["ceilings"] if job.get("ceilings") else []) + [f"prefill {shape_of(s).label()}" for s in job["prefill"]]
     rows += [f"decode {shape_of(s).label()} eager" for s in job["decode"]] + ["host prefill", "host decode step"]
@@ -218,6 +224,20 @@ def train_row(model, shape: Shape, device: torch.device, job: dict, label: str, 
     model.zero_grad(set_to_none=True)
 
 
+def peak_kept(call, peaks: dict, key, device: torch.device):
+    """call, with the device's peak allocated memory over its calls kept in peaks[key] (CUDA only): two contenders
+    timed interleaved, each with its own peak."""
+    if device.type != "cuda":
+        return call
+
+    def tracked():
+        torch.cuda.reset_peak_memory_stats(device)
+        output = call()
+        peaks[key] = max(peaks[key], torch.cuda.max_memory_allocated(device))
+        return output
+    return tracked
+
+
 PAIRED_REPEATS = 5  # a named path's step beside the same model's without it: a few percent apart at most
 
 
@@ -242,13 +262,8 @@ def runtime_option_row(job: dict, shape: Shape, device: torch.device, side: str,
     def with_path(on: bool):
         def call():
             model.set_runtime(**{path: on})
-            if cuda:
-                torch.cuda.reset_peak_memory_stats(device)
-            output = step()
-            if cuda:
-                peaks[on] = max(peaks[on], torch.cuda.max_memory_allocated(device))
-            return output
-        return call
+            return step()
+        return peak_kept(call, peaks, on, device)
 
     free()
     base = torch.cuda.memory_allocated(device) if cuda else None
@@ -271,6 +286,44 @@ def liger_row(job: dict, shape: Shape, device: torch.device, side: str) -> None:
     train_row(model, shape, device, job, f"train {shape.label()} liger", side, **patched)
 
 
+def job_liger_paired(job: dict) -> None:
+    """Liger on both sides in one process: official's and hf_tiny's training steps timed interleaved, so that the
+    two are compared on the same warm device minutes apart from nothing (the separate liger rows come from two
+    processes; on the H200 hf_tiny's spread 132-152 ms over three calls while official's held at 124)."""
+    shape, device = shape_of(job["train"]), torch.device(job["device"])
+    label = f"train {shape.label()} liger paired"
+    try:
+        liger_paired_row(job, shape, device, label)
+    except Exception as error:  # each side's cell says why, as guarded does for one side
+        for side in PAIRED_SIDES:
+            emit(label, side, status=failure_status(error))
+    free()
+
+
+PAIRED_SIDES = ("official", "hf_tiny")
+
+
+def liger_paired_row(job: dict, shape: Shape, device: torch.device, label: str) -> None:
+    import liger_kernel  # noqa: F401  (ImportError before loading: the cells say "not installed")
+
+    models = {side: load({**job, "side": side}) for side in PAIRED_SIDES}
+    patched = {side: apply_liger(model) for side, model in models.items()}
+    steps = {side: build_train_step(model, "causal", shape, device) for side, model in models.items()}
+    cuda = device.type == "cuda"
+    peaks = dict.fromkeys(PAIRED_SIDES, 0)
+    free()
+    base = torch.cuda.memory_allocated(device) if cuda else None
+    timings = time_interleaved({side: peak_kept(steps[side], peaks, side, device) for side in PAIRED_SIDES},
+                               device=device,
+                               warmup=max(job["warmup"], 1), repeats=max(job["repeats"], PAIRED_REPEATS))
+    for side in PAIRED_SIDES:
+        # the other model's weights, gradients and AdamW state are resident too: the extra memory is what a step
+        # adds above both, comparable between the sides, not with the separate rows' extra
+        emit(label, side, seconds=timings[side].median, samples=timings[side].samples,
+             peak_bytes=peaks[side] if cuda else None, extra_bytes=peaks[side] - base if cuda else None,
+             **patched[side])
+
+
 def job_captured(job: dict) -> None:
     """One side's captured decode at one shape, in a process of its own (a crash ends this job only)."""
     device, side, shape = torch.device(job["device"]), job["side"], shape_of(job["shape"])
@@ -288,7 +341,8 @@ KERNELS_SHOWN = 12
 def kernel_row(call, device: torch.device, label: str, side: str) -> None:
     """One more call (compiled and recorded by then) under torch.profiler: its wall time, the device's busy time
     (the kernels' own times summed) and the kernels taking most of it; on a CPU (the dry run), operators' own CPU
-    times. Where a side's decode step goes: kernels (which, how many, how long) or idle device (host-bound)."""
+    times. Where a side's decode step goes: kernels (which, how many, how long) or idle device (host-bound); on a
+    GPU also the host's own calls (launches, copies into the graph's inputs, synchronisations, the eager prefill)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -301,12 +355,18 @@ def kernel_row(call, device: torch.device, label: str, side: str) -> None:
         synchronize(device)
     wall = time.perf_counter() - start
     own = (lambda e: e.self_device_time_total) if on_gpu else (lambda e: e.self_cpu_time_total)
-    events = [e for e in profiler.key_averages()
-              if own(e) > 0 and (not on_gpu or e.device_type == DeviceType.CUDA)]
+    averages = profiler.key_averages()
+    events = [e for e in averages if own(e) > 0 and (not on_gpu or e.device_type == DeviceType.CUDA)]
     events.sort(key=own, reverse=True)
+    host = {}
+    if on_gpu:  # the host's side of the same call: what it spent its time on between (or while) kernels ran
+        calls = sorted((e for e in averages if e.device_type == DeviceType.CPU and e.self_cpu_time_total > 0),
+                       key=lambda e: e.self_cpu_time_total, reverse=True)
+        host = {"host_us": sum(e.self_cpu_time_total for e in calls),
+                "host_calls": [[e.key[:100], e.count, e.self_cpu_time_total] for e in calls[:KERNELS_SHOWN]]}
     emit(label, side, busy_of="GPU kernels" if on_gpu else "CPU operators (nested ones counted twice)",
          wall_us=wall * 1e6, busy_us=sum(own(e) for e in events), kernel_launches=sum(e.count for e in events),
-         kernels=[[e.key[:100], e.count, own(e)] for e in events[:KERNELS_SHOWN]])
+         kernels=[[e.key[:100], e.count, own(e)] for e in events[:KERNELS_SHOWN]], **host)
 
 
 def job_longest(job: dict) -> None:
@@ -380,7 +440,8 @@ def search_longest(fits, *, start: int, cap: int, resolution: int, deadline: flo
     return good, f"fails at {bad}"
 
 
-JOBS = {"build": job_build, "main": job_main, "captured": job_captured, "longest": job_longest}
+JOBS = {"build": job_build, "main": job_main, "captured": job_captured, "longest": job_longest,
+        "liger_paired": job_liger_paired}
 
 
 def longest_fit_start(official_longest: int, *, factor: float, resolution: int, cap: int) -> int:

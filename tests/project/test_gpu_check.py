@@ -159,6 +159,32 @@ def test_the_rebuild_option_is_judged_by_its_memory_beside_liger_and_its_cost():
     assert not any(name.startswith("train 2x32 liger rebuild:") for name in verdicts)  # an option: no row target
 
 
+def test_liger_on_both_sides_is_judged_from_the_paired_row_where_it_ran():
+    results = hand_made_results()
+    results["rows"]["train 2x32 liger"] = {"official": timed(1.0, 100), "hf_tiny": timed(1.1, 100)}
+    verdicts = {name: (text, status) for name, text, status in gpu_report.targets(results)}
+    both = "Training 2x32, Liger on both sides: no slower than official"
+    assert verdicts[both] == ("1.10x official's time", "FAIL")  # the separate rows, two processes
+    results["rows"]["train 2x32 liger paired"] = {"official": timed(1.0, 100), "hf_tiny": timed(0.98, 100)}
+    verdicts = {name: (text, status) for name, text, status in gpu_report.targets(results)}
+    assert verdicts[both] == ("0.98x official's time (interleaved in one process)", "PASS")
+    assert verdicts["train 2x32 liger paired: >= 1.0x official's speed at <= 1.0x its memory"][1] == "PASS"
+
+
+def test_a_gpu_profile_shows_the_hosts_own_calls_beside_the_kernels():
+    results = hand_made_results()
+    kernels = {"busy_of": "GPU kernels", "wall_us": 4000.0, "busy_us": 1000.0, "kernel_launches": 300,
+               "kernels": [["gemv_bf16", 150, 700.0], ["fmha_cutlassF", 22, 300.0]]}
+    results["rows"]["decode 1x8 +4 new captured kernels"] = {
+        "official": kernels,
+        "hf_tiny": {**kernels, "host_us": 2500.0, "host_calls": [["cudaGraphLaunch", 4, 1200.0], ["aten::copy_", 9, 90.0]]},
+    }
+    page = "\n".join(gpu_report.kernel_lines(results))
+    assert "wall 4.0 ms; GPU kernels' own time 1.0 ms (25% of it), 300 of them; the host's own time 2.5 ms" in page
+    assert "| hf_tiny | `cudaGraphLaunch` | 4 | 1.20 |" in page and "| hf_tiny | `gemv_bf16` | 150 | 0.70 |" in page
+    assert "host's own time" not in page.split("hf_tiny")[0]  # official's profile has none: no host column for it
+
+
 def test_the_fit_memory_search_starts_at_three_times_officials_longest():
     """60,416 x 3 = 181,248 = 177 x 1,024; 1,000 x 3 rounds up to 3,072; never past the cap."""
     assert gpu_check.longest_fit_start(60_416, factor=3.0, resolution=1024, cap=262_144) == 181_248
@@ -253,7 +279,8 @@ DRY_RUN_TARGETS = [
     "Host work: decode step Python calls <= 1.0x official's",
     *[f"{row}: >= 1.0x official's speed at <= 1.0x its memory" for row in (
         "prefill 1x32", "prefill 2x32", "decode 1x8 +4 new eager", "decode 2x8 +4 new eager",
-        "decode 1x8 +4 new captured", "decode 2x8 +4 new captured", "train 2x32", "train 2x32 liger")],
+        "decode 1x8 +4 new captured", "decode 2x8 +4 new captured", "train 2x32", "train 2x32 liger",
+        "train 2x32 liger paired")],
     "Batch-1 captured decode >= 40% of the measured HBM read bandwidth",
     "Batch-1 captured decode >= official's (where official's runs)",
     "Training 2x32: time <= 0.85x official's, Liger on ours, none on official's",
@@ -274,7 +301,7 @@ def test_dry_run_runs_every_kind_of_job_and_lists_every_target(tmp_path):
     longest-sequence search; each a process of its own; the official side runs the same functions): every selected
     stage ends "ok" and measures its rows, the others say they were not selected, and the page and the JSON list
     every target. (`python -m benchmarks.gpu_check --dry-run` runs all eleven stages: ~5 min on 2 busy cores.)"""
-    stages = "main-hf_tiny,captured-hf_tiny-1,longest-hf_tiny,longest-hf_tiny_fit"
+    stages = "main-hf_tiny,captured-hf_tiny-1,longest-hf_tiny,longest-hf_tiny_fit,liger-paired"
     env = dict(os.environ, HF_TINY_BENCH_CACHE=str(tmp_path / "checkpoints"))
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--out", str(tmp_path),
                            "--budget-s", "600", "--stages", stages], cwd=REPO, env=env, capture_output=True,
@@ -298,6 +325,7 @@ def test_dry_run_runs_every_kind_of_job_and_lists_every_target(tmp_path):
     assert "seconds" in rows["train 2x32 recompute"]["hf_tiny"]  # set_runtime(recompute=True)
     assert "status" in rows["train 2x32 liger"]["hf_tiny"]  # Liger's Triton kernels need a GPU, or it is absent
     assert "status" in rows["train 2x32 liger rebuild"]["hf_tiny"]
+    assert all("status" in rows["train 2x32 liger paired"][side] for side in ("official", "hf_tiny"))
     assert rows["longest batch 1"]["hf_tiny"]["longest"] == 128  # the dry run's cap: no OOM on a CPU
     # set_runtime(fit_memory=True): its row, and its search from the plan's start (official's longest not run)
     assert "seconds" in rows["train 2x32 fit_memory"]["hf_tiny"]
