@@ -8,10 +8,10 @@ come from official transformers only.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +21,7 @@ from transformers import AutoModel, AutoModelForMaskedLM, AutoModelForPreTrainin
 
 import hf_tiny
 from conversion import ConversionError
+from conversion.__main__ import main as conversion_main
 from conversion import bert as bert_conversion
 from conversion import roberta as roberta_conversion
 from encoder_checkpoint_models import (
@@ -28,8 +29,6 @@ from encoder_checkpoint_models import (
     compared_outputs, max_diff, official_albert, official_bert, official_distilbert, official_electra, official_roberta, padded_batch, save,
 )
 from tolerances import model_reduction_length, relative_error, rounding_bound
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def parity_bound(official, batch) -> float:
@@ -141,7 +140,13 @@ def test_unknown_tensor_beside_the_heads_is_still_an_error(tmp_path):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "conversion", *map(str, args)], cwd=REPO, capture_output=True, text=True)
+    """The command line's main() in this process (a subprocess spends ~6 s importing torch and transformers again;
+    tests/conversion/test_core.py runs `python -m conversion` itself): its exit code and what it printed."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        returncode = conversion_main([str(arg) for arg in args])
+    return subprocess.CompletedProcess(["python", "-m", "conversion", *map(str, args)], returncode, out.getvalue(),
+                                       err.getvalue())
 
 
 @pytest.mark.slow
