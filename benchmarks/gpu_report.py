@@ -217,13 +217,12 @@ def liger_both_sides_target(results: dict, train: str) -> tuple:
     """Liger on both sides: from the paired row (both steps in one process, interleaved) where it was measured,
     else from the two sides' separate liger rows."""
     name = f"Training {train}, Liger on both sides: no slower than official"
-    paired, separate = f"train {train} liger paired", f"train {train} liger"
-    value = ratio(results, paired, lambda e: e["seconds"])
-    if value is not None:
-        return name, f"{times(value)} official's time (interleaved in one process)", verdict(value, lambda v: v <= 1.0)
-    value = ratio(results, separate, lambda e: e["seconds"])
-    return (name, why_missing(results, separate) if value is None else f"{times(value)} official's time",
-            verdict(value, lambda v: v <= 1.0))
+    separate = f"train {train} liger"
+    for row, how in ((f"{separate} paired", " (interleaved in one process)"), (separate, "")):
+        value = ratio(results, row, lambda e: e["seconds"])
+        if value is not None:
+            return name, f"{times(value)} official's time{how}", verdict(value, lambda v: v <= 1.0)
+    return name, why_missing(results, separate), "not run"
 
 
 def _ratio_between(results: dict, our_row: str, their_row: str, key) -> Optional[float]:
@@ -419,17 +418,17 @@ def kernel_lines(results: dict) -> list[str]:
             lines.append(f"- {SIDE_TITLES[side]}: wall {entry['wall_us'] / 1e3:,.1f} ms; {entry['busy_of']}' own time "
                          f"{entry['busy_us'] / 1e3:,.1f} ms ({busy:.0%} of it), {entry['kernel_launches']:,} of them"
                          + (f"; the host's own time {entry['host_us'] / 1e3:,.1f} ms" if "host_us" in entry else ""))
-        lines += ["", "| side | kernel | calls | own time (ms) |", "|---|---|---|---|"]
-        for side, entry in profiled.items():
-            lines += [f"| {SIDE_TITLES[side]} | `{name}` | {count:,} | {own / 1e3:,.2f} |" for name, count, own in entry["kernels"]]
-        hosts = {side: entry for side, entry in profiled.items() if "host_calls" in entry}
-        if hosts:
-            lines += ["", "| side | host call (CPU, own time) | calls | own time (ms) |", "|---|---|---|---|"]
-            for side, entry in hosts.items():
-                lines += [f"| {SIDE_TITLES[side]} | `{name}` | {count:,} | {own / 1e3:,.2f} |"
-                          for name, count, own in entry["host_calls"]]
+        lines += _profile_table(profiled, "kernels", "kernel")
+        lines += _profile_table(profiled, "host_calls", "host call (CPU, own time)")
         lines.append("")
     return lines if len(lines) > 2 else lines + ["not run"]
+
+
+def _profile_table(profiled: dict, key: str, title: str) -> list[str]:
+    """The sides' [name, calls, own time in us] entries under `key`, one table (none where no side has them)."""
+    rows = [f"| {SIDE_TITLES[side]} | `{name}` | {count:,} | {own / 1e3:,.2f} |"
+            for side, entry in profiled.items() for name, count, own in entry.get(key, ())]
+    return ["", f"| side | {title} | calls | own time (ms) |", "|---|---|---|---|", *rows] if rows else []
 
 
 def agreement(tokens: list, reference: list) -> float:

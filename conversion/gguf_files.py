@@ -10,6 +10,7 @@ tensors, ...). Nothing outside this module is patched.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from dataclasses import dataclass
@@ -26,22 +27,30 @@ _SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?
 _STRING, _ARRAY = 8, 9
 
 
-def _header_fields(path: Path, wanted) -> dict:
-    """The header fields `wanted(key)` selects, read without touching a tensor."""
-    found = {}
+@contextlib.contextmanager
+def _reading_header(path: Path):
+    """Opens the file at its first header field: yields (handle, version, tensor count, field count). A short read
+    or undecodable bytes become one ConversionError naming the file."""
     try:
         with open(path, "rb") as handle:
             if handle.read(4) != _GGUF_MAGIC:
                 raise ConversionError(f"{path} is not a valid GGUF file (no GGUF magic bytes at its start)")
-            _version, _tensors, count = struct.unpack("<IQQ", handle.read(20))
-            for _ in range(count):
-                key = _read_string(handle)
-                value = _read_value(handle, struct.unpack("<I", handle.read(4))[0])
-                if wanted(key):
-                    found[key] = value
+            yield (handle, *struct.unpack("<IQQ", handle.read(20)))
     except (struct.error, UnicodeDecodeError, OSError, MemoryError) as error:
         raise ConversionError(f"{path} is not a valid GGUF file (truncated or corrupt?): {error}") from error
-    return found
+
+
+def _fields(handle, count: int):
+    """The header's (key, value type, value) in order; arrays are skipped (None)."""
+    for _ in range(count):
+        key, kind = _read_string(handle), struct.unpack("<I", handle.read(4))[0]
+        yield key, kind, _read_value(handle, kind)
+
+
+def _header_fields(path: Path, wanted) -> dict:
+    """The header fields `wanted(key)` selects, read without touching a tensor."""
+    with _reading_header(path) as (handle, _version, _tensors, count):
+        return {key: value for key, _kind, value in _fields(handle, count) if wanted(key)}
 
 
 def gguf_architecture(path: str | os.PathLike) -> str:
@@ -103,23 +112,15 @@ def gguf_tensors(path: Path) -> list[GGUFTensor]:
     """The tensor table of a (little-endian) GGUF file, read past the header's values without decoding them.
     gguf's GGUFReader decodes every element of the tokenizer's arrays first: ~14 s for Gemma 3's 262k-token
     vocabulary, which nothing here reads."""
-    try:
-        with open(path, "rb") as handle:
-            if handle.read(4) != _GGUF_MAGIC:
-                raise ConversionError(f"{path} is not a valid GGUF file (no GGUF magic bytes at its start)")
-            version, tensor_count, kv_count = struct.unpack("<IQQ", handle.read(20))
-            if version & 0xFFFF == 0:
-                raise ConversionError(f"{path} is a big-endian GGUF file; only little-endian files are read")
-            alignment = 32
-            for _ in range(kv_count):
-                key, kind = _read_string(handle), struct.unpack("<I", handle.read(4))[0]
-                value = _read_value(handle, kind)
-                if key == "general.alignment":
-                    alignment = _checked_alignment(path, kind, value)
-            entries = [_tensor_entry(handle) for _ in range(tensor_count)]
-            data_start = handle.tell() + (-handle.tell()) % alignment
-    except (struct.error, UnicodeDecodeError, OSError, MemoryError) as error:
-        raise ConversionError(f"{path} is not a valid GGUF file (truncated or corrupt?): {error}") from error
+    with _reading_header(path) as (handle, version, tensor_count, field_count):
+        if version & 0xFFFF == 0:
+            raise ConversionError(f"{path} is a big-endian GGUF file; only little-endian files are read")
+        alignment = 32
+        for key, kind, value in _fields(handle, field_count):
+            if key == "general.alignment":
+                alignment = _checked_alignment(path, kind, value)
+        entries = [_tensor_entry(handle) for _ in range(tensor_count)]
+        data_start = handle.tell() + (-handle.tell()) % alignment
     import numpy as np
 
     mapped = np.memmap(path, mode="r") if entries else None
