@@ -7,7 +7,8 @@ Transformers backend reads.
   (plain nn.Linear projections named q_proj ... / gate_proj, up_proj with act_fn called once), sets
   `config._attn_implementation = "vllm"` and passes flattened sequences with `position_ids` and no mask.
 - transformers' own functions (flex_attention, paged|eager, hub kernels, a user's `AttentionInterface.register`)
-  take transformers' mask forms (`foreign_mask`); those without a mask builder get none.
+  take transformers' mask forms (`foreign_mask`); those without a mask builder get none. flex_attention also takes
+  a BlockMask as it comes (generate builds one per layer type for a static cache, `create_masks_for_generate`).
 - Continuous batching (`generate_batch`) passes its paged cache as `cache=` and its indices and sequence
   boundaries as keyword arguments; attention modules store K/V through `paged_cache_update`.
 """
@@ -34,6 +35,24 @@ def paged_cache_update(cache, key: torch.Tensor, value: torch.Tensor, layer_idx:
     return key.transpose(0, 1).unsqueeze(0), value.transpose(0, 1).unsqueeze(0)
 
 
+def is_block_mask(mask) -> bool:
+    """Whether `mask` is a flex_attention BlockMask, transformers' mask form for flex_attention."""
+    if mask is None or isinstance(mask, (torch.Tensor, dict)):
+        return False
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return isinstance(mask, BlockMask)
+
+
+def check_block_mask(implementation: str, field: str) -> None:
+    """A BlockMask is handed to flex_attention as it is; no other attention function takes one."""
+    if implementation != "flex_attention":
+        raise ValueError(
+            f"{field} is a flex_attention BlockMask, which only attn_implementation='flex_attention' takes; this "
+            f"model's attn_implementation is {implementation!r}: pass a 2-D padding mask or a 4-D mask instead"
+        )
+
+
 def interface_takes_mask(name: str) -> bool:
     """Whether transformers' function `name` is handed a mask, by transformers' rule: when a mask builder is
     registered under its name in its AttentionMaskInterface (sdpa, eager, flex_attention, flash...). The rest
@@ -50,12 +69,14 @@ def mask_for_interface(
 
     Returns (mask, visible): mask is a full [B, 1 | H, Sq, Sk] additive tensor (0 where attended, the dtype's lowest
     value elsewhere), or for flex_attention a BlockMask built from the bool pattern (flex adds an additive mask to
-    every score inside a compiled kernel, which PyTorch's CPU build miscompiles). A causal call without a mask gets
+    every score inside a compiled kernel, which PyTorch's CPU build miscompiles); a given BlockMask as it is. A causal call without a mask gets
     the explicit bottom-right causal pattern (transformers' functions would otherwise read no mask as "see all").
     visible [B, 1, Sq, 1] is False for query rows that see no key (left padding): those rows are handed to the
     function as attending to everything, so no kernel turns them into NaN that later layers would read, and the
     caller zeroes them after, as our own backends do; None when every row sees a key.
     """
+    if is_block_mask(mask):  # built for flex_attention (step.causal_masks admits it for that function alone)
+        return mask, None
     batch, _, query_length, _ = query.shape
     dtype = query.dtype
     if mask is None:

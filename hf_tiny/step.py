@@ -19,7 +19,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.utils import ModelOutput
 
 from .attention import MASK_KERNEL_BACKENDS, is_hf_tiny_backend
-from .engines import interface_takes_mask
+from .engines import check_block_mask, interface_takes_mask, is_block_mask
 from .masks import (
     AttentionMask, CausalShape, alibi_mask, causal_mask, chunked_layer_mask, packed_causal_mask, refuse_alibi,
     with_hidden_rows,
@@ -336,7 +336,9 @@ def prepare_causal_step(model, input_ids, inputs_embeds, attention_mask, positio
     past_length = cache.get_seq_length() if cache is not None else 0
     device = (input_ids if input_ids is not None else inputs_embeds).device
     shape = CausalShape(batch_size, query_length, past_length, device)
-    if attention_mask is not None and not isinstance(attention_mask, dict) and not is_compiling():
+    if is_block_mask(attention_mask):
+        check_block_mask(model.config._attn_implementation, "attention_mask")
+    elif attention_mask is not None and not isinstance(attention_mask, dict) and not is_compiling():
         check_attention_mask(attention_mask, expected_shape=(batch_size, int(past_length) + query_length))
     segment_ids = None
     if position_ids is not None or extras:  # packed rows announce themselves by their positions or boundaries
@@ -401,10 +403,14 @@ def causal_masks(model, attention_mask, cache, shape: CausalShape, segment_ids) 
     for layer_type in layer_types:
         window = config.sliding_window if layer_type == "sliding_attention" else None
         chunk = config.chunked_attention.attention_chunk_size if layer_type == "chunked_attention" else None
+        given = attention_mask if by_type is None else by_type[layer_type]
+        if is_block_mask(given):  # flex_attention's, complete as built (window, chunks and padding included)
+            refuse_alibi(config, "a flex_attention BlockMask")
+            masks[layer_type] = AttentionMask(given, False)
+            continue
         if segment_ids is not None:
             masks[layer_type] = packed_causal_mask(segment_ids, sliding_window=window, chunk_size=chunk)
             continue
-        given = attention_mask if by_type is None else by_type[layer_type]
         layer_idx = config.layer_types.index(layer_type)
         masks[layer_type] = causal_mask(given, cache, shape, window, layer_idx=layer_idx)
         if chunk is not None and (given is None or given.dim() == 2):  # a 4-D mask is complete as given
@@ -420,14 +426,17 @@ def causal_masks(model, attention_mask, cache, shape: CausalShape, segment_ids) 
 def _masks_by_layer_type(config, attention_mask: dict, shape: CausalShape) -> dict:
     """A dict attention_mask, {layer type: mask}, as generate() prepares it for static caches of models with
     layer_types (transformers' create_masks_for_generate), checked to cover every layer type. Its masks have the
-    layouts of transformers' mask builders: 4-D masks (eager, sdpa), or for flash attention 2-D padding masks, the
-    last columns of generate's attention_mask that the layer's keys reach (flash_attention_mask), or None (no
-    padding among them). A 2-D one is a 2-D attention_mask (masks.causal_mask: its last column is the newest token)."""
+    layouts of transformers' mask builders: 4-D masks (eager, sdpa), BlockMasks (flex_attention), or for flash
+    attention 2-D padding masks, the last columns of generate's attention_mask that the layer's keys reach
+    (flash_attention_mask), or None (no padding among them). A 2-D one is a 2-D attention_mask (masks.causal_mask: its last column is the newest token)."""
     missing = sorted(set(config.layer_types) - set(attention_mask))
     for layer_type, mask in attention_mask.items():
+        field = f"attention_mask[{layer_type!r}]"
         if mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 4):
             continue
-        field = f"attention_mask[{layer_type!r}]"
+        if is_block_mask(mask):
+            check_block_mask(config._attn_implementation, field)
+            continue
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
             _check_layer_padding_mask(mask, shape, field, full=layer_type == "chunked_attention")
         elif isinstance(mask, torch.Tensor):
@@ -437,7 +446,7 @@ def _masks_by_layer_type(config, attention_mask: dict, shape: CausalShape) -> di
     if missing:
         raise ValueError(
             f"attention_mask given per layer type (keys {sorted(attention_mask)}) needs, for every layer type of this "
-            f"model {sorted(set(config.layer_types))}, a 4-D mask, a 2-D padding mask or None; wrong or missing: "
+            f"model {sorted(set(config.layer_types))}, a 4-D mask, a 2-D padding mask, a BlockMask (flex_attention) or None; wrong or missing: "
             f"{missing}"
         )
     return attention_mask

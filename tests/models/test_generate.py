@@ -1,6 +1,6 @@
 """generate() and the KV cache: same tokens as the official model (greedy, sampling, beam search), left padding,
-cache equivalence (dynamic, sliding window, static; flash attention's per-layer-type padding masks with a static
-cache), torch.compile of a static-cache decode step, streaming."""
+cache equivalence (dynamic, sliding window, static; flash attention's per-layer-type padding masks and flex
+attention's block masks with a static cache), torch.compile of a static-cache decode step, streaming."""
 
 from __future__ import annotations
 
@@ -177,6 +177,86 @@ def test_static_cache_generate_with_our_triton_flash_cuts_sliding_masks():
     assert [step["full_attention"][1] for step in widths] == full_width  # padded rows: never None
     sliding = [step["sliding_attention"] for step in widths]
     assert any(shape is not None and shape[1] < width for shape, width in zip(sliding, full_width))  # a cut mask
+
+
+def block_masks_seen(model) -> list:
+    """Records, for each forward, {layer type: the class name of its mask} when the attention_mask is a dict."""
+    seen = []
+
+    def record(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        if isinstance(mask, dict):
+            seen.append({kind: type(m).__name__ for kind, m in mask.items()})
+
+    model.register_forward_pre_hook(record, with_kwargs=True)
+    return seen
+
+
+def test_static_cache_generate_with_flex_attention_gives_officials_tokens(pair, static_flex_compilation):
+    """flex_attention with cache_implementation="static" on a left-padded batch: generate hands each forward a
+    BlockMask per layer type (transformers' create_masks_for_generate), which flex_attention takes as built; the
+    tokens are official's with the same settings (Mistral's window of 5 is shorter than the prompts)."""
+    official, ours = pair
+    ids, mask = prompts()
+    settings = {**GREEDY, "max_new_tokens": 4, "cache_implementation": "static"}
+    official.set_attn_implementation("flex_attention")
+    ours.set_attn_implementation("flex_attention")
+    seen = block_masks_seen(ours)
+    try:
+        expected = official.generate(ids, attention_mask=mask, **settings)
+        produced = ours.generate(ids, attention_mask=mask, **settings)
+    finally:
+        official.set_attn_implementation("sdpa")
+        ours.set_attn_implementation("sdpa")
+    assert torch.equal(produced, expected)
+    assert seen and all(set(step.values()) == {"BlockMask"} for step in seen)
+    ours.set_attn_implementation("sdpa")
+    assert torch.equal(ours.generate(ids, attention_mask=mask, **GREEDY)[:, : produced.shape[1]], produced)
+
+
+def test_a_block_mask_with_another_attention_function_is_refused_by_name():
+    """A BlockMask is flex_attention's form: given to a model running sdpa, directly or per layer type, the error
+    names the field and the implementation."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    model = sliding_and_full(sliding_window=32)
+    ids = torch.randint(3, 97, (1, 6))
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    block = create_block_mask(causal, 1, None, 6, 6, device="cpu")
+    with pytest.raises(ValueError, match=r"attention_mask is a flex_attention BlockMask.*'sdpa'"):
+        model(ids, attention_mask=block)
+    cache = StaticCache(config=model.config, max_cache_len=6)
+    with pytest.raises(ValueError, match=r"attention_mask\['sliding_attention'\] is a flex_attention BlockMask"):
+        model(ids, attention_mask={"sliding_attention": block, "full_attention": block}, past_key_values=cache)
+
+
+def test_a_block_mask_given_to_flex_attention_is_applied(static_flex_compilation):
+    """A caller's BlockMask reaches flex_attention as it is: a causal one gives the logits of no mask at all, one
+    that lets every token see the whole row (not causal) gives others (the negative control)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    model = sliding_and_full(sliding_window=32)
+    ids = torch.randint(3, 97, (2, 8))
+    expected = model(ids).logits
+    model.set_attn_implementation("flex_attention")
+
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    def everything(b, h, q_idx, kv_idx):
+        return kv_idx >= 0
+
+    try:
+        with torch.no_grad():  # flex_attention has no backward on the CPU
+            produced = model(ids, attention_mask=create_block_mask(causal, 2, None, 8, 8, device="cpu")).logits
+            unmasked = model(ids, attention_mask=create_block_mask(everything, 2, None, 8, 8, device="cpu")).logits
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert max_diff(produced, expected) <= TOLERANCE
+    assert max_diff(unmasked, expected) > 100 * TOLERANCE
 
 
 @pytest.mark.parametrize("value, fragments", [
