@@ -4,7 +4,7 @@ on CUDA, inductor captures it in a CUDA graph.
 
 CPU: the compiled generate gives official Llama's tokens (greedy and sampled with a fixed seed, a left-padded batch
 of 3), through one graph for every decoding step (no recompilation as positions and the cache advance); fullgraph=True
-proves there is no graph break. The compile backend here is dynamo's "eager" (it traces and checks the graph, then
+proves there is no graph break; with flex_attention too (generate's BlockMasks inside the graph). The compile backend here is dynamo's "eager" (it traces and checks the graph, then
 runs it with the same kernels, so tokens equal eager's exactly and the test stays within seconds on 2 cores).
 
 CUDA (marked `cuda`): mode="reduce-overhead" (inductor + CUDA graphs) on both sides, each in its own process (official's
@@ -108,6 +108,21 @@ def test_compiled_static_cache_sampling_gives_official_tokens_with_the_same_seed
     assert torch.equal(produced, expected) and (steps, graphs, recompiles) == (NEW_TOKENS - 1, 1, 0)
     torch.manual_seed(8)  # negative control: another seed samples other tokens
     assert not torch.equal(compiled_generate(ours, batch, **sampling)[0], expected)
+
+
+@pytest.mark.slow
+def test_compiled_static_cache_generate_with_flex_attention_gives_official_tokens_with_one_graph(folders):
+    """flex_attention: generate hands the compiled step a BlockMask per layer type (create_masks_for_generate),
+    which reaches flex_attention inside the one graph as built."""
+    official = AutoModelForCausalLM.from_pretrained(folders / "official", attn_implementation="flex_attention").eval()
+    ours = AutoModelForCausalLM.from_pretrained(folders / "ours", attn_implementation="flex_attention").eval()
+    batch = left_padded_batch(97, LENGTHS, seed=1)
+    with torch.no_grad():
+        expected = official.generate(batch["input_ids"], attention_mask=batch["attention_mask"], do_sample=False,
+                                     cache_implementation="static", **settings())
+    produced, graphs, recompiles, steps = compiled_generate(ours, batch, do_sample=False)
+    assert torch.equal(produced, expected)
+    assert steps == NEW_TOKENS - 1 and graphs == 1 and recompiles == 0
 
 
 @pytest.mark.slow

@@ -192,11 +192,13 @@ def block_masks_seen(model) -> list:
     return seen
 
 
-def test_static_cache_generate_with_flex_attention_gives_officials_tokens(pair, static_flex_compilation):
+def test_static_cache_generate_with_flex_attention_gives_officials_tokens(static_flex_compilation):
     """flex_attention with cache_implementation="static" on a left-padded batch: generate hands each forward a
     BlockMask per layer type (transformers' create_masks_for_generate), which flex_attention takes as built; the
-    tokens are official's with the same settings (Mistral's window of 5 is shorter than the prompts)."""
-    official, ours = pair
+    tokens are official Mistral's with the same settings, its window of 5 shorter than the prompts (Llama, compiled:
+    tests/ecosystem/test_captured_decoding.py)."""
+    official = tiny_official("mistral", sliding_window=5, head_dim=8)
+    ours = ours_from(official)
     ids, mask = prompts()
     settings = {**GREEDY, "max_new_tokens": 4, "cache_implementation": "static"}
     official.set_attn_implementation("flex_attention")
