@@ -32,12 +32,9 @@ def load_instructions(split: str) -> list[dict]:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_arguments(
-        parser, name="finetune_causal", learning_rate=2e-5, tiny_learning_rate=3e-3, batch_size=4
+    return common.parse_args(
+        argv, description=__doc__, name="finetune_causal", learning_rate=2e-5, tiny_learning_rate=3e-3, batch_size=4
     )
-    args = parser.parse_args(argv)
-    return common.check_common_arguments(parser, args)
 
 
 def prompt_text(tokenizer, instruction: str) -> str:
@@ -56,34 +53,21 @@ def tiny_model_and_tokenizer(args: argparse.Namespace):
     tokenizer = common.word_tokenizer(
         texts, specials={"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"}
     )
-    config = TinyCausalConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        initializer_range=0.1,
-        attention_dropout=args.dropout or 0.0,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+    config = common.tiny_config(
+        TinyCausalConfig, tokenizer, args, dropout_fields=("attention_dropout",),
+        num_key_value_heads=2, max_position_embeddings=128, initializer_range=0.1, tie_word_embeddings=True,
     )
     return TinyCausalForCausalLM(config), tokenizer
 
 
 def real_model_and_tokenizer(args: argparse.Namespace):
     from conversion import llama
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
-    import hf_tiny  # noqa: F401  (registers the Auto classes)
-
-    folder = common.converted(args.work_dir, "smollm2", llama.convert, common.smollm2_source())
-    overrides = {} if args.dropout is None else {"attention_dropout": args.dropout}
-    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **overrides)
-    return model, AutoTokenizer.from_pretrained(str(folder))
+    return common.load_converted(
+        AutoModelForCausalLM, args, "smollm2", llama.convert, common.smollm2_source(),
+        dtype=torch.float32, **common.dropout_overrides(args.dropout, ("attention_dropout",)),
+    )
 
 
 def encode(rows: list[dict], tokenizer) -> list[dict]:
@@ -146,19 +130,9 @@ def sample_generations(model, tokenizer, rows: list[dict], max_new_tokens: int =
     return results
 
 
-def main(argv: Optional[Sequence[str]] = None) -> dict:
-    from transformers import AutoModelForCausalLM
-
-    args = parse_args(argv)
-    trainer = make_trainer(args)
-    before = None if args.skip_final else common.evaluate_before_training(trainer)
-    trainer.train(resume_from_checkpoint=common.resume_argument(args))
-    common.print_curve(trainer)
-    if args.skip_final:
-        return common.write_results(args, trainer)
-
-    metrics = trainer.evaluate()
-    for when, values in (("before", before), ("after", metrics)):
+def report(trainer, before: Optional[dict], after: dict) -> dict:
+    """Held-out loss, perplexity and response accuracy before -> after training, and a few generations."""
+    for when, values in (("before", before), ("after", after)):
         if values is not None:
             common.say(trainer, f"held-out ({len(trainer.eval_dataset)} instructions) {when} training: loss "
                        f"{values['eval_loss']:.4f}, perplexity {common.perplexity(values['eval_loss']):.2f}, "
@@ -168,21 +142,19 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
     generations = sample_generations(model, trainer.processing_class, load_instructions("eval")[:3])
     for instruction, reference, answer in generations:
         common.say(trainer, f"  Q: {instruction}\n     reference: {reference}\n     model:     {answer}")
-    batch = trainer.data_collator(trainer.eval_dataset[:4])
-    batch.pop("labels")
-    difference = common.save_and_reload(trainer, args.output_dir / "final", AutoModelForCausalLM, batch)
-    common.say(trainer, f"saved {args.output_dir / 'final'}; reloaded with AutoModelForCausalLM: "
-               f"max |logits difference| = {difference}")
-    return common.write_results(
-        args,
-        trainer,
-        eval_before=before,
-        eval_after=metrics,
-        perplexity_before=None if before is None else common.perplexity(before["eval_loss"]),
-        perplexity_after=common.perplexity(metrics["eval_loss"]),
-        generations=generations,
-        reload_max_abs_diff=difference,
-    )
+    return {
+        "perplexity_before": None if before is None else common.perplexity(before["eval_loss"]),
+        "perplexity_after": common.perplexity(after["eval_loss"]),
+        "generations": generations,
+    }
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    args = parse_args(argv)
+    trainer = make_trainer(args)
+    return common.train_evaluate_save(args, trainer, report=report, auto_class=AutoModelForCausalLM, reload_size=4)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Pieces shared by the Trainer fine-tuning examples (finetune_encoder.py, finetune_causal.py,
-finetune_seq2seq.py): command-line flags, TrainingArguments, the real-weight locations, a word-level tokenizer for
-the --tiny runs, padding collators that insist on labels, and the save -> reload check.
+finetune_seq2seq.py): command-line flags, TrainingArguments, the real-weight locations and their loading, the --tiny
+configs and word-level tokenizer, padding collators that insist on labels, and what main does with a Trainer (train,
+evaluate, report, the save -> reload check).
 
 Each example exposes parse_args(argv), make_trainer(args) and main(argv); the tests (tests/ecosystem/test_trainer.py,
 tests/ecosystem/test_distributed.py) drive those same functions, so what they check is what a user runs.
@@ -86,6 +87,18 @@ def check_common_arguments(parser: argparse.ArgumentParser, args: argparse.Names
     if args.results_json is None:
         args.results_json = args.output_dir / "results.json"
     return args
+
+
+def parse_args(
+    argv: Optional[Sequence[str]], *, description: str, name: str, learning_rate: float, tiny_learning_rate: float,
+    batch_size: int
+) -> argparse.Namespace:
+    """An example's command line: the flags above with its defaults, checked. description: the example's docstring."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_arguments(
+        parser, name=name, learning_rate=learning_rate, tiny_learning_rate=tiny_learning_rate, batch_size=batch_size
+    )
+    return check_common_arguments(parser, parser.parse_args(argv))
 
 
 def training_arguments(args: argparse.Namespace, cls=None, **extra):
@@ -268,8 +281,26 @@ def converted(work_dir: Path, name: str, convert, src: Path) -> Path:
     return dst
 
 
+def load_converted(auto_class, args: argparse.Namespace, name: str, convert, src: Path, **from_pretrained_kwargs):
+    """The real model and its tokenizer: the checkpoint `src` converted into WORK_DIR/name (see converted), loaded
+    with auto_class."""
+    from transformers import AutoTokenizer
+
+    import hf_tiny  # noqa: F401  (registers the Auto classes)
+
+    folder = converted(args.work_dir, name, convert, src)
+    return auto_class.from_pretrained(str(folder), **from_pretrained_kwargs), AutoTokenizer.from_pretrained(str(folder))
+
+
+def dropout_overrides(
+    dropout: Optional[float], fields: Sequence[str] = ("hidden_dropout", "attention_dropout")
+) -> dict:
+    """--dropout as config fields; none when it is not given, so that a converted checkpoint keeps its own."""
+    return {} if dropout is None else {field: dropout for field in fields}
+
+
 # ----------------------------------------------------------------------------------------------------------------
-# a word-level tokenizer for --tiny runs (a few hundred ids, so tiny models stay tiny)
+# --tiny models: a word-level tokenizer (a few hundred ids, so tiny models stay tiny) and config
 # ----------------------------------------------------------------------------------------------------------------
 
 
@@ -296,6 +327,24 @@ def word_tokenizer(texts: Iterable[str], *, specials: dict[str, str], single_tem
             single=single_template, special_tokens=[(token, vocab[token]) for token in used]
         )
     return PreTrainedTokenizerFast(tokenizer_object=backend, **specials)
+
+
+def tiny_config(
+    config_class, tokenizer, args: argparse.Namespace, *,
+    dropout_fields: Sequence[str] = ("hidden_dropout", "attention_dropout"), **fields
+):
+    """The config of a --tiny model: 2 layers of width 32 (4 heads, MLP 64), the vocabulary of `tokenizer` and the
+    special-token ids it has (the encoder's has no BOS/EOS), --dropout (default 0) on dropout_fields; `fields` are
+    the family's own."""
+    special_ids = {
+        f"{token}_id": getattr(tokenizer, f"{token}_id")
+        for token in ("pad_token", "bos_token", "eos_token")
+        if getattr(tokenizer, token) is not None
+    }
+    return config_class(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        **special_ids, **dropout_overrides(args.dropout or 0.0, dropout_fields), **fields,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -371,3 +420,49 @@ def save_and_reload(trainer, final_dir: Path, auto_class, batch: dict) -> float:
     if not torch.equal(before, after):
         raise AssertionError(f"reloaded model from {final_dir} gives different logits: max |diff| = {difference:.3g}")
     return difference
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# an example's main: train, evaluate, report, save -> reload
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def metric_report(what: str, key: str):
+    """A report for train_evaluate_save that prints one line: `what`, then the metric `key` and the eval loss,
+    before -> after training; it adds no results fields."""
+
+    def report(trainer, before: Optional[dict], after: dict) -> dict:
+        loss = before_after(before, after, "eval_loss", ".4f")
+        say(trainer, f"{what}: {before_after(before, after, key)}; eval loss {loss}")
+        return {}
+
+    return report
+
+
+def held_out_batch(trainer, size: int, *, keep_labels: bool) -> dict:
+    """The first `size` held-out examples, collated; without labels unless the model takes them as inputs."""
+    batch = trainer.data_collator(trainer.eval_dataset[:size])
+    if not keep_labels:
+        batch.pop("labels")
+    return batch
+
+
+def train_evaluate_save(
+    args: argparse.Namespace, trainer, *, report, auto_class, reload_size: int = 8, keep_labels: bool = False
+) -> dict:
+    """What each example's main does with its Trainer: train (resuming when asked), print the loss curve; unless
+    --skip-final, evaluate, let report(trainer, before, after) print the task's metrics (it returns extra results
+    fields), save OUTPUT_DIR/final and check that auto_class reloads it with the same logits on `reload_size`
+    held-out examples (see held_out_batch). Returns what it writes to results.json."""
+    before = None if args.skip_final else evaluate_before_training(trainer)
+    trainer.train(resume_from_checkpoint=resume_argument(args))
+    print_curve(trainer)
+    if args.skip_final:
+        return write_results(args, trainer)
+    after = trainer.evaluate()
+    extra = report(trainer, before, after)
+    final_dir = args.output_dir / "final"
+    batch = held_out_batch(trainer, reload_size, keep_labels=keep_labels)
+    difference = save_and_reload(trainer, final_dir, auto_class, batch)
+    say(trainer, f"saved {final_dir}; reloaded with {auto_class.__name__}: max |logits difference| = {difference}")
+    return write_results(args, trainer, eval_before=before, eval_after=after, **extra, reload_max_abs_diff=difference)

@@ -30,12 +30,14 @@ def load_sentiment(split: str) -> list[dict]:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_arguments(
-        parser, name="finetune_encoder", learning_rate=5e-5, tiny_learning_rate=1e-3, batch_size=16
+    return common.parse_args(
+        argv, description=__doc__, name="finetune_encoder", learning_rate=5e-5, tiny_learning_rate=1e-3, batch_size=16
     )
-    args = parser.parse_args(argv)
-    return common.check_common_arguments(parser, args)
+
+
+def label_fields() -> dict:
+    """The classifier's labels, for the config of the tiny model and for the head put on MiniLM."""
+    return {"num_labels": len(LABELS), "id2label": LABELS, "label2id": {name: index for index, name in LABELS.items()}}
 
 
 def tiny_model_and_tokenizer(args: argparse.Namespace):
@@ -47,44 +49,22 @@ def tiny_model_and_tokenizer(args: argparse.Namespace):
         specials={"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]"},
         single_template="[CLS] $A [SEP]",
     )
-    dropout = args.dropout or 0.0
-    config = TinyEncoderConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
+    config = common.tiny_config(
+        TinyEncoderConfig, tokenizer, args, max_position_embeddings=64,
         # 0.02 (BERT's init) is made for width 384+: at width 32 the [CLS] state would barely see the sentence
-        initializer_range=0.2,
-        hidden_dropout=dropout,
-        attention_dropout=dropout,
-        pad_token_id=tokenizer.pad_token_id,
-        num_labels=len(LABELS),
-        id2label=LABELS,
-        label2id={name: index for index, name in LABELS.items()},
+        initializer_range=0.2, **label_fields(),
     )
     return TinyEncoderForSequenceClassification(config), tokenizer
 
 
 def real_model_and_tokenizer(args: argparse.Namespace):
     from conversion import bert
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoModelForSequenceClassification
 
-    import hf_tiny  # noqa: F401  (registers the Auto classes)
-
-    folder = common.converted(args.work_dir, "minilm", bert.convert, common.minilm_source())
-    overrides = {}
-    if args.dropout is not None:
-        overrides = {"hidden_dropout": args.dropout, "attention_dropout": args.dropout}
-    model = AutoModelForSequenceClassification.from_pretrained(
-        str(folder),
-        num_labels=len(LABELS),
-        id2label=LABELS,
-        label2id={name: index for index, name in LABELS.items()},
-        **overrides,
+    return common.load_converted(
+        AutoModelForSequenceClassification, args, "minilm", bert.convert, common.minilm_source(),
+        **label_fields(), **common.dropout_overrides(args.dropout),
     )
-    return model, AutoTokenizer.from_pretrained(str(folder))
 
 
 def encode(rows: list[dict], tokenizer) -> list[dict]:
@@ -146,23 +126,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
     args = parse_args(argv)
     trainer = make_trainer(args)
-    before = None if args.skip_final else common.evaluate_before_training(trainer)
-    trainer.train(resume_from_checkpoint=common.resume_argument(args))
-    common.print_curve(trainer)
-    if args.skip_final:
-        return common.write_results(args, trainer)
-
-    metrics = trainer.evaluate()
-    common.say(trainer, f"eval accuracy ({len(trainer.eval_dataset)} held-out sentences): "
-               f"{common.before_after(before, metrics, 'eval_accuracy')}; eval loss "
-               f"{common.before_after(before, metrics, 'eval_loss', '.4f')}")
-    batch = trainer.data_collator(trainer.eval_dataset[:8])
-    batch.pop("labels")
-    difference = common.save_and_reload(trainer, args.output_dir / "final", AutoModelForSequenceClassification, batch)
-    common.say(trainer, f"saved {args.output_dir / 'final'}; reloaded with AutoModelForSequenceClassification: "
-               f"max |logits difference| = {difference}")
-    return common.write_results(
-        args, trainer, eval_before=before, eval_after=metrics, reload_max_abs_diff=difference
+    what = f"eval accuracy ({len(trainer.eval_dataset)} held-out sentences)"
+    return common.train_evaluate_save(
+        args, trainer, report=common.metric_report(what, "eval_accuracy"), auto_class=AutoModelForSequenceClassification
     )
 
 

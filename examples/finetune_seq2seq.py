@@ -43,12 +43,9 @@ def reversal_pairs(seed: int = 1234) -> tuple[list[dict], list[dict]]:
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    common.add_common_arguments(
-        parser, name="finetune_seq2seq", learning_rate=1e-4, tiny_learning_rate=3e-3, batch_size=16
+    return common.parse_args(
+        argv, description=__doc__, name="finetune_seq2seq", learning_rate=1e-4, tiny_learning_rate=3e-3, batch_size=16
     )
-    args = parser.parse_args(argv)
-    return common.check_common_arguments(parser, args)
 
 
 def tiny_model_and_tokenizer(args: argparse.Namespace):
@@ -59,37 +56,21 @@ def tiny_model_and_tokenizer(args: argparse.Namespace):
         specials={"pad_token": "<pad>", "unk_token": "<unk>", "bos_token": "<s>", "eos_token": "</s>"},
         single_template="$A </s>",
     )
-    dropout = args.dropout or 0.0
-    config = TinySeq2SeqConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        num_attention_heads=4,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        max_position_embeddings=32,
-        initializer_range=0.1,
-        hidden_dropout=dropout,
-        attention_dropout=dropout,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        decoder_start_token_id=tokenizer.bos_token_id,
+    config = common.tiny_config(
+        TinySeq2SeqConfig, tokenizer, args,
+        max_position_embeddings=32, initializer_range=0.1, decoder_start_token_id=tokenizer.bos_token_id,
     )
     return TinySeq2SeqForConditionalGeneration(config), tokenizer
 
 
 def real_model_and_tokenizer(args: argparse.Namespace):
     from conversion import bert2seq
-    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+    from transformers import AutoModelForSeq2SeqLM
 
-    import hf_tiny  # noqa: F401  (registers the Auto classes)
-
-    folder = common.converted(args.work_dir, "bert2seq", bert2seq.convert, common.minilm_source())
-    overrides = {}
-    if args.dropout is not None:
-        overrides = {"hidden_dropout": args.dropout, "attention_dropout": args.dropout}
-    model = AutoModelForSeq2SeqLM.from_pretrained(str(folder), **overrides)
-    return model, AutoTokenizer.from_pretrained(str(folder))
+    return common.load_converted(
+        AutoModelForSeq2SeqLM, args, "bert2seq", bert2seq.convert, common.minilm_source(),
+        **common.dropout_overrides(args.dropout),
+    )
 
 
 def encode(pairs: list[dict], tokenizer, eos_token_id: int) -> list[dict]:
@@ -150,21 +131,11 @@ def main(argv: Optional[Sequence[str]] = None) -> dict:
 
     args = parse_args(argv)
     trainer = make_trainer(args)
-    before = None if args.skip_final else common.evaluate_before_training(trainer)
-    trainer.train(resume_from_checkpoint=common.resume_argument(args))
-    common.print_curve(trainer)
-    if args.skip_final:
-        return common.write_results(args, trainer)
-
-    metrics = trainer.evaluate()
-    common.say(trainer, f"held-out exact match of generate() ({len(trainer.eval_dataset)} reversals): "
-               f"{common.before_after(before, metrics, 'eval_exact_match')}; eval loss "
-               f"{common.before_after(before, metrics, 'eval_loss', '.4f')}")
-    batch = trainer.data_collator(trainer.eval_dataset[:8])  # labels stay: they become decoder_input_ids
-    difference = common.save_and_reload(trainer, args.output_dir / "final", AutoModelForSeq2SeqLM, batch)
-    common.say(trainer, f"saved {args.output_dir / 'final'}; reloaded with AutoModelForSeq2SeqLM: "
-               f"max |logits difference| = {difference}")
-    return common.write_results(args, trainer, eval_before=before, eval_after=metrics, reload_max_abs_diff=difference)
+    what = f"held-out exact match of generate() ({len(trainer.eval_dataset)} reversals)"
+    return common.train_evaluate_save(
+        args, trainer, report=common.metric_report(what, "eval_exact_match"), auto_class=AutoModelForSeq2SeqLM,
+        keep_labels=True,  # the reload check feeds labels too: the model makes decoder_input_ids from them
+    )
 
 
 if __name__ == "__main__":
