@@ -11,6 +11,7 @@ numbers. Computations run on one thread (matrix kernels may add in another order
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import zlib
@@ -233,13 +234,25 @@ def state_dict_keys(family: str) -> list[str]:
     return sorted(build(family).state_dict())
 
 
+def cpu_identity() -> str:
+    """The CPU as matrix libraries tell CPUs apart: vendor, family and model (MKL picks its kernels by these, beyond
+    the instruction set torch reports), e.g. 'AuthenticAMD family 26 model 2'."""
+    fields = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = (part.strip() for part in line.partition(":"))
+            fields.setdefault(key, value)
+    return f"{fields.get('vendor_id', '?')} family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+
+
 def write() -> None:
     from safetensors.torch import save_file
 
     GOLDEN_DIR.mkdir(exist_ok=True)
     for family in FAMILIES:
         save_file(snapshot(family), GOLDEN_DIR / f"{family}.safetensors",
-                  metadata={"cpu_capability": torch.backends.cpu.get_cpu_capability(), "torch": torch.__version__})
+                  metadata={"cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu": cpu_identity(),
+                            "torch": torch.__version__})
         (GOLDEN_DIR / f"{family}.keys.json").write_text(json.dumps(state_dict_keys(family), indent=0) + "\n")
         print(f"wrote {family}")
 

@@ -1,8 +1,11 @@
 """The golden snapshots (tests/helpers/golden.py) of every family: written before the readability redesign, compared after
 every step of it. Outputs and gradients must be bit-identical; state-dict keys identical.
 
-On a CPU whose kernels differ from the one that wrote the files (another instruction set), bit-identity is not
-expected from any change: there the comparison falls back to 1e-5 relative and says so in its message.
+On a CPU whose kernels differ from the one that wrote the files, bit-identity is not expected from any change: there
+the comparison falls back to 1e-5 relative and says so in its message. Kernels differ with the instruction set torch
+reports, and also between CPUs of one instruction set, whose matrix libraries pick their kernels by the CPU's model:
+files written since record that model ("cpu"); those written before did not, and CPUs seen not to reproduce them at
+the same instruction set are listed (CPUS_WITH_OTHER_KERNELS).
 
 One deliberate change since the files were written: the runtime (runtime.py) recomputes a layer in backward by
 replaying its own forward, so a training step's loss and gradients now equal the keep-everything path bit for bit;
@@ -22,6 +25,20 @@ import golden
 
 CPU = torch.backends.cpu.get_cpu_capability()
 
+# CPUs whose fp32 kernels were seen to round otherwise than those that wrote the files that name no CPU, at the same
+# instruction set. AMD EPYC, family 26 model 2 (AVX-512), 2026-11-28: only the plain-autograd training step of the ten
+# families with a language-model loss differs (their keep_all.* values, within 9.1e-7 relative; BERT's and RoBERTa's
+# are exact), at 9da473d, whose CI run reproduced every file exactly.
+CPUS_WITH_OTHER_KERNELS = {"AuthenticAMD family 26 model 2"}
+
+
+def written_on_these_kernels(metadata: dict) -> bool:
+    if metadata.get("cpu_capability") != CPU:
+        return False
+    if "cpu" in metadata:
+        return metadata["cpu"] == golden.cpu_identity()
+    return golden.cpu_identity() not in CPUS_WITH_OTHER_KERNELS
+
 
 def stored(family: str) -> tuple[dict, dict]:
     path = golden.GOLDEN_DIR / f"{family}.safetensors"
@@ -40,7 +57,7 @@ def test_outputs_and_gradients_are_bit_identical(family):
     expected, metadata = stored(family)
     found = golden.snapshot(family)
     assert sorted(found) == sorted(expected)
-    same_kernels = metadata.get("cpu_capability") == CPU
+    same_kernels = written_on_these_kernels(metadata)
     gradient_scale = max(want.abs().max() for key, want in expected.items() if key.startswith("keep_all.grad."))
     different = []
     for key, want in expected.items():
@@ -59,7 +76,8 @@ def test_outputs_and_gradients_are_bit_identical(family):
                 scale = torch.maximum(scale, gradient_scale)
             if (got - want).abs().max() > 1e-5 * scale:
                 different.append(f"{key}: relative {((got - want).abs().max() / scale).item():.3g}")
-    how = "bit-identical" if same_kernels else f"within 1e-5 relative (written on {metadata.get('cpu_capability')}, here {CPU})"
+    written = f"{metadata.get('cpu_capability')}, {metadata.get('cpu', 'CPU not recorded')}"
+    how = "bit-identical" if same_kernels else f"within 1e-5 relative (written on {written}; here {CPU}, {golden.cpu_identity()})"
     assert not different, f"{family}: not {how}: " + "; ".join(different[:8])
 
 
