@@ -94,6 +94,24 @@ FIGURES = [
            quotes=quotes(SPEED, ("| 1.05x | 1.06x | 15.3 tokens/s |", "15.3 tok/s"), ("| 1.22x | 1.23x | 14.0 tokens/s |", "14.0 tok/s"),
                          ("| 1.28x | 1.04x | 12.2 tokens/s |", "12.2 tok/s"), ("30.3–35.1 GB/s", "35.1 GB/s"))
            + quotes(README, ("1.05–1.28×", "1.28"), ("1.04–1.23×", "1.04"), ("12.2", "12.2 tok/s"), ("30.3–35.1 GB/s", "30.3 GB/s"))),
+    Figure("decode-avx512", SPEED, "--tag decode-avx512", "batch-1 and batch-8 decode, two runs on a third host (AVX-512) "
+           "with its bandwidth and GEMM ceilings", f"{RUN} --models smollm2 --cases generate --no-sweep --no-memory "
+           "--repeats 3 --tag decode-avx512", 3, "cpu",
+           results=("cpu-2026-11-28-decode-avx512.md", "cpu-2026-11-28-decode-avx512-2.md"),
+           quotes=quotes(SPEED, ("| 1.80x | 1.19x | 25.2 tokens/s |", "25.2 tok/s"),
+                         ("| 1.62x | 1.13x | 25.5 tokens/s |", "25.5 tok/s"), ("77.5–77.7 GB/s", "77.7 GB/s"),
+                         ("GEMM peak 221–222", "222.2 GFLOP/s"))
+           + quotes(README, ("77.5–77.7 GB/s", "77.5 GB/s"), ("1.62–1.80×", "1.80"), ("1.13–1.19×", "1.19"))),
+    Figure("train-avx512", SPEED, "--tag\ntrain-avx512", "a SmolLM2 training step's peak memory and time on the "
+           "third host", f"{RUN} --models smollm2 --cases train_step --no-sweep --no-ops --repeats 3 --tag train-avx512",
+           4, "cpu", results=("cpu-2026-11-28-train-avx512.md",),
+           quotes=quotes(SPEED, ("0.58x official's memory at 0.74x its time", "0.74"))
+           + quotes(README, ("0.58× at 0.74× the time", "0.58"))),
+    Figure("fresh-process-avx512", SPEED, "fresh-process-prefill-cpu-2026-11-28-avx512.md", "fresh-process prefill on "
+           "the third host", "python -m benchmarks.fresh_process --models minilm,smollm2 --repeats 5 --calls 5", 4,
+           "cpu", "fresh-process-prefill-cpu-{date}.md", results=("fresh-process-prefill-cpu-2026-11-28-avx512.md",),
+           quotes=quotes(SPEED, ("0.91x (MiniLM)", "0.91"), ("0.87x (SmolLM2)", "0.87"))
+           + quotes(README, ("0.91× and 0.87×", "0.87"))),
     Figure("train-avx2", README, "--cases train_step --no-sweep --no-ops --repeats 3", "a SmolLM2 training step's "
            "peak memory and time on the second host", f"{RUN} --models smollm2 --cases train_step --no-sweep --no-ops "
            "--repeats 3 --tag train-avx2", 7, "cpu", results=("cpu-2026-11-27-train-avx2.md",),
@@ -202,12 +220,14 @@ FIGURES = [
            quotes=quotes(ARCHITECTURE, "52 functions, 604 lines, 6 files") + quotes(README, "604 lines in 6 files")),
     Figure("host-work", SPEED, "python -m benchmarks.host_work", "Python calls of a prefill and a decoding step, "
            "official beside hf_tiny (cProfile)", "python -m benchmarks.host_work --models overhead --prompt 16 --repeats 3",
-           1, "cheap", results=("host-work-cpu-2026-11-27-gpu-paths.md", "host-work-cpu-2026-11-27.md"),
-           quotes=quotes(SPEED, ("| prefill | 7,504 | 6,182 | 0.82 | 6,161 | 6,071 (0.81) |",
-                                 "| prefill | 7,504 | 6,182 | 0.82 | 6,161 | 6,071 (0.81) |"),
-                         ("| decode step | 5,774 | 5,542 | 0.96 | 5,542 | 5,542 (0.96) |",
-                          "| decode step | 5,774 | 5,542 | 0.96 | 5,542 | 5,542 (0.96) |"), ("5,714 calls (0.99x)", "5,714"))
-           + quotes(README, "6,182", "5,542", "7,504", "5,774", ("0.82×", "0.82"), ("0.96×", "0.96"))),
+           1, "cheap", results=("host-work-cpu-2026-11-28.md", "host-work-cpu-2026-11-27-gpu-paths.md",
+                                "host-work-cpu-2026-11-27.md"),
+           quotes=quotes(SPEED, ("| prefill | 7,504 | 5,976 | 0.80 | 5,955 | 5,865 (0.78) |",
+                                 "| prefill | 7,504 | 5,976 | 0.80 | 5,955 | 5,865 (0.78) |"),
+                         ("| decode step | 5,774 | 5,334 | 0.92 | 5,334 | 5,334 (0.92) |",
+                          "| decode step | 5,774 | 5,334 | 0.92 | 5,334 | 5,334 (0.92) |"), ("5,714 calls (0.99x)", "5,714"),
+                         ("6,182 and 5,542", "6,182"))
+           + quotes(README, "5,976", "5,334", "7,504", "5,774", ("0.80×", "0.80"), ("0.92×", "0.92"))),
     Figure("flash-kernel", SPEED, "python -m benchmarks.flash_kernel", "Triton FlashAttention TFLOP/s table (H100)",
            "python -m benchmarks.flash_kernel", 2, "cuda", results=("flash-kernel-nvidia-h100-80gb-hbm3-2026-11-23.md",),
            quotes=quotes(SPEED, ("398 / 311 (1.28) | 455", "398 (55%) | 311 (43%) | 455 (63%) | 1.28"),
