@@ -462,6 +462,8 @@ def run_in_lockstep(jobs, progress=None) -> list:
         lockstep.stop()
         with _signals_held():  # a second Ctrl-C waits for the runs too; it is handled once they are done
             lockstep.wait_until_finished()
+            for thread in threads:  # past their last layer; joined so that none is alive when the error goes on
+                thread.join()
         raise
     for thread in threads:
         thread.join()  # finished: returns at once
