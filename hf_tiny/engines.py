@@ -69,8 +69,9 @@ def mask_for_interface(
 
     Returns (mask, visible): mask is a full [B, 1 | H, Sq, Sk] additive tensor (0 where attended, the dtype's lowest
     value elsewhere), or for flex_attention a BlockMask built from the bool pattern (flex adds an additive mask to
-    every score inside a compiled kernel, which PyTorch's CPU build miscompiles); a given BlockMask as it is. A causal call without a mask gets
-    the explicit bottom-right causal pattern (transformers' functions would otherwise read no mask as "see all").
+    every score inside a compiled kernel, which PyTorch's CPU build miscompiles); a given BlockMask as it is. A
+    causal call without a mask gets the explicit bottom-right causal pattern (transformers' functions would otherwise
+    read no mask as "see all").
     visible [B, 1, Sq, 1] is False for query rows that see no key (left padding): those rows are handed to the
     function as attending to everything, so no kernel turns them into NaN that later layers would read, and the
     caller zeroes them after, as our own backends do; None when every row sees a key.

@@ -428,7 +428,8 @@ def _masks_by_layer_type(config, attention_mask: dict, shape: CausalShape) -> di
     layer_types (transformers' create_masks_for_generate), checked to cover every layer type. Its masks have the
     layouts of transformers' mask builders: 4-D masks (eager, sdpa), BlockMasks (flex_attention), or for flash
     attention 2-D padding masks, the last columns of generate's attention_mask that the layer's keys reach
-    (flash_attention_mask), or None (no padding among them). A 2-D one is a 2-D attention_mask (masks.causal_mask: its last column is the newest token)."""
+    (flash_attention_mask), or None (no padding among them). A 2-D one is a 2-D attention_mask (masks.causal_mask:
+    its last column is the newest token)."""
     missing = sorted(set(config.layer_types) - set(attention_mask))
     for layer_type, mask in attention_mask.items():
         field = f"attention_mask[{layer_type!r}]"

@@ -77,7 +77,8 @@ def test_outputs_and_gradients_are_bit_identical(family):
             if (got - want).abs().max() > 1e-5 * scale:
                 different.append(f"{key}: relative {((got - want).abs().max() / scale).item():.3g}")
     written = f"{metadata.get('cpu_capability')}, {metadata.get('cpu', 'CPU not recorded')}"
-    how = "bit-identical" if same_kernels else f"within 1e-5 relative (written on {written}; here {CPU}, {golden.cpu_identity()})"
+    here = f"{CPU}, {golden.cpu_identity()}"
+    how = "bit-identical" if same_kernels else f"within 1e-5 relative (written on {written}; here {here})"
     assert not different, f"{family}: not {how}: " + "; ".join(different[:8])
 
 
