@@ -447,8 +447,8 @@ def _masks_by_layer_type(config, attention_mask: dict, shape: CausalShape) -> di
     if missing:
         raise ValueError(
             f"attention_mask given per layer type (keys {sorted(attention_mask)}) needs, for every layer type of this "
-            f"model {sorted(set(config.layer_types))}, a 4-D mask, a 2-D padding mask, a BlockMask (flex_attention) or None; wrong or missing: "
-            f"{missing}"
+            f"model {sorted(set(config.layer_types))}, a 4-D mask, a 2-D padding mask, a BlockMask (flex_attention) "
+            f"or None; wrong or missing: {missing}"
         )
     return attention_mask
 

@@ -4,8 +4,9 @@ on CUDA, inductor captures it in a CUDA graph.
 
 CPU: the compiled generate gives official Llama's tokens (greedy and sampled with a fixed seed, a left-padded batch
 of 3), through one graph for every decoding step (no recompilation as positions and the cache advance); fullgraph=True
-proves there is no graph break; with flex_attention too (generate's BlockMasks inside the graph). The compile backend here is dynamo's "eager" (it traces and checks the graph, then
-runs it with the same kernels, so tokens equal eager's exactly and the test stays within seconds on 2 cores).
+proves there is no graph break; with flex_attention too (generate's BlockMasks inside the graph). The compile backend
+here is dynamo's "eager" (it traces and checks the graph, then runs it with the same kernels, so tokens equal eager's
+exactly and the test stays within seconds on 2 cores).
 
 CUDA (marked `cuda`): mode="reduce-overhead" (inductor + CUDA graphs) on both sides, each in its own process (official's
 compiled generate segfaulted under CUDA graphs on an H100: a crash there is recorded, not fatal; ours must run), with

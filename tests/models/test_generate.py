@@ -116,17 +116,33 @@ def sliding_and_full(sliding_window: int) -> TinyCausalForCausalLM:
     return TinyCausalForCausalLM(config).eval()
 
 
-def mask_widths(model) -> list:
-    """Records, for each forward, {layer type: width of its 2-D mask, or None} when the attention_mask is a dict."""
-    widths = []
+def dict_masks_seen(model, describe) -> list:
+    """Records, for each forward whose attention_mask is a dict, {layer type: describe(its mask)}."""
+    seen = []
 
     def record(module, args, kwargs):
         mask = kwargs.get("attention_mask")
         if isinstance(mask, dict):
-            widths.append({kind: None if m is None else tuple(m.shape) for kind, m in mask.items()})
+            seen.append({kind: describe(m) for kind, m in mask.items()})
 
     model.register_forward_pre_hook(record, with_kwargs=True)
-    return widths
+    return seen
+
+
+def mask_widths(model) -> list:
+    """{layer type: shape of its 2-D mask, or None} for each forward that gets a dict attention_mask."""
+    return dict_masks_seen(model, lambda mask: None if mask is None else tuple(mask.shape))
+
+
+def block_mask(rule, batch: int, length: int):
+    """A flex_attention BlockMask of `rule(b, h, q_idx, kv_idx)` over `length` queries and keys, on the CPU."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(rule, batch, None, length, length, device="cpu")
+
+
+def sees_earlier(b, h, q_idx, kv_idx):
+    return kv_idx <= q_idx
 
 
 @pytest.mark.parametrize("kernel", ["flash-attn package (stand-in)", "torch CPU flash kernel"])
@@ -179,19 +195,6 @@ def test_static_cache_generate_with_our_triton_flash_cuts_sliding_masks():
     assert any(shape is not None and shape[1] < width for shape, width in zip(sliding, full_width))  # a cut mask
 
 
-def block_masks_seen(model) -> list:
-    """Records, for each forward, {layer type: the class name of its mask} when the attention_mask is a dict."""
-    seen = []
-
-    def record(module, args, kwargs):
-        mask = kwargs.get("attention_mask")
-        if isinstance(mask, dict):
-            seen.append({kind: type(m).__name__ for kind, m in mask.items()})
-
-    model.register_forward_pre_hook(record, with_kwargs=True)
-    return seen
-
-
 def test_static_cache_generate_with_flex_attention_gives_officials_tokens(static_flex_compilation):
     """flex_attention with cache_implementation="static" on a left-padded batch: generate hands each forward a
     BlockMask per layer type (transformers' create_masks_for_generate), which flex_attention takes as built; the
@@ -203,7 +206,7 @@ def test_static_cache_generate_with_flex_attention_gives_officials_tokens(static
     settings = {**GREEDY, "max_new_tokens": 4, "cache_implementation": "static"}
     official.set_attn_implementation("flex_attention")
     ours.set_attn_implementation("flex_attention")
-    seen = block_masks_seen(ours)
+    seen = dict_masks_seen(ours, lambda mask: type(mask).__name__)
     try:
         expected = official.generate(ids, attention_mask=mask, **settings)
         produced = ours.generate(ids, attention_mask=mask, **settings)
@@ -212,22 +215,15 @@ def test_static_cache_generate_with_flex_attention_gives_officials_tokens(static
         ours.set_attn_implementation("sdpa")
     assert torch.equal(produced, expected)
     assert seen and all(set(step.values()) == {"BlockMask"} for step in seen)
-    ours.set_attn_implementation("sdpa")
     assert torch.equal(ours.generate(ids, attention_mask=mask, **GREEDY)[:, : produced.shape[1]], produced)
 
 
 def test_a_block_mask_with_another_attention_function_is_refused_by_name():
     """A BlockMask is flex_attention's form: given to a model running sdpa, directly or per layer type, the error
     names the field and the implementation."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     model = sliding_and_full(sliding_window=32)
     ids = torch.randint(3, 97, (1, 6))
-
-    def causal(b, h, q_idx, kv_idx):
-        return kv_idx <= q_idx
-
-    block = create_block_mask(causal, 1, None, 6, 6, device="cpu")
+    block = block_mask(sees_earlier, 1, 6)
     with pytest.raises(ValueError, match=r"attention_mask is a flex_attention BlockMask.*'sdpa'"):
         model(ids, attention_mask=block)
     cache = StaticCache(config=model.config, max_cache_len=6)
@@ -238,23 +234,18 @@ def test_a_block_mask_with_another_attention_function_is_refused_by_name():
 def test_a_block_mask_given_to_flex_attention_is_applied(static_flex_compilation):
     """A caller's BlockMask reaches flex_attention as it is: a causal one gives the logits of no mask at all, one
     that lets every token see the whole row (not causal) gives others (the negative control)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     model = sliding_and_full(sliding_window=32)
     ids = torch.randint(3, 97, (2, 8))
     expected = model(ids).logits
     model.set_attn_implementation("flex_attention")
-
-    def causal(b, h, q_idx, kv_idx):
-        return kv_idx <= q_idx
 
     def everything(b, h, q_idx, kv_idx):
         return kv_idx >= 0
 
     try:
         with torch.no_grad():  # flex_attention has no backward on the CPU
-            produced = model(ids, attention_mask=create_block_mask(causal, 2, None, 8, 8, device="cpu")).logits
-            unmasked = model(ids, attention_mask=create_block_mask(everything, 2, None, 8, 8, device="cpu")).logits
+            produced = model(ids, attention_mask=block_mask(sees_earlier, 2, 8)).logits
+            unmasked = model(ids, attention_mask=block_mask(everything, 2, 8)).logits
     finally:
         model.set_attn_implementation("sdpa")
     assert max_diff(produced, expected) <= TOLERANCE

@@ -8,10 +8,11 @@ files written since record that model ("cpu"); those written before did not, and
 the same instruction set are listed (CPUS_WITH_OTHER_KERNELS).
 
 One deliberate change since the files were written: the runtime (runtime.py) recomputes a layer in backward by
-replaying its own forward, so a training step's loss and gradients now equal the keep-everything path bit for bit;
-the old recompute formed its own gradient products and differed from it in low bits (up to 2e-6). The default
-path's `train.loss` / `grad.*` are therefore compared with the stored `keep_all.*` values, which are plain
-autograd's (official transformers' path)."""
+replaying its own forward, so a training step's loss and gradients now equal the keep-everything path bit for bit
+on the CPU that wrote the files (the chunked loss equals the unchunked one up to the order of additions, which that
+CPU's kernels happen to keep); the old recompute formed its own gradient products and differed from it in low bits
+(up to 2e-6). The default path's `train.loss` / `grad.*` are therefore compared with the stored `keep_all.*` values,
+which are plain autograd's (official transformers' path)."""
 
 from __future__ import annotations
 
