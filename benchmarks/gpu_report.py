@@ -387,8 +387,11 @@ def decode_lines(results: dict) -> list[str]:
              f"Read bandwidth (roofline.memory_bandwidth, best of the jobs): "
              f"{'not measured' if read is None else f'{read / 1e9:,.0f} GB/s'}. Bytes: every weight matrix once per "
              "step plus the K/V cache so far (roofline.generate_bytes).", "",
-             "| row | side | tokens/s | GB/s | of read bandwidth | graphs compiled | greedy tokens = official's |",
-             "|---|---|---|---|---|---|---|"]
+             "CUDA graph runs: of the compiled step's runs over the warm-up and timed calls, how many replayed a "
+             "recorded graph, recorded one, warmed up, and ran without a graph (benchmarks/cuda_graph_runs.py).", "",
+             "| row | side | tokens/s | GB/s | of read bandwidth | graphs compiled | CUDA graph runs | "
+             "greedy tokens = official's |",
+             "|---|---|---|---|---|---|---|---|"]
     for label in [r for r in row_labels(results) if r.startswith("decode")]:
         reference = cell(results, label, "official").get("tokens")
         for side in SIDES:
@@ -398,9 +401,21 @@ def decode_lines(results: dict) -> list[str]:
             rate = decode_bytes_per_s(results, label, entry)
             share = "—" if read is None else f"{rate / read:.1%}"
             same = "—" if reference is None or side == "official" else f"{agreement(entry['tokens'], reference):.0%}"
+            runs = graph_runs(entry.get("cuda_graph_runs"))
             lines.append(f"| {label} | {SIDE_TITLES[side]} | {entry['tokens_per_s']:,.1f} | {rate / 1e9:,.1f} | {share} | "
-                         f"{entry.get('graphs_compiled', '—')} | {same} |")
+                         f"{entry.get('graphs_compiled', '—')} | {runs} | {same} |")
     return lines
+
+
+def graph_runs(runs) -> str:
+    """A captured row's cuda_graph_runs in words; a dash where none was counted (eager rows, a torch without the
+    tree manager) or no CUDA graph ran at all (a CPU)."""
+    if not runs or not runs.get("calls"):
+        return "—"
+    parts = [f"{runs['replayed']:,} replayed", f"{runs['recorded']:,} recorded", f"{runs['warm_up']:,} warm-up"]
+    without = runs["without_graph"]
+    return f"{', '.join(parts)}, {'**' if without else ''}{without:,} without a graph{'**' if without else ''}" \
+           f" (of {runs['calls']:,})"
 
 
 def kernel_lines(results: dict) -> list[str]:

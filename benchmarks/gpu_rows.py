@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from . import roofline
+from . import cuda_graph_runs, roofline
 from .measure import synchronize, time_interleaved
 from .models import HF_TINY, MODELS, OFFICIAL, convert_hf_tiny, load_model, official_folder
 from .workloads import (DECODE, PREFILL, Shape, apply_liger, build_generate, build_prefill, build_train_step,
@@ -181,7 +181,8 @@ def ceilings(job: dict, device: torch.device) -> dict:
 
 def decode_row(model, shape: Shape, device: torch.device, job: dict, side: str, *, captured: bool = False):
     """generate() of shape.new_tokens tokens: eager (DynamicCache; warm-up: a 4-token generate) or captured
-    (static cache, generate's auto-compile; the warm-up is one full call, which compiles and records)."""
+    (static cache, generate's auto-compile; the warm-up is one full call, which compiles and records; how the CUDA
+    graph trees ran the step over the warm-up and timed calls: cuda_graph_runs)."""
     label = f"decode {shape.label()} {'captured' if captured else 'eager'}"
     config = captured_decoding_config(device) if captured else None
     fn = build_generate(model, shape, device, static_cache=captured, compile_config=config)
@@ -189,12 +190,14 @@ def decode_row(model, shape: Shape, device: torch.device, job: dict, side: str, 
     graphs_before = compiled_graphs()
     start = time.perf_counter()
     repeats = job["repeats"] if captured else job["decode_repeats"]
-    result = measured(fn, device, warmup=job["warmup"], repeats=repeats, warm=warm)
+    with cuda_graph_runs.counting() as graph_runs:
+        result = measured(fn, device, warmup=job["warmup"], repeats=repeats, warm=warm)
     tokens = result["output"][:, shape.seq:]
     extra = {"tokens_per_s": shape.batch * shape.new_tokens / result["seconds"], "tokens": tokens.tolist(),
              "wall_seconds": time.perf_counter() - start}
     if captured:
         extra["graphs_compiled"] = compiled_graphs() - graphs_before
+        extra["cuda_graph_runs"] = graph_runs
     emit_measured(label, side, result, **extra)
     return fn
 

@@ -185,6 +185,18 @@ def test_a_gpu_profile_shows_the_hosts_own_calls_beside_the_kernels():
     assert "host's own time" not in page.split("hf_tiny")[0]  # official's profile has none: no host column for it
 
 
+def test_the_decode_table_shows_how_the_cuda_graphs_ran_and_marks_runs_without_one():
+    results = hand_made_results()
+    row = results["rows"]["decode 1x8 +4 new captured"]
+    row["hf_tiny"]["cuda_graph_runs"] = {"calls": 30, "replayed": 2, "recorded": 1, "warm_up": 1, "without_graph": 26}
+    row["official"] = timed(0.5, 10, tokens_per_s=8.0, tokens=[[5, 6, 7, 9]], graphs_compiled=1, cuda_graph_runs={
+        "calls": 30, "replayed": 28, "recorded": 1, "warm_up": 1, "without_graph": 0})
+    page = "\n".join(gpu_report.decode_lines(results))
+    assert "| 1 | 28 replayed, 1 recorded, 1 warm-up, 0 without a graph (of 30) | — |" in page
+    assert "| — | 2 replayed, 1 recorded, 1 warm-up, **26 without a graph** (of 30) | 75% |" in page
+    assert "| decode 1x8 +4 new eager | official | 4.0 |" in page and "| — | — | — |" in page  # eager: no counts
+    assert gpu_report.graph_runs({"calls": 0, "replayed": 0, "recorded": 0, "warm_up": 0, "without_graph": 0}) == "—"
+
 def test_the_fit_memory_search_starts_at_three_times_officials_longest():
     """60,416 x 3 = 181,248 = 177 x 1,024; 1,000 x 3 rounds up to 3,072; never past the cap."""
     assert gpu_check.longest_fit_start(60_416, factor=3.0, resolution=1024, cap=262_144) == 181_248
@@ -321,6 +333,7 @@ def test_dry_run_runs_every_kind_of_job_and_lists_every_target(tmp_path):
     assert all("seconds" in rows[row]["hf_tiny"] for row in measured), {row: rows[row]["hf_tiny"] for row in measured}
     assert rows["decode 2x8 +4 new captured"]["hf_tiny"] == {"status": "not run (not in --stages)"}
     assert rows["decode 1x8 +4 new captured"]["hf_tiny"]["graphs_compiled"] >= 1
+    assert rows["decode 1x8 +4 new captured"]["hf_tiny"]["cuda_graph_runs"]["calls"] == 0  # no CUDA graph on a CPU
     assert rows["host decode step"]["hf_tiny"]["python_calls"] > 0
     assert "seconds" in rows["train 2x32 recompute"]["hf_tiny"]  # set_runtime(recompute=True)
     assert "status" in rows["train 2x32 liger"]["hf_tiny"]  # Liger's Triton kernels need a GPU, or it is absent
