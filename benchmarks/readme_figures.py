@@ -130,6 +130,11 @@ FIGURES = [
            results=("conversion-memory-2026-11-27-avx2.md",),
            quotes=quotes(CONVERSION, "138.7 s", "87.5 s", "2.94 GiB", ("(0.20×)", "0.20x"), ("2.3–4.1×", "4.1x"))
            + quotes(README, "2.94 GiB", ("(0.20×)", "0.20x"), ("1.6×", "1.6x"))),
+    Figure("conversion-avx512", CONVERSION, "conversion-memory-2026-11-28-avx512.md", "the 8B conversion on a third "
+           "host (AVX-512 with bf16 instructions, a fast disk)", "python -m benchmarks.conversion_memory --models "
+           "llama3_8b", 4, "cpu", results=("conversion-memory-2026-11-28-avx512.md",),
+           quotes=quotes(CONVERSION, "28.2 s", "12.3 s", "2.95 GiB", ("2.3×", "2.3x"))
+           + quotes(README, "28.2 s", "12.3 s", "2.95 GiB", ("2.3×", "2.3x"))),
     Figure("few-rows-avx2", SPEED, "few-rows-cpu-2026-11-27-avx2.md", "F.linear and weight-first read rates for one "
            "row on the second host", "python -m benchmarks.few_rows", 1, "cpu", "few-rows-cpu-{date}.md",
            results=("few-rows-cpu-2026-11-27-avx2.md",), quotes=quotes(SPEED, ("12–21 GB/s", "21.1"))),
