@@ -135,6 +135,11 @@ FIGURES = [
            "llama3_8b", 4, "cpu", results=("conversion-memory-2026-11-28-avx512.md",),
            quotes=quotes(CONVERSION, "28.2 s", "12.3 s", "2.95 GiB", ("2.3×", "2.3x"))
            + quotes(README, "28.2 s", "12.3 s", "2.95 GiB", ("2.3×", "2.3x"))),
+    Figure("host-work-5.17", SPEED, "host-work-cpu-2026-11-28-transformers-5.17.md", "Python calls of a prefill and "
+           "a decoding step with the GPU image's transformers (5.17)", "python -m benchmarks.host_work --models "
+           "overhead --prompt 16 --repeats 3 (in a venv with transformers==5.17.0)", 0.2, "cheap",
+           results=("host-work-cpu-2026-11-28-transformers-5.17.md",),
+           quotes=quotes(SPEED, "5,364", "5,422", "5,232", "5,294", "5,121", "5,441", "5,503")),
     Figure("few-rows-avx2", SPEED, "few-rows-cpu-2026-11-27-avx2.md", "F.linear and weight-first read rates for one "
            "row on the second host", "python -m benchmarks.few_rows", 1, "cpu", "few-rows-cpu-{date}.md",
            results=("few-rows-cpu-2026-11-27-avx2.md",), quotes=quotes(SPEED, ("12–21 GB/s", "21.1"))),
