@@ -404,7 +404,27 @@ def decode_lines(results: dict) -> list[str]:
             runs = graph_runs(entry.get("cuda_graph_runs"))
             lines.append(f"| {label} | {SIDE_TITLES[side]} | {entry['tokens_per_s']:,.1f} | {rate / 1e9:,.1f} | {share} | "
                          f"{entry.get('graphs_compiled', '—')} | {runs} | {same} |")
-    return lines
+    return lines + own_agreement_lines(results)
+
+
+def own_agreement_lines(results: dict) -> list[str]:
+    """The scale to read the greedy-token column against: each side's captured tokens beside its own eager ones at
+    the same shape. Random weights in bf16 leave near-ties among the logits, and a compiled step rounds otherwise
+    than the eager one (fused kernels keep fp32 between operators), so a greedy sequence can leave its eager twin
+    within a few tokens; an agreement between the sides at or above a side's own is no sign of other math."""
+    lines = []
+    for label in [r for r in row_labels(results) if r.startswith("decode") and r.endswith("captured")]:
+        eager = label[: -len("captured")] + "eager"
+        own = {side: agreement(cell(results, label, side)["tokens"], cell(results, eager, side)["tokens"])
+               for side in ("official", "hf_tiny")
+               if "tokens" in cell(results, label, side) and "tokens" in cell(results, eager, side)}
+        if own:
+            shown = ", ".join(f"{SIDE_TITLES[side]} {share:.0%}" for side, share in own.items())
+            lines.append(f"- {label}: each side's greedy tokens against its own eager ones: {shown}.")
+    if not lines:
+        return []
+    return ["", "Each side against itself (the scale of the last column: bf16 greedy decoding from random weights, "
+            "compiled against eager):", "", *lines]
 
 
 def graph_runs(runs) -> str:

@@ -185,7 +185,7 @@ def test_a_gpu_profile_shows_the_hosts_own_calls_beside_the_kernels():
     assert "host's own time" not in page.split("hf_tiny")[0]  # official's profile has none: no host column for it
 
 
-def test_the_decode_table_shows_how_the_cuda_graphs_ran_and_marks_runs_without_one():
+def test_the_decode_table_shows_how_the_cuda_graphs_ran_and_each_sides_own_agreement():
     results = hand_made_results()
     row = results["rows"]["decode 1x8 +4 new captured"]
     row["hf_tiny"]["cuda_graph_runs"] = {"calls": 30, "replayed": 2, "recorded": 1, "warm_up": 1, "without_graph": 26}
@@ -196,6 +196,9 @@ def test_the_decode_table_shows_how_the_cuda_graphs_ran_and_marks_runs_without_o
     assert "| — | 2 replayed, 1 recorded, 1 warm-up, **26 without a graph** (of 30) | 75% |" in page
     assert "| decode 1x8 +4 new eager | official | 4.0 |" in page and "| — | — | — |" in page  # eager: no counts
     assert gpu_report.graph_runs({"calls": 0, "replayed": 0, "recorded": 0, "warm_up": 0, "without_graph": 0}) == "—"
+    # each side's captured tokens against its own eager ones: the scale of the sides' agreement
+    assert ("- decode 1x8 +4 new captured: each side's greedy tokens against its own eager ones: official 75%, "
+            "hf_tiny 100%.") in page
 
 def test_the_fit_memory_search_starts_at_three_times_officials_longest():
     """60,416 x 3 = 181,248 = 177 x 1,024; 1,000 x 3 rounds up to 3,072; never past the cap."""
