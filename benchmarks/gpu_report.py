@@ -433,9 +433,10 @@ def graph_runs(runs) -> str:
     if not runs or not runs.get("calls"):
         return "—"
     parts = [f"{runs['replayed']:,} replayed", f"{runs['recorded']:,} recorded", f"{runs['warm_up']:,} warm-up"]
-    without = runs["without_graph"]
-    return f"{', '.join(parts)}, {'**' if without else ''}{without:,} without a graph{'**' if without else ''}" \
-           f" (of {runs['calls']:,})"
+    without = f"{runs['without_graph']:,} without a graph"
+    if runs["without_graph"]:
+        without = f"**{without}**"
+    return f"{', '.join(parts)}, {without} (of {runs['calls']:,})"
 
 
 def kernel_lines(results: dict) -> list[str]:
