@@ -2,6 +2,7 @@
 the default, and off), with their wall times.
 
     python -m benchmarks.host_work [--models overhead] [--prompt 16] [--repeats 5] [--out FILE.md]
+    python -m benchmarks.host_work --gpu-check-rows [--out FILE.md]
 
 At small shapes on a GPU the host's work is the time: the interpreter has to issue every kernel. cProfile counts
 the Python-level function calls (built-ins included) of one call, a measure that does not depend on the machine's
@@ -9,6 +10,11 @@ load. The prefill is generate()'s first forward (a cache filled, the last positi
 the difference between a generate of 9 new tokens and one of 1, divided by 8, so the prompt drops out. The column
 "paths as on a GPU" counts hf_tiny with every runtime path at its default off the CPU. Wall times
 are medians of --repeats interleaved calls after a warm-up (on a shared machine, read them as indications).
+
+--gpu-check-rows counts what the GPU check's page counts (benchmarks.gpu_rows.host_row: generate's prefill without
+a cache at 1x2048, and a decoding step after a 1x32 prompt), with every path as on a GPU, on `layout1b` (llama1b's
+22 layers and heads at width 256). At a86341c it gave hf_tiny 3,778 and 4,264 calls where the H200 counted 3,780
+and 4,257; official's count there was 17-25 calls below this one (transformers 5.17 both).
 """
 
 from __future__ import annotations
@@ -105,6 +111,32 @@ def measure_model(name: str, prompt: int, repeats: int, device: torch.device) ->
     return rows
 
 
+def gpu_check_rows(device: torch.device) -> dict:
+    """{case: {side: Python calls}} of the GPU check's host-work rows, paths as on a GPU (see the module's doc)."""
+    from .gpu_check import GPU_PLAN
+    from .gpu_rows import EXTRA_PREFILL
+    from .run import count_ops
+    from .workloads import DECODE, PREFILL, build_prefill
+
+    _, models, errors = load_pair(MODELS["layout1b"], device, torch.float32, "sdpa", refresh=False)
+    if errors:
+        raise RuntimeError(f"layout1b: {errors}")
+    sides = {OFFICIAL: models[OFFICIAL], HF_TINY: models[HF_TINY]}
+    prefill, decode = GPU_PLAN.prefill[0], GPU_PLAN.decode[0]
+    with paths_as_on_a_gpu():
+        fns = {side: build_prefill(model, "causal", prefill, device, EXTRA_PREFILL) for side, model in sides.items()}
+        return {f"prefill ({prefill.label()})": count_ops(PREFILL, sides, fns, "causal", prefill, device)["python"],
+                f"decode step ({decode.label()})": count_ops(DECODE, sides, None, "causal", decode, device)["python"]}
+
+
+def gpu_check_table(counts: dict) -> list[str]:
+    lines = ["| case (paths as on a GPU) | official calls | hf_tiny calls | ratio (target <= 1.00) |", "|---|---|---|---|"]
+    for case, calls in counts.items():
+        lines.append(f"| {case} | {calls[OFFICIAL]:,.0f} | {calls[HF_TINY]:,.0f} | "
+                     f"{calls[HF_TINY] / calls[OFFICIAL]:.3f} |")
+    return lines
+
+
 def table(results: dict, prompt: int) -> list[str]:
     lines = [f"| model | case (1x{prompt} prompt) | official calls | hf_tiny calls | ratio (target <= 1.00) | "
              "hf_tiny runtime off | hf_tiny, paths as on a GPU (ratio) | official ms | hf_tiny ms | time ratio |",
@@ -128,14 +160,20 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt", type=int, default=16, help="prompt tokens (batch 1)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, help="also write the table, with the machine and versions, to this file")
+    parser.add_argument("--gpu-check-rows", action="store_true",
+                        help="count the GPU check's host-work rows on layout1b instead (calls only)")
     args = parser.parse_args(argv)
     device = torch.device("cpu")
-    results = {name: measure_model(name, args.prompt, args.repeats, device) for name in args.models.split(",")}
-    header = (f"Host work, {datetime.date.today()}, {cpu_model()} ({platform.machine()}), "
-              f"{torch.get_num_threads()} threads, torch {torch.__version__}, transformers {transformers.__version__}, "
-              f"hf_tiny {git_revision()}, fp32, sdpa: `python -m benchmarks.host_work --models {args.models} "
-              f"--prompt {args.prompt} --repeats {args.repeats}`")
-    lines = table(results, args.prompt)
+    machine = (f"{datetime.date.today()}, {cpu_model()} ({platform.machine()}), torch {torch.__version__}, "
+               f"transformers {transformers.__version__}, hf_tiny {git_revision()}, fp32, sdpa")
+    if args.gpu_check_rows:
+        header = f"Host work of the GPU check's rows on a CPU, {machine}: `python -m benchmarks.host_work --gpu-check-rows`"
+        lines = gpu_check_table(gpu_check_rows(device))
+    else:
+        results = {name: measure_model(name, args.prompt, args.repeats, device) for name in args.models.split(",")}
+        header = (f"Host work, {machine}, {torch.get_num_threads()} threads: `python -m benchmarks.host_work --models "
+                  f"{args.models} --prompt {args.prompt} --repeats {args.repeats}`")
+        lines = table(results, args.prompt)
     print(header, *lines, sep="\n")
     if args.out is not None:
         args.out.write_text(f"# {header}\n\n" + "\n".join(lines) + "\n")

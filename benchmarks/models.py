@@ -46,6 +46,11 @@ LLAMA_1B_CONFIG = llama_config(vocab=32000, hidden=2048, intermediate=5632, laye
 OVERHEAD_CONFIG = llama_config(vocab=1024, hidden=96, intermediate=256, layers=30, heads=6, kv_heads=2,
                                max_positions=8192, rope_theta=100000.0, tied=True)
 
+# llama1b's depth and head layout at width 256: the GPU check's host-work rows counted on a CPU (Python calls do not
+# depend on the width; `benchmarks.host_work --gpu-check-rows`).
+LAYOUT_1B_CONFIG = llama_config(vocab=32000, hidden=256, intermediate=512, layers=22, heads=32, kv_heads=4,
+                                max_positions=4096, rope_theta=10000.0, tied=False)
+
 # llama1b's layout at a size a CPU runs in seconds: what `benchmarks.gpu_check --dry-run` measures instead.
 TINY_CONFIG = llama_config(vocab=512, hidden=64, intermediate=128, layers=2, heads=4, kv_heads=2, max_positions=4096,
                            rope_theta=10000.0, tied=False)
@@ -68,6 +73,8 @@ MODELS = {
     ),
     "llama1b": ModelSpec("llama1b", "causal", "random Llama, TinyLlama-1.1B shape (22 layers, 2048 wide, GQA 32/4)"),
     "tiny": ModelSpec("tiny", "causal", "random Llama, 2 layers at width 64, GQA 4/2: the GPU check's dry run"),
+    "layout1b": ModelSpec("layout1b", "causal", "random Llama, TinyLlama-1.1B's 22 layers and GQA 32/4 at width 256: "
+                          "the GPU check's host-work counts on a CPU", roofline=False),
 }
 
 
@@ -141,6 +148,8 @@ def official_folder(spec: ModelSpec, *, refresh: bool = False, device: Optional[
         return _random_llama_folder("overhead", OVERHEAD_CONFIG, torch.float32, refresh, torch.device("cpu"))
     if spec.name == "tiny":
         return _random_llama_folder("tiny", TINY_CONFIG, torch.float32, refresh, torch.device("cpu"))
+    if spec.name == "layout1b":
+        return _random_llama_folder("layout1b", LAYOUT_1B_CONFIG, torch.float32, refresh, torch.device("cpu"))
     raise ValueError(f"unknown model {spec.name!r}; choose one of {sorted(MODELS)}")
 
 

@@ -226,3 +226,29 @@ def test_runtime_ab_reports_each_side_against_the_runtime_off(monkeypatch):
     rows = [line for line in table.splitlines() if line.startswith("| minilm")]
     assert rows[0].endswith("| 3,000 ms [3,000–3,000] | 3.00 | 300.0 MiB | 0.75 |")
     assert rows[1].endswith("| 2.00 | 100.0 MiB | 0.25 |") and rows[2].endswith("| 1.00 | 400.0 MiB | 1.00 |")
+
+
+def test_host_work_counts_the_gpu_check_rows_with_a_gpus_paths_and_restores_the_defaults(tmp_path, monkeypatch):
+    """`python -m benchmarks.host_work --gpu-check-rows`: the GPU page's two host-work rows, counted on llama1b's
+    layout; every runtime path at its GPU default while counting, the CPU's defaults back afterwards."""
+    from benchmarks import host_work
+    from hf_tiny import runtime
+
+    monkeypatch.setenv("HF_TINY_BENCH_CACHE", str(tmp_path / "cache"))
+    defaults = dict(runtime.ON_BY_DEFAULT)
+    seen = []
+    real_count_ops = run.count_ops
+
+    def recording(case, models, fns, family, shape, device):
+        seen.append({path: set(devices) for path, devices in runtime.ON_BY_DEFAULT.items()})
+        return real_count_ops(case, models, fns, family, shape, device)
+
+    monkeypatch.setattr(run, "count_ops", recording)  # host_work imports it when it counts
+    out = tmp_path / "rows.md"
+    assert host_work.main(["--gpu-check-rows", "--out", str(out)]) == 0
+    assert len(seen) == 2 and all("cpu" not in devices for paths in seen for devices in paths.values())
+    assert runtime.ON_BY_DEFAULT == defaults
+    page = out.read_text()
+    for case in ("prefill (1x2048)", "decode step (1x32 +128 new)"):
+        official, ours = [int(n.replace(",", "")) for n in page.split(f"| {case} | ")[1].split(" |")[:2]]
+        assert official > 1000 and ours > 1000, page  # 22 layers, each a few dozen calls on either side
