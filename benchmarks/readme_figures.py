@@ -140,6 +140,12 @@ FIGURES = [
            "overhead --prompt 16 --repeats 3 (in a venv with transformers==5.17.0)", 0.2, "cheap",
            results=("host-work-cpu-2026-11-28-transformers-5.17.md",),
            quotes=quotes(SPEED, "5,364", "5,422", "5,232", "5,294", "5,121", "5,441", "5,503")),
+    Figure("host-work-gpu-rows", SPEED, "host-work-gpu-rows-cpu-2026-11-28-transformers-5.17.md", "the GPU page's "
+           "host-work rows counted on a CPU with transformers 5.17, and against the H200's counts",
+           "python -m benchmarks.host_work --gpu-check-rows (in a venv with transformers==5.17.0)", 0.3, "cheap",
+           results=("host-work-gpu-rows-cpu-2026-11-28-transformers-5.17.md",),
+           quotes=quotes(SPEED, "3,705", "4,173", "3,626", "4,112", ("(0.979x", "0.979"), ("0.985x)", "0.985"), "3,778",
+                         "4,264", "3,780", "4,257", ("0.983x", "0.983x"), ("0.992x", "0.992x"))),
     Figure("few-rows-avx2", SPEED, "few-rows-cpu-2026-11-27-avx2.md", "F.linear and weight-first read rates for one "
            "row on the second host", "python -m benchmarks.few_rows", 1, "cpu", "few-rows-cpu-{date}.md",
            results=("few-rows-cpu-2026-11-27-avx2.md",), quotes=quotes(SPEED, ("12–21 GB/s", "21.1"))),
