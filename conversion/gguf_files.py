@@ -54,12 +54,14 @@ def _header_fields(path: Path, wanted) -> dict:
 
 
 def gguf_architecture(path: str | os.PathLike) -> str:
-    """`general.architecture` read from the header alone (no tensor is touched), for family detection."""
+    """`general.architecture` read from the header alone (no tensor is touched), for family detection. The walk
+    stops at that field, which writers put first: the tokenizer's arrays after it are not even skipped through."""
     path = Path(path)
-    fields = _header_fields(path, lambda key: key == "general.architecture")
-    if "general.architecture" not in fields:
+    with _reading_header(path) as (handle, _version, _tensors, count):
+        found = next((value for key, _kind, value in _fields(handle, count) if key == "general.architecture"), None)
+    if found is None:
         raise ConversionError(f"{path} has no general.architecture field; cannot tell which model it holds")
-    return str(fields["general.architecture"])
+    return str(found)
 
 
 def gguf_special_token_ids(path: str | os.PathLike) -> dict[str, int]:
@@ -311,11 +313,15 @@ def load_gguf(
     The architecture and every tensor's quantization type are checked before anything is dequantized, and
     every GGUF tensor must get a transformers name.
     """
+    path = Path(path)
+    return _dequantized_state(path, _opened(path, expected_architecture), dtype)
+
+
+def _dequantized_state(path: Path, opened: _Opened, dtype: torch.dtype | None) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Every tensor of a checked file dequantized and processed: (config dict, state dict)."""
     import numpy as np
     from gguf import dequantize
 
-    path = Path(path)
-    opened = _opened(path, expected_architecture)
     config, processor, names = opened.config, opened.processor, opened.names
     try:
         parsed = {"config": config, "tensors": {}}
@@ -347,7 +353,7 @@ def open_gguf(path: str | os.PathLike, *, expected_architecture: str | tuple[str
     path = Path(path)
     opened = _opened(path, expected_architecture)
     if type(opened.processor).__name__ not in PER_TENSOR_PROCESSORS:
-        config, state = load_gguf(path, expected_architecture=expected_architecture)
+        config, state = _dequantized_state(path, opened, None)
         return config, LazyTensors.of(state)
     tensors = {opened.names[tensor.name]: tensor for tensor in opened.tensors}
     infos = {name: _dequantized_info(tensor) for name, tensor in tensors.items()}

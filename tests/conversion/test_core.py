@@ -817,6 +817,33 @@ def test_the_gguf_tensor_table_refuses_a_big_endian_file_and_a_name_given_twice(
         gguf_tensors(tmp_path / "twice.gguf")
 
 
+
+def test_a_gguf_is_parsed_once_and_its_architecture_read_from_the_first_field(tmp_path, monkeypatch):
+    """open_gguf of an architecture whose processor reads the file whole (GPT-2's) parses it with transformers once,
+    where it used to open (and parse) it twice; gguf_architecture stops at its field: a file cut right after it
+    still names its architecture (the tensor table, read later, names the damage)."""
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from conversion.gguf_files import gguf_architecture, open_gguf
+    from gguf_writer import write_gguf_from_official
+
+    torch.manual_seed(0)
+    official = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=300, n_positions=64))
+    path = write_gguf_from_official(official, tmp_path / "gpt2.gguf", "gpt2")
+    parses = []
+    real = gguf_utils.load_gguf_checkpoint
+    monkeypatch.setattr(gguf_utils, "load_gguf_checkpoint", lambda *a, **k: parses.append(a) or real(*a, **k))
+    config, state = open_gguf(path, expected_architecture="gpt2")
+    assert len(parses) == 1 and config["model_type"] == "gpt2"
+    assert torch.equal(state["transformer.wte.weight"], official.transformer.wte.weight)  # float32: exact
+    data = path.read_bytes()
+    end = data.index(b"gpt2") + len(b"gpt2")  # general.architecture, the first field
+    (tmp_path / "cut.gguf").write_bytes(data[:end])
+    assert gguf_architecture(tmp_path / "cut.gguf") == "gpt2"
+    with pytest.raises(ConversionError, match=r"cut\.gguf is not a valid GGUF file"):
+        gguf_tensors(tmp_path / "cut.gguf")
+
 @pytest.mark.real_weights
 def test_the_gguf_tensor_table_of_the_real_smollm2_is_what_ggufs_reader_reads(smollm2_gguf):
     assert_same_tensors_as_ggufs_reader(smollm2_gguf)
