@@ -73,6 +73,32 @@ def test_sampling_matches_official_with_the_same_seed(pair):
     assert not torch.equal(ours.generate(ids, attention_mask=mask, **settings), produced)  # it does sample
 
 
+
+def test_assistant_early_exit_drafts_with_the_first_layers_as_official_does(pair):
+    """generate(assistant_early_exit=1) (self-speculative decoding) sets config.num_hidden_layers to 1 for the draft:
+    the stack runs that many layers, as official's does (it raised IndexError, and the config was left at 1)."""
+    official, ours = pair
+    official.set_attn_implementation("eager")
+    ours.set_attn_implementation("eager")
+    ids, mask = prompts()
+    ids, mask = ids[:1], mask[:1]
+    expected = official.generate(ids, attention_mask=mask, assistant_early_exit=1, **GREEDY)
+    assert torch.equal(ours.generate(ids, attention_mask=mask, assistant_early_exit=1, **GREEDY), expected)
+    assert ours.config.num_hidden_layers == official.config.num_hidden_layers == 2
+    with torch.no_grad():
+        full = ours.model(ids, attention_mask=mask).last_hidden_state
+        for model in (official, ours):
+            model.config.num_hidden_layers = 1
+        try:
+            draft = ours.model(ids, attention_mask=mask).last_hidden_state
+            official_draft = official.model(ids, attention_mask=mask).last_hidden_state
+        finally:
+            for model in (official, ours):
+                model.config.num_hidden_layers = 2
+    real = mask.bool()
+    assert max_diff(draft[real], official_draft[real]) <= TOLERANCE
+    assert max_diff(draft[real], full[real]) > 1e-2  # negative control: the draft is not the full stack
+
 def test_left_padded_batch_equals_each_prompt_alone(pair):
     _, ours = pair
     ids, mask = prompts()
