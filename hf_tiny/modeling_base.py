@@ -11,7 +11,7 @@ from .runtime import configure as configure_runtime
 from .attention import get_attention_interface, is_hf_tiny_backend, registered_attention_names
 from .layers import Attention, RMSNorm
 from .saving import AtomicSaveAndCardMixin
-from .transformers_api import warn_if_torch_untested
+from .transformers_api import warn_if_torch_untested, without_retired_paged_prefix
 
 
 def resolve_attn_implementation(requested) -> str:
@@ -20,6 +20,7 @@ def resolve_attn_implementation(requested) -> str:
     name = "sdpa" if requested is None else requested
     if not isinstance(name, str):
         raise TypeError(f"attn_implementation must be a string, got {type(requested).__name__}")
+    name = without_retired_paged_prefix(name)
     get_attention_interface(name)  # raises, listing what is registered
     return name
 

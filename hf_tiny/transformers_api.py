@@ -104,6 +104,20 @@ def warn_if_torch_untested() -> bool:
 _checked_classes: dict = {}
 
 
+def without_retired_paged_prefix(name: str) -> str:
+    """`paged|sdpa`, `paged|flash_attention_2`, ...: names of their own in older transformers; later ones keep only
+    `paged|eager` and read the others without the prefix (with a FutureWarning), which their continuous batching
+    expects. As the installed transformers reads the name: unchanged where it still registers it."""
+    from transformers import AttentionInterface
+
+    if not name.startswith("paged|") or name == "paged|eager" or name in AttentionInterface():
+        return name
+    warnings.warn(f"attn_implementation={name!r}: the `paged|` prefix is no longer needed with transformers "
+                  f"{transformers.__version__} (except for paged|eager); using {name.removeprefix('paged|')!r}",
+                  FutureWarning, stacklevel=3)
+    return name.removeprefix("paged|")
+
+
 def check_cached_generation(model) -> None:
     """Outside the tested range, once per model class and process: greedy-decodes two tokens of a short prompt with
     and without the cache and raises when they disagree (a renamed generation argument leaves the cache unused)."""
