@@ -217,8 +217,9 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         positions = self.layer_positions(hidden_states, step)
         with self._collected_outputs(step.flags, output_router_logits) as collected:
             # generate's assistant_early_exit drafts with the first config.num_hidden_layers layers, set for the draft
-            layers = self.layers[: self.config.num_hidden_layers]
-            for layer, layer_type, layer_positions in zip(layers, self.config.layer_types, positions):
+            # (the plain list is cut: slicing the ModuleList would build a new module at every step)
+            layer_types = self.config.layer_types[: self.config.num_hidden_layers]
+            for layer, layer_type, layer_positions in zip(self.layers, layer_types, positions):
                 if step.flags.hidden_states:
                     collected.add_hidden(hidden_states)
                 hidden_states = layer(hidden_states, step.masks[layer_type], layer_positions, cache=step.cache,
