@@ -99,10 +99,7 @@ def warn_if_torch_untested() -> bool:
     )
 
 
-# ---- the one-time generation check outside the tested range -------------------------------------------------------
-
-_checked_classes: dict = {}
-
+# ---- attention names the releases read differently -------------------------------------------------------------------
 
 def without_retired_paged_prefix(name: str) -> str:
     """`paged|sdpa`, `paged|flash_attention_2`, ...: names of their own in older transformers; later ones keep only
@@ -116,6 +113,11 @@ def without_retired_paged_prefix(name: str) -> str:
                   f"{transformers.__version__} (except for paged|eager); using {name.removeprefix('paged|')!r}",
                   FutureWarning, stacklevel=3)
     return name.removeprefix("paged|")
+
+
+# ---- the one-time generation check outside the tested range -------------------------------------------------------
+
+_checked_classes: dict = {}
 
 
 def check_cached_generation(model) -> None:
