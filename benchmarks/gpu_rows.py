@@ -209,13 +209,19 @@ def compiled_graphs() -> int:
 
 
 def host_row(model, case: str, shape: Shape, device: torch.device, label: str, side: str) -> None:
-    """Python calls (cProfile) and aten calls (torch.profiler) of one prefill or one decode step, as benchmarks.run
-    counts them (a decode step: a 9-token generate minus a 1-token one, over 8)."""
+    counts = host_counts(model, case, shape, device)
+    emit(label, side, shape=shape.label(), python_calls=counts["python"], aten_calls=counts["aten"])
+
+
+def host_counts(model, case: str, shape: Shape, device: torch.device) -> dict:
+    """{"python": calls (cProfile), "aten": calls (torch.profiler)} of one prefill (generate's: no cache, the last
+    logits) or one decode step, as benchmarks.run counts them (a decode step: a 9-token generate minus a 1-token
+    one, over 8)."""
     from .run import count_ops
 
     fns = {"x": build_prefill(model, "causal", shape, device, EXTRA_PREFILL)} if case == PREFILL else None
     counts = count_ops(case, {"x": model}, fns, "causal", shape, device)
-    emit(label, side, shape=shape.label(), python_calls=counts["python"]["x"], aten_calls=counts["aten"]["x"])
+    return {kind: counts[kind]["x"] for kind in ("python", "aten")}
 
 
 def train_row(model, shape: Shape, device: torch.device, job: dict, label: str, side: str, **extra) -> None:

@@ -114,19 +114,18 @@ def measure_model(name: str, prompt: int, repeats: int, device: torch.device) ->
 def gpu_check_rows(device: torch.device) -> dict:
     """{case: {side: Python calls}} of the GPU check's host-work rows, paths as on a GPU (see the module's doc)."""
     from .gpu_check import GPU_PLAN
-    from .gpu_rows import EXTRA_PREFILL
-    from .run import count_ops
-    from .workloads import DECODE, PREFILL, build_prefill
+    from .gpu_rows import host_counts
+    from .workloads import DECODE, PREFILL
 
     _, models, errors = load_pair(MODELS["layout1b"], device, torch.float32, "sdpa", refresh=False)
     if errors:
         raise RuntimeError(f"layout1b: {errors}")
     sides = {OFFICIAL: models[OFFICIAL], HF_TINY: models[HF_TINY]}
-    prefill, decode = GPU_PLAN.prefill[0], GPU_PLAN.decode[0]
+    rows = {f"prefill ({GPU_PLAN.prefill[0].label()})": (PREFILL, GPU_PLAN.prefill[0]),
+            f"decode step ({GPU_PLAN.decode[0].label()})": (DECODE, GPU_PLAN.decode[0])}
     with paths_as_on_a_gpu():
-        fns = {side: build_prefill(model, "causal", prefill, device, EXTRA_PREFILL) for side, model in sides.items()}
-        return {f"prefill ({prefill.label()})": count_ops(PREFILL, sides, fns, "causal", prefill, device)["python"],
-                f"decode step ({decode.label()})": count_ops(DECODE, sides, None, "causal", decode, device)["python"]}
+        return {row: {side: host_counts(model, case, shape, device)["python"] for side, model in sides.items()}
+                for row, (case, shape) in rows.items()}
 
 
 def gpu_check_table(counts: dict) -> list[str]:

@@ -243,10 +243,11 @@ def test_host_work_counts_the_gpu_check_rows_with_a_gpus_paths_and_restores_the_
         seen.append({path: set(devices) for path, devices in runtime.ON_BY_DEFAULT.items()})
         return real_count_ops(case, models, fns, family, shape, device)
 
-    monkeypatch.setattr(run, "count_ops", recording)  # host_work imports it when it counts
+    monkeypatch.setattr(run, "count_ops", recording)  # gpu_rows.host_counts imports it when it counts
     out = tmp_path / "rows.md"
     assert host_work.main(["--gpu-check-rows", "--out", str(out)]) == 0
-    assert len(seen) == 2 and all("cpu" not in devices for paths in seen for devices in paths.values())
+    # two rows, each side counted on its own; no path on for the CPU in any
+    assert len(seen) == 4 and all("cpu" not in devices for paths in seen for devices in paths.values())
     assert runtime.ON_BY_DEFAULT == defaults
     page = out.read_text()
     for case in ("prefill (1x2048)", "decode step (1x32 +128 new)"):
