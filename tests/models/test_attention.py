@@ -549,7 +549,10 @@ def test_sdpa_matches_naive_in_half_precision_on_cpu(dtype, tolerance, case: Cas
     naive_out, _ = naive_attention(q, k, v, case.mask, scale=case.scale, is_causal=case.is_causal)
     sdpa_out, _ = torch_attention(q, k, v, case.mask, scale=case.scale, is_causal=case.is_causal)
     assert torch.isfinite(sdpa_out).all()
-    torch.testing.assert_close(sdpa_out.float(), naive_out.float(), atol=tolerance, rtol=0)
+    # the bound in units of the outputs' scale: at |out| >= 4 one bf16 step is 0.031, over an absolute 3e-2 (a
+    # hypothesis case failed there in the torch-newest end by exactly one step, 2026-11-28)
+    scale = max(1.0, float(naive_out.float().abs().max()))
+    torch.testing.assert_close(sdpa_out.float(), naive_out.float(), atol=tolerance * scale, rtol=0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
