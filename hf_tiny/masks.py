@@ -399,7 +399,7 @@ def causal_mask(attention_mask, cache, shape: CausalShape, window: Optional[int]
     if attention_mask is not None and attention_mask.dim() == 4:
         return self_attention_mask(attention_mask, batch_size=shape.batch_size, query_length=shape.query_length,
                                    key_length=key_length, causal=True, device=shape.device)
-    if cache is None or not getattr(cache, "is_compileable", False):
+    if cache is None or not cache.is_compileable:
         # Dynamic caches return exactly the keys at positions key_offset .. past + new - 1: causality is bottom-right
         # aligned and the padding mask's last key_length columns belong to them.
         if attention_mask is not None:

@@ -384,7 +384,9 @@ def packed_segments(position_ids, attention_mask, cache, shape: CausalShape, ext
         name = "cu_seq_lens_q" if cu_q is not None else "cu_seq_lens_k"
         return segment_ids_from_cu_seq_lens(cu_q if cu_q is not None else cu_k, batch_size=shape.batch_size,
                                             length=shape.query_length, field=name)
-    static = cache is not None and getattr(cache, "is_compileable", False)
+    # an attribute read, not getattr with a default: dynamo guards a compiled step on such a getattr by calling the
+    # property in Python at every call (one call per cache layer)
+    static = cache is not None and cache.is_compileable
     if position_ids is None or attention_mask is not None or static or (not is_compiling() and int(shape.past_length)):
         return None
     return segment_ids_from_position_ids(position_ids.expand(shape.batch_size, -1))

@@ -15,12 +15,16 @@ the decoding steps after warm-up under torch.cuda.set_sync_debug_mode("error"): 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import sys
+from collections import Counter
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, CompileConfig
+from transformers import AutoModelForCausalLM, CompileConfig, StaticCache
 
 import hf_tiny  # noqa: F401  (registers the Auto classes)
 from causal_helpers import left_padded_batch, official_and_converted, tiny_official
@@ -56,9 +60,26 @@ class GraphCounter:
         self.backend = backend
 
 
-def compiled_generate(model, batch: dict, *, fullgraph: bool = True, **extra):
+@contextlib.contextmanager
+def python_frames(counts: Counter):
+    """Counts, by function name, the Python frames run inside the block (sys.setprofile)."""
+    previous = sys.getprofile()
+
+    def record(frame, event, arg):
+        if event == "call":
+            counts[frame.f_code.co_name] += 1
+
+    sys.setprofile(record)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
+
+
+def compiled_generate(model, batch: dict, *, fullgraph: bool = True, step_frames: Optional[Counter] = None, **extra):
     """generate() with a static cache and generate's auto-compile (on a CPU: CompileConfig._compile_all_devices, as
-    transformers' own tests do). Returns (output, graphs compiled, recompilations, calls of the compiled step)."""
+    transformers' own tests do). Returns (output, graphs compiled, recompilations, calls of the compiled step).
+    step_frames: counts the Python frames of the compiled step's calls after the first (which compiles)."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     counter = GraphCounter()
@@ -68,7 +89,10 @@ def compiled_generate(model, batch: dict, *, fullgraph: bool = True, **extra):
 
     def counted(*args, **kwargs):  # what generate calls for each decoding step
         calls.append(1)
-        return compiled(*args, **kwargs)
+        if step_frames is None or len(calls) == 1:
+            return compiled(*args, **kwargs)
+        with python_frames(step_frames):
+            return compiled(*args, **kwargs)
 
     model._compiled_call = counted
     with torch.no_grad():
@@ -93,6 +117,27 @@ def test_compiled_static_cache_generate_gives_official_greedy_tokens_with_one_gr
     # negative control: another prompt gives other tokens
     other = left_padded_batch(97, LENGTHS, seed=2)
     assert not torch.equal(compiled_generate(ours, other, do_sample=False)[0][:, -NEW_TOKENS:], expected[:, -NEW_TOKENS:])
+
+
+@pytest.mark.slow
+def test_compiled_decoding_steps_guards_read_the_cache_without_python(folders):
+    """The compiled step's guards are checked at every decoding step, outside the graph: a cache property read in
+    the forward through getattr with a default made dynamo guard on it by calling the property in Python at each
+    step (StaticCache.is_compileable and a generator frame per cache layer)."""
+    ours = AutoModelForCausalLM.from_pretrained(folders / "ours").eval()
+    frames = Counter()
+    compiled_generate(ours, left_padded_batch(97, LENGTHS, seed=1), do_sample=False, step_frames=frames)
+    assert frames["_call_impl"] == NEW_TOKENS - 2  # each step after the first one was recorded
+    assert frames["is_compileable"] == 0 and frames["<genexpr>"] == 0
+    # negative control: the same recording sees such a guard of a compiled function's getattr with a default
+    cache = StaticCache(config=ours.config, max_cache_len=4)
+    step = torch.compile(lambda c, x: x + 1 if getattr(c, "is_compileable", False) else x, backend="eager",
+                         fullgraph=True)
+    step(cache, torch.zeros(1))
+    guarded = Counter()
+    with python_frames(guarded):
+        step(cache, torch.zeros(1))
+    assert guarded["is_compileable"] == 1 and guarded["<genexpr>"] == ours.config.num_hidden_layers + 1
 
 
 @pytest.mark.slow
@@ -156,7 +201,7 @@ CAPTURED = r'''
 import json, sys
 import torch
 from pathlib import Path
-from transformers import AutoModelForCausalLM, CompileConfig
+from transformers import AutoModelForCausalLM, CompileConfig, StaticCache
 sys.path[:0] = [sys.argv[3], sys.argv[3] + "/tests/helpers"]
 import hf_tiny
 from causal_helpers import left_padded_batch
