@@ -274,6 +274,10 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         depth = config.mtp_depth()
         blocks = (TinyCausalDecoderLayer(config, config.num_hidden_layers + k) for k in range(depth))
         self.mtp = nn.ModuleList(MtpLayer(config, block) for block in blocks) if depth else None
+        # longrope (Phi-3): the length past which generation recomputes its cache (prepare_inputs_for_generation),
+        # read once from the config, as the rotary module reads its parameters
+        rope = config.rope_parameters_for("full_attention")
+        self._longrope_switch = rope["original_max_position_embeddings"] if rope["rope_type"] == "longrope" else None
         self.post_init()
 
     def get_output_embeddings(self) -> nn.Linear:
@@ -291,12 +295,11 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         ours refuses unknown keywords, so it stops here."""
         for name in GENERATE_ONLY_KWARGS:
             kwargs.pop(name, None)
-        rope = self.config.rope_parameters_for("full_attention")
-        name = "cache" if "cache" in kwargs else "past_key_values"
-        cache = kwargs.get(name)
-        if rope["rope_type"] == "longrope" and cache is not None:
-            switch = rope["original_max_position_embeddings"]
-            if input_ids.shape[1] >= switch + 1 and cache.get_seq_length() <= switch:
+        switch = self._longrope_switch
+        if switch is not None:
+            name = "cache" if "cache" in kwargs else "past_key_values"
+            cache = kwargs.get(name)
+            if cache is not None and input_ids.shape[1] >= switch + 1 and cache.get_seq_length() <= switch:
                 kwargs[name] = None
                 kwargs["next_sequence_length"] = None
         return super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)
