@@ -14,7 +14,10 @@ are medians of --repeats interleaved calls after a warm-up (on a shared machine,
 --gpu-check-rows counts what the GPU check's page counts (benchmarks.gpu_rows.host_row: generate's prefill without
 a cache at 1x2048, and a decoding step after a 1x32 prompt), with every path as on a GPU, on `layout1b` (llama1b's
 22 layers and heads at width 256). At a86341c it gave hf_tiny 3,778 and 4,264 calls where the H200 counted 3,780
-and 4,257; official's count there was 17-25 calls below this one (transformers 5.17 both).
+and 4,257; official's count there was 17-25 calls below this one (transformers 5.17 both). Its last rows count the
+page's captured decoding steps (static cache, generate's auto-compile) around the compiled graph, which a GPU
+replays as one CUDA graph: generate's loop, the compiled call's guards and wrappers (dynamo's eager backend here, so
+the wrappers are not inductor's nor its CUDA graph trees', the same on both sides).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import transformers
 from . import measure
 from .machine import cpu_model, git_revision
 from .models import HF_TINY, MODELS, OFFICIAL, load_pair
-from .workloads import Shape, build_generate, random_ids
+from .workloads import Shape, build_generate, captured_decoding_config, random_ids
 
 from hf_tiny.step import CACHE_FIELD  # the cache argument generate() passes with the installed transformers
 
@@ -73,6 +76,18 @@ def decode_step_calls(model, shape: Shape, device: torch.device) -> float:
     long = measure.count_python_calls(build_generate(model, shape, device, new_tokens=9))
     short = measure.count_python_calls(build_generate(model, shape, device, new_tokens=1))
     return (long - short) / 8
+
+
+def captured_step_calls(model, shape: Shape, device: torch.device) -> float:
+    """A captured decoding step's host work: generate() with a static cache and its auto-compile (dynamo's eager
+    backend off CUDA: workloads.captured_decoding_config), 17 new tokens less 9, over 8, leaving out the calls inside
+    the compiled graph (a CUDA graph replay on a GPU). Each generate runs twice first: to compile, and to settle."""
+    config = captured_decoding_config(device)
+    long, short = (build_generate(model, shape, device, new_tokens=count, static_cache=True, compile_config=config)
+                   for count in (17, 9))
+    for generate in (long, short, long, short):
+        generate()
+    return (measure.count_python_calls_outside_graphs(long) - measure.count_python_calls_outside_graphs(short)) / 8
 
 
 def decode_step_seconds(sides: dict, shape: Shape, device: torch.device, repeats: int) -> dict:
@@ -124,8 +139,12 @@ def gpu_check_rows(device: torch.device) -> dict:
     rows = {f"prefill ({GPU_PLAN.prefill[0].label()})": (PREFILL, GPU_PLAN.prefill[0]),
             f"decode step ({GPU_PLAN.decode[0].label()})": (DECODE, GPU_PLAN.decode[0])}
     with paths_as_on_a_gpu():
-        return {row: {side: host_counts(model, case, shape, device)["python"] for side, model in sides.items()}
-                for row, (case, shape) in rows.items()}
+        counts = {row: {side: host_counts(model, case, shape, device)["python"] for side, model in sides.items()}
+                  for row, (case, shape) in rows.items()}
+        for shape in GPU_PLAN.decode:  # the page's captured rows, batch 1 and 8
+            counts[f"captured decode step ({shape.label()}), outside the graph"] = {
+                side: captured_step_calls(model, Shape(shape.batch, shape.seq), device) for side, model in sides.items()}
+    return counts
 
 
 def gpu_check_table(counts: dict) -> list[str]:

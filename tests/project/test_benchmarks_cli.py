@@ -253,3 +253,32 @@ def test_host_work_counts_the_gpu_check_rows_with_a_gpus_paths_and_restores_the_
     for case in ("prefill (1x2048)", "decode step (1x32 +128 new)"):
         official, ours = [int(n.replace(",", "")) for n in page.split(f"| {case} | ")[1].split(" |")[:2]]
         assert official > 1000 and ours > 1000, page  # 22 layers, each a few dozen calls on either side
+    for batch in (1, 8):  # around the compiled graph: generate's loop, not the 22 layers
+        case = f"captured decode step ({batch}x32 +128 new), outside the graph"
+        official, ours = [int(n.replace(",", "")) for n in page.split(f"| {case} | ")[1].split(" |")[:2]]
+        assert 300 < official < 2000 and 300 < ours < 2000, page
+
+
+def test_python_calls_outside_graphs_leave_out_only_what_a_compiled_graph_runs():
+    from benchmarks import measure
+
+    def layers(x):
+        for _ in range(100):
+            x = torch.nn.functional.relu(x) + 1
+        return x
+
+    def plain():
+        return layers(torch.zeros(3))
+
+    # nothing compiled: every call counts, as cProfile counts them
+    assert measure.count_python_calls_outside_graphs(plain) == measure.count_python_calls(plain)
+    torch._dynamo.reset()
+    compiled_layers = torch.compile(layers, backend="eager")
+    compiled_layers(torch.zeros(3))
+
+    def compiled():
+        return compiled_layers(torch.zeros(3))
+
+    outside, total = measure.count_python_calls_outside_graphs(compiled), measure.count_python_calls(compiled)
+    # the graph's 200 operators run in its generated code, left out; dynamo's own wrappers around it are counted
+    assert total - outside >= 200 and 0 < outside < measure.count_python_calls(plain)
