@@ -146,6 +146,13 @@ FIGURES = [
            results=("host-work-gpu-rows-cpu-2026-11-28-transformers-5.17.md",),
            quotes=quotes(SPEED, "3,705", "4,173", "3,631", "4,117", ("(0.980x", "0.980"), ("0.987x)", "0.987"), "3,778",
                          "4,264", "3,780", "4,257", ("0.985x", "0.985x"), ("0.993x", "0.993x"))),
+    Figure("host-work-gpu-rows-captured", SPEED, "host-work-gpu-rows-cpu-2026-11-28-transformers-5.17-captured.md",
+           "the GPU page's host-work rows and its captured decoding steps around the compiled graph, with "
+           "transformers 5.17 (and 5.24)", "python -m benchmarks.host_work --gpu-check-rows (in a venv with "
+           "transformers==5.17.0)", 0.7, "cheap",
+           results=("host-work-gpu-rows-cpu-2026-11-28-transformers-5.17-captured.md",),
+           quotes=quotes(SPEED, "778", "850", "748", "820", ("0.961x", "0.961"), ("0.965x", "0.965"), "4,057",
+                         ("0.972x", "0.972"), "832", "904")),
     Figure("few-rows-avx2", SPEED, "few-rows-cpu-2026-11-27-avx2.md", "F.linear and weight-first read rates for one "
            "row on the second host", "python -m benchmarks.few_rows", 1, "cpu", "few-rows-cpu-{date}.md",
            results=("few-rows-cpu-2026-11-27-avx2.md",), quotes=quotes(SPEED, ("12–21 GB/s", "21.1"))),
