@@ -3,11 +3,13 @@ operators a step runs."""
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 import hf_tiny
 from hf_tiny import runtime
 
@@ -31,6 +33,44 @@ def ops_of(fn) -> list[str]:
     with OpNames() as mode:
         fn()
     return mode.names
+
+
+class LiveBytes(TorchDispatchMode):
+    """The most bytes of storage that the operators run inside the mode allocated and that were alive at once (each
+    storage counted once, freed when torch frees it): torch.cuda.max_memory_allocated's measure, without the
+    allocator's rounding, on any device. A view's or an in-place operator's output is an input's storage, not
+    counted."""
+
+    def __init__(self):
+        super().__init__()
+        self.alive: set[int] = set()
+        self.current = self.peak = 0
+
+    def _freed(self, key: int, size: int) -> None:
+        self.alive.discard(key)
+        self.current -= size
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for tensor in tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key, size = storage.data_ptr(), storage.nbytes()
+            if size and key not in inputs and key not in self.alive:
+                self.alive.add(key)
+                self.current += size
+                self.peak = max(self.peak, self.current)
+                weakref.finalize(storage, self._freed, key, size)
+        return out
+
+
+def peak_bytes(fn) -> int:
+    """LiveBytes' peak over one call of fn."""
+    with LiveBytes() as mode:
+        fn()
+    return mode.peak
 
 
 def batch(model, seed: int = 1, size: int = 2, length: int = ROWS // 2) -> dict:
