@@ -39,28 +39,47 @@ def counts_memory(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def _current(device: torch.device, *names: str) -> tuple[int, ...]:
+    """The allocator's current value of each counter named (e.g. "allocated_bytes"), from one read of its counters.
+    Not torch.cuda.memory_allocated: it flattens every counter into a sorted dict in Python at each read (849 Python
+    calls), and a plan reads once a layer."""
+    counters = torch.cuda.memory_stats_as_nested_dict(device)
+    return tuple(counters.get(name, {}).get("all", {}).get("current", 0) for name in names)
+
+
 def device_memory(device: torch.device) -> Optional[tuple[int, int]]:
     """(bytes torch holds allocated on `device`, bytes it could still allocate there: free on the device plus its own
     cached blocks), or None on a device whose memory torch does not count."""
     if not counts_memory(device):
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    allocated = torch.cuda.memory_allocated(device)
-    return allocated, free + torch.cuda.memory_reserved(device) - allocated
+    allocated, reserved = _current(device, "allocated_bytes", "reserved_bytes")
+    return allocated, free + reserved - allocated
 
 
 def allocated_bytes(device: torch.device) -> int:
-    return torch.cuda.memory_allocated(device)
+    return _current(device, "allocated_bytes")[0]
+
+
+def census(model: nn.Module, is_layer: Callable[[type], bool]) -> tuple[int, int]:
+    """(layers, gradient bytes) of `model`, in one walk over its modules (once a training step): how many modules
+    is_layer(type(module)) calls layers, and what backward will allocate for the parameters' gradients not allocated
+    yet. A DataParallel replica holds its weights as plain attributes (parameters() gives none), listed in each
+    module's _former_parameters; backward gives them gradients on the replica's device as well."""
+    layers = gradients = 0
+    for module in model.modules():  # plain loops, and no attribute lookup that can miss (nn.Module's would raise)
+        if is_layer(type(module)):
+            layers += 1
+        former = vars(module).get("_former_parameters")
+        for w in ({**module._parameters, **former} if former else module._parameters).values():
+            # a replica's copies are not leaves: their gradients pass through its device on their way to the originals
+            if w is not None and w.requires_grad and (not w.is_leaf or w.grad is None):
+                gradients += w.numel() * w.element_size()
+    return layers, gradients
 
 
 def gradient_bytes(model: nn.Module) -> int:
-    """What backward will allocate for the parameters' gradients not allocated yet. A DataParallel replica holds its
-    weights as plain attributes (parameters() gives none), listed in each module's _former_parameters; backward gives
-    them gradients on the replica's device as well."""
-    weights = [w for module in model.modules()
-               for w in {**module._parameters, **getattr(module, "_former_parameters", {})}.values() if w is not None]
-    # a replica's copies are not leaves: their gradients pass through its device on their way to the originals
-    return sum(w.numel() * w.element_size() for w in weights if w.requires_grad and (not w.is_leaf or w.grad is None))
+    return census(model, lambda cls: False)[1]
 
 
 class LossPlan(NamedTuple):
@@ -88,9 +107,9 @@ class MemoryPlan:
         self.chunk_loss = False
 
     def run_layer(self, math: Callable, layer: nn.Module, hidden_states: torch.Tensor, args: tuple, kwargs: dict, *,
-                  replayable: bool = True):
-        """One layer of the step; one that may not be replayed (runtime._replayable, a cache to write) runs as written
-        and is counted all the same."""
+                  replayable: Callable[[], bool]):
+        """One layer of the step; one that may not be replayed (replayable() false: runtime._replayable, a cache to
+        write; asked only where the layer does not fit) runs as written and is counted all the same."""
         self.layers_left -= 1
         if self.kept_per_layer is None:
             before = allocated_bytes(self.device)
@@ -98,7 +117,7 @@ class MemoryPlan:
             self.kept_per_layer = max(allocated_bytes(self.device) - before, 0)
             self._plan_loss(hidden_states.shape[:-1].numel())
             return output
-        if not replayable or self._fits(self.layers_left + 1, 0 if self.chunk_loss else self.logit_bytes):
+        if self._fits(self.layers_left + 1, 0 if self.chunk_loss else self.logit_bytes) or not replayable():
             return math(layer, hidden_states, *args, **kwargs)
         return checkpoint(math, layer, hidden_states, *args, use_reentrant=False, **kwargs)
 
@@ -124,14 +143,15 @@ def current_plan() -> Optional[MemoryPlan]:
     return _plan.get()
 
 
-def planned(math: Callable, model: nn.Module, args: tuple, kwargs: dict, *, device: torch.device, layers: int,
-            loss: Optional[LossPlan]):
-    """model's forward `math` run under a new plan for `device` (loss: a language model's, None for a stack of
-    layers); as written where the device's memory is not counted."""
+def planned(math: Callable, model: nn.Module, args: tuple, kwargs: dict, *, device: torch.device,
+            is_layer: Callable[[type], bool], loss: Optional[LossPlan]):
+    """model's forward `math` run under a new plan for `device` (is_layer: which module classes are its layers;
+    loss: a language model's, None for a stack of layers); as written where the device's memory is not counted."""
     memory = device_memory(device)
     if memory is None:
         return math(model, *args, **kwargs)
-    token = _plan.set(MemoryPlan(device, layers, loss, gradient_bytes(model), memory))
+    layers, gradients = census(model, is_layer)
+    token = _plan.set(MemoryPlan(device, layers, loss, gradients, memory))
     try:
         return math(model, *args, **kwargs)
     finally:

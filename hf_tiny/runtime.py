@@ -377,7 +377,7 @@ def runtime_layer(in_place: Optional[str] = None) -> Callable[[Callable], Callab
                 plan = current_plan() if _path_chosen_on and not torch.compiler.is_compiling() else None
                 if plan is not None:
                     return plan.run_layer(math, self, hidden_states, args, kwargs,
-                                          replayable=fresh and _replayable(self))
+                                          replayable=lambda: fresh and _replayable(self))
             # a decoding step's one token never is (and dynamo specializes sizes of 1 anyway: no new guard)
             elif (in_place is not None and type(hidden_states) is torch.Tensor and hidden_states.shape[1] > 1
                   and in_place_scale(self, hidden_states) and untouched(self)):
@@ -478,9 +478,12 @@ def _fitted(math: Callable, model: nn.Module, args: tuple, kwargs: dict, *, head
     if (device is None or not counts_memory(device) or not path_on(model, "fit_memory", device)
             or is_activation_checkpointing(model)):
         return math(model, *args, **kwargs)
-    layers = sum(1 for module in model.modules() if _declaration(type(module)) == "runtime_layer")
     loss = None if head is None else _planned_loss(model, head, kwargs, tokens)
-    return planned(math, model, args, kwargs, device=device, layers=layers, loss=loss)
+    return planned(math, model, args, kwargs, device=device, is_layer=_is_runtime_layer, loss=loss)
+
+
+def _is_runtime_layer(cls: type) -> bool:
+    return _declaration(cls) == "runtime_layer"
 
 
 def _planned_loss(model: nn.Module, head: nn.Module, kwargs: dict, tokens) -> LossPlan:

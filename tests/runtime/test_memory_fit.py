@@ -49,7 +49,8 @@ def counted_memory(monkeypatch):
     monkeypatch.setattr(runtime, "counts_memory", lambda device: True)
     monkeypatch.setattr(memory_fit, "allocated_bytes", allocated_bytes)
     monkeypatch.setattr(memory_fit, "device_memory", device_memory)
-    monkeypatch.setattr(memory_fit, "gradient_bytes", lambda model: 0)
+    real_census = memory_fit.census
+    monkeypatch.setattr(memory_fit, "census", lambda model, is_layer: (real_census(model, is_layer)[0], 0))
     monkeypatch.setattr(memory_fit, "USABLE_SHARE", 1.0)
     monkeypatch.setattr(memory_fit, "checkpoint", counted_checkpoint)
     return state, replays, reads
@@ -94,17 +95,38 @@ def test_a_layer_that_does_not_fit_is_replayed_with_the_plain_steps_gradients(co
     assert torch.equal(training_step(model, inputs)["loss"], fitted["loss"]) and replays == []
 
 
-def test_a_layer_that_may_not_be_replayed_runs_as_written_and_is_counted(counted_memory):
-    """A hook inside layer 2 keeps it from being replayed (the hook would run twice); it still counts as a layer the
-    step keeps. With 750 bytes free (the test above): layer 1 is replayed (300 + 100 * 5), layer 2 runs as written
-    and reads no counter, layer 3 fits (400 + 100 * 3). Counted as absent, layer 3 would have been replayed."""
+def test_a_layer_that_may_not_be_replayed_runs_as_written(counted_memory):
+    """A hook inside layer 2 keeps it from being replayed (the hook would run twice). With 750 bytes free (the test
+    above) no layer after the first fits (each reads 800: 300 + 100 * 5 for layer 1, 400 + 100 * 4 for layer 2, ...):
+    layers 1 and 3 are replayed, layer 2 runs as written."""
     state, replays, _ = counted_memory
     model, inputs = four_layers(), batch(causal_model())
     model.model.layers[2].self_attn.register_forward_hook(lambda *args: None)
     plain, fitted = plain_and_fitted(model, inputs, available=750, state=state)
-    assert replays == [model.model.layers[1]]
+    assert replays == [model.model.layers[1], model.model.layers[3]]
     for name in plain:
         assert torch.allclose(plain[name], fitted[name], rtol=1e-5, atol=1e-6), name
+
+
+def test_a_layer_that_may_not_be_replayed_is_counted_and_asked_only_where_it_does_not_fit(counted_memory):
+    """It still counts as a layer the step keeps (the layers after it plan for one fewer). Whether a layer may be
+    replayed (a walk over its modules) is asked only of a layer that does not fit."""
+    state, replays, _ = counted_memory
+    asked = []
+
+    def run(plan, name, replayable):
+        return plan.run_layer(lambda layer, hidden: hidden, name, torch.zeros(1, 2, 4), (), {},
+                              replayable=lambda: asked.append(name) or replayable)
+
+    roomy = memory_fit.MemoryPlan(torch.device("cpu"), 3, None, 0, (0, 10**6))
+    for name in ("first", "second", "third"):
+        run(roomy, name, replayable=False)
+    assert roomy.layers_left == 0 and asked == [] and replays == []
+    tight = memory_fit.MemoryPlan(torch.device("cpu"), 3, None, 0, (0, 10))
+    run(tight, "first", replayable=True)
+    run(tight, "kept", replayable=False)
+    run(tight, "replayed", replayable=True)
+    assert tight.layers_left == 0 and asked == ["kept", "replayed"] and replays == ["replayed"]
 
 
 def test_the_gradients_a_replica_will_hold_are_reserved():
@@ -187,6 +209,24 @@ def test_on_a_device_whose_memory_is_not_counted_the_plan_is_not_made(monkeypatc
     model = four_layers().set_runtime(True, **ONLY_FIT)
     training_step(model, batch(model))
     assert opened == []
+
+
+def test_the_device_counters_are_read_once_each_in_their_nested_form(monkeypatch):
+    """The allocator's counters as torch.cuda.memory_stats_as_nested_dict gives them ("allocated_bytes.all.current"
+    in torch.cuda.memory_stats' flat names); torch.cuda.memory_allocated / memory_reserved, which flatten and sort
+    every counter in Python, are not called."""
+    def counters(current):
+        return {"all": {"current": current, "peak": 10**9}, "large_pool": {"current": 1}, "small_pool": {"current": 2}}
+
+    reads = []
+    nested = {"allocated_bytes": counters(300), "reserved_bytes": counters(1000), "active_bytes": counters(7)}
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", lambda device=None: reads.append(device) or nested)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (5000, 10**6))
+    for flattening in ("memory_allocated", "memory_reserved", "memory_stats"):
+        monkeypatch.setattr(torch.cuda, flattening, lambda *a, **k: pytest.fail("a flattening read"))
+    device = torch.device("cuda", 0)
+    assert memory_fit.device_memory(device) == (300, 5000 + 1000 - 300) and memory_fit.allocated_bytes(device) == 300
+    assert reads == [device, device]
 
 
 @pytest.mark.cuda
