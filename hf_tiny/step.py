@@ -290,7 +290,8 @@ PAGED_KWARGS = ("read_index", "write_index", "block_table", "is_causal", "logits
                 "max_seqlen_q", "max_seqlen_k")
 # Read by continuous batching itself, never by the model (it slices the logits at logits_indices after forward).
 PAGED_RUNNER_ONLY = ("logits_indices", "logits_processor_args", "is_causal")
-PAGED_MODEL_KWARGS = frozenset(PAGED_KWARGS) - frozenset(PAGED_RUNNER_ONLY)  # a forward with any of them is paged
+# a forward with any of them is paged (a frozenset's isdisjoint: dynamo traces it, not dict_keys')
+PAGED_MODEL_KWARGS = frozenset(PAGED_KWARGS) - frozenset(PAGED_RUNNER_ONLY)
 # transformers before 5.23 passes cache_position from generate(); positions come from position_ids / the cache.
 # num_items_in_batch (a TransformersKwargs key, Trainer's loss normalizer) means nothing to a model without a loss.
 IGNORED_KWARGS = ("cache_position", "num_items_in_batch")
@@ -331,7 +332,7 @@ def prepare_causal_step(model, input_ids, inputs_embeds, attention_mask, positio
     extras = check_extra_kwargs(type(model).__name__, kwargs, PACKING_KWARGS + PAGED_KWARGS, IGNORED_KWARGS)
     cache, paged_cache = cache_arguments(cache, past_key_values)
     batch_size, query_length = check_token_inputs(model.config, input_ids, inputs_embeds)
-    if paged_cache is not None or (extras and not extras.keys().isdisjoint(PAGED_MODEL_KWARGS)):
+    if paged_cache is not None or (extras and not PAGED_MODEL_KWARGS.isdisjoint(extras)):
         return _paged_step(model, attention_mask, position_ids, paged_cache, flags, extras)
     cache = _cache_to_fill(model, cache, use_cache, batch_size)
     past_length = cache.get_seq_length() if cache is not None else 0
