@@ -546,9 +546,12 @@ def runtime_decoding(head: str, tokens: str = "input_ids") -> Callable[[Callable
 
         declared = _declaring(math, forward, "runtime_decoding")
         # The math's signature, computed once: generate() reads a custom-code model's forward signature at every step
-        # (prepare_inputs_for_generation's cache_position check), 238 Python calls each time without it, 25 with it.
-        # Only here: vLLM compiles the stack's forward, and its compiler failed on a dispatcher carrying one.
-        declared.__signature__ = MethodSignature.of(math)
+        # (prepare_inputs_for_generation's cache_position check), 238 Python calls each time without it, 28 with it.
+        # On the math, which inspect reaches through the dispatcher's __wrapped__: a wrapper built with
+        # functools.wraps from the bound forward (accelerate's hooks) copies the dispatcher's __dict__, and a
+        # signature there would be read as the wrapper's own, self included. Only here: vLLM compiles the stack's
+        # forward, and its compiler failed on a dispatcher carrying one.
+        math.__signature__ = MethodSignature.of(math)
         return declared
 
     return declare
@@ -568,6 +571,10 @@ class MethodSignature(inspect.Signature):
         parameters = tuple(self.parameters.values())
         self._unbound_tail = parameters[1:]
         self._bound = inspect.Signature(parameters[1:], return_annotation=self.return_annotation)
+
+    def __setstate__(self, state):  # a copy or unpickling: __init__ ran without the return annotation
+        super().__setstate__(state)
+        self._bound = self._bound.replace(return_annotation=self.return_annotation)
 
     @classmethod
     def of(cls, function: Callable) -> "MethodSignature":
