@@ -151,8 +151,8 @@ FIGURES = [
            "transformers 5.17 (and 5.24)", "python -m benchmarks.host_work --gpu-check-rows (in a venv with "
            "transformers==5.17.0)", 0.7, "cheap",
            results=("host-work-gpu-rows-cpu-2026-11-28-transformers-5.17-captured.md",),
-           quotes=quotes(SPEED, "778", "850", "748", "820", ("0.961x", "0.961"), ("0.965x", "0.965"), "4,057",
-                         ("0.972x", "0.972"), "832", "904")),
+           quotes=quotes(SPEED, "778", "850", "753", "825", ("0.968x", "0.968"), ("0.971x", "0.971"), "4,055",
+                         ("0.972x", "0.972"), "832", "904", "863 / 935", ("(1.003x)", "1.003"))),
     Figure("few-rows-avx2", SPEED, "few-rows-cpu-2026-11-27-avx2.md", "F.linear and weight-first read rates for one "
            "row on the second host", "python -m benchmarks.few_rows", 1, "cpu", "few-rows-cpu-{date}.md",
            results=("few-rows-cpu-2026-11-27-avx2.md",), quotes=quotes(SPEED, ("12–21 GB/s", "21.1"))),
