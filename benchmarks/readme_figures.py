@@ -153,6 +153,11 @@ FIGURES = [
            results=("host-work-gpu-rows-cpu-2026-11-28-transformers-5.17-captured.md",),
            quotes=quotes(SPEED, "778", "850", "753", "825", ("0.968x", "0.968"), ("0.971x", "0.971"), "4,055",
                          ("0.972x", "0.972"), "832", "904", "863 / 935", ("(1.003x)", "1.003"))),
+    Figure("fit-memory-host", SPEED, "python -m benchmarks.fit_memory_host", "fit_memory's host work where a step "
+           "fits: a counter read and a 22-layer training step's Python calls, the option off and on",
+           "python -m benchmarks.fit_memory_host", 0.3, "cheap", results=("fit-memory-host-cpu-2026-11-28.md",),
+           quotes=quotes(SPEED, ("849 calls", "| 849 |"), ("51 µs", "50.6"), "51,369", "14,667", "23,451",
+                         ("10 calls", "| 10 |"))),
     Figure("few-rows-avx2", SPEED, "few-rows-cpu-2026-11-27-avx2.md", "F.linear and weight-first read rates for one "
            "row on the second host", "python -m benchmarks.few_rows", 1, "cpu", "few-rows-cpu-{date}.md",
            results=("few-rows-cpu-2026-11-27-avx2.md",), quotes=quotes(SPEED, ("12–21 GB/s", "21.1"))),

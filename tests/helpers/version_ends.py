@@ -39,6 +39,7 @@ MARKER = "hf_tiny-version-end-ready"
 # shipped with saved folders, and the fine-tuning integrations.
 TRANSFORMERS_TESTS = (
     "tests/models/test_generate.py",
+    "tests/ecosystem/test_captured_decoding.py",
     "tests/ecosystem/test_remote_code.py",
     "tests/models/test_causal.py",
     "tests/models/test_smollm2_135m.py",

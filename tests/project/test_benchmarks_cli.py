@@ -282,3 +282,21 @@ def test_python_calls_outside_graphs_leave_out_only_what_a_compiled_graph_runs()
     outside, total = measure.count_python_calls_outside_graphs(compiled), measure.count_python_calls(compiled)
     # the graph's 200 operators run in its generated code, left out; dynamo's own wrappers around it are counted
     assert total - outside >= 200 and 0 < outside < measure.count_python_calls(plain)
+
+
+def test_fit_memory_host_counts_the_plans_reads_and_steps_with_stand_in_counters(tmp_path):
+    """`python -m benchmarks.fit_memory_host`: torch's flattening read beside the plan's nested one, and a training
+    step with fit_memory off and on, on a CPU standing in for the CUDA allocator (restored afterwards)."""
+    from benchmarks import fit_memory_host
+    from hf_tiny import memory_fit, runtime
+
+    out = tmp_path / "fit.md"
+    assert fit_memory_host.main(["--layers", "2", "--out", str(out)]) == 0
+    rows = {line.split(" | ")[0].lstrip("| "): int(line.split(" | ")[1].replace(",", ""))
+            for line in out.read_text().splitlines() if line.startswith("| ") and "Python calls" not in line}
+    flattening = rows["torch.cuda.memory_allocated, one read"]
+    nested = rows["memory_fit.allocated_bytes (the nested form), one read"]
+    assert flattening > 500 and nested < 20
+    on, off = (rows[f"training step, 2 layers, fit_memory {state}"] for state in ("on (every layer fits)", "off"))
+    assert on > off
+    assert not runtime.counts_memory(torch.device("cpu")) and memory_fit.device_memory(torch.device("cpu")) is None
