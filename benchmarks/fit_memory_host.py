@@ -118,9 +118,7 @@ def main(argv=None) -> int:
               f"--layers {args.layers}`")
     lines = ["| work | Python calls | µs a call |", "|---|---|---|"]
     lines += [f"| {name} | {calls:,} | {micros:,.1f} |" for name, calls, micros in measure_all(args.layers)]
-    print(header, *lines, sep="\n")
-    if args.out is not None:
-        args.out.write_text(f"# {header}\n\n" + "\n".join(lines) + "\n")
+    measure.print_table(header, lines, args.out)
     return 0
 
 

@@ -192,9 +192,7 @@ def main(argv=None) -> int:
         header = (f"Host work, {machine}, {torch.get_num_threads()} threads: `python -m benchmarks.host_work --models "
                   f"{args.models} --prompt {args.prompt} --repeats {args.repeats}`")
         lines = table(results, args.prompt)
-    print(header, *lines, sep="\n")
-    if args.out is not None:
-        args.out.write_text(f"# {header}\n\n" + "\n".join(lines) + "\n")
+    measure.print_table(header, lines, args.out)
     return 0
 
 

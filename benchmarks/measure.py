@@ -235,6 +235,13 @@ def count_python_calls_outside_graphs(fn: Callable[[], object]) -> int:
     return calls
 
 
+def print_table(header: str, lines: list[str], out=None) -> None:
+    """Prints a benchmark's header line and table; with `out` (a Path), also writes them there as a results page."""
+    print(header, *lines, sep="\n")
+    if out is not None:
+        out.write_text(f"# {header}\n\n" + "\n".join(lines) + "\n")
+
+
 PROBE_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 
