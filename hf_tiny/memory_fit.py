@@ -78,10 +78,6 @@ def census(model: nn.Module, is_layer: Callable[[type], bool]) -> tuple[int, int
     return layers, gradients
 
 
-def gradient_bytes(model: nn.Module) -> int:
-    return census(model, lambda cls: False)[1]
-
-
 class LossPlan(NamedTuple):
     """A language model's logits in its training forward: vocab_size; tokens (None: the first layer's); whether the
     loss may be computed without them (labels given, skip_logits not False, a plain head: chunked_loss.py)."""
