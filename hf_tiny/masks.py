@@ -379,7 +379,7 @@ def key_layout(cache: Optional[Cache], shape: CausalShape, layer_idx: int):
     return cache.get_mask_sizes(shape.query_length, layer_idx)
 
 
-def _last_columns(attention_mask: torch.Tensor, width: int) -> torch.Tensor:
+def last_columns(attention_mask: torch.Tensor, width: int) -> torch.Tensor:
     """The 2-D padding mask's last `width` columns; a narrower mask is filled on the left with padding (0)."""
     known = attention_mask.shape[-1]
     if known >= width:
@@ -403,7 +403,7 @@ def causal_mask(attention_mask, cache, shape: CausalShape, window: Optional[int]
         # Dynamic caches return exactly the keys at positions key_offset .. past + new - 1: causality is bottom-right
         # aligned and the padding mask's last key_length columns belong to them.
         if attention_mask is not None:
-            attention_mask = _last_columns(attention_mask, key_length)
+            attention_mask = last_columns(attention_mask, key_length)
         return _self_attention(attention_mask, shape.batch_size, shape.query_length, key_length, True, window, shape.device)
     return static_cache_mask(attention_mask, shape.past_length, key_offset, key_length, shape.batch_size,
                              shape.query_length, window, shape.device)

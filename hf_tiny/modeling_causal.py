@@ -44,8 +44,8 @@ from .modeling_base import HfTinyPreTrainedModel
 from .moe import SparseMoeFeedForward, TopKRouter, load_balancing_loss
 from .mtp import MtpLayer, generate_with_mtp, mtp_loss
 from .step import (
-    LayerOutputs, check_extra_kwargs, check_skip_logits, format_output, output_flags, prepare_causal_step, cache_of,
-    with_cache, PACKING_KWARGS,
+    LayerOutputs, check_extra_kwargs, check_skip_logits, format_output, masks_for_generate, output_flags,
+    prepare_causal_step, cache_of, with_cache, PACKING_KWARGS,
 )
 from .transformers_api import check_cached_generation
 from .validation import check_labels, check_sequence_labels, is_compiling
@@ -303,6 +303,12 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
                 kwargs[name] = None
                 kwargs["next_sequence_length"] = None
         return super().prepare_inputs_for_generation(input_ids, inputs_embeds=inputs_embeds, **kwargs)
+
+    def create_masks_for_generate(self, **kwargs):
+        """generate()'s masks for a static cache (transformers calls this method where a model has it): for eager
+        and sdpa the 2-D padding mask at the cache's width, the masks built inside the (compiled) step; see
+        step.masks_for_generate."""
+        return masks_for_generate(**kwargs)
 
     @runtime_decoding(head="lm_head")
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,

@@ -166,6 +166,112 @@ def test_static_cache_generate_equals_dynamic(pair, backend):
     assert torch.equal(static, dynamic)
 
 
+# With a static cache generate() asks the model for its masks before each forward (create_masks_for_generate). Eager and
+# sdpa build theirs in the forward, so hf_tiny hands them generate's 2-D padding mask at the cache's length
+# (step.masks_for_generate): a compiled step sees one shape, and transformers' 4-D masks are not built on the host.
+
+
+def attention_masks_seen(model) -> list:
+    """The attention_mask each forward of the model gets: a tensor's shape, or the mask's type name."""
+    seen = []
+
+    def record(module, args, kwargs):
+        mask = kwargs.get("attention_mask")
+        seen.append(tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__)
+
+    handle = model.register_forward_pre_hook(record, with_kwargs=True)
+    return seen, handle
+
+
+def static_logits(model, ids, mask, **settings) -> torch.Tensor:
+    out = model.generate(ids, attention_mask=mask, cache_implementation="static", output_logits=True,
+                         return_dict_in_generate=True, **{**GREEDY, **settings})
+    return torch.stack(out.logits, dim=1)
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+def test_static_cache_forwards_get_the_padding_mask_at_the_cache_length(backend):
+    """A window (4) shorter than the prompts beside full layers, a left-padded batch: every forward (the prefill
+    included) gets the [batch, cache length] padding mask, and the logits of every step equal those with
+    transformers' 4-D masks (the model's create_masks_for_generate set aside) and the tokens a dynamic cache's."""
+    from transformers.masking_utils import create_masks_for_generate
+
+    model = sliding_and_full(sliding_window=4)
+    model.set_attn_implementation(backend)
+    ids, mask = prompts()
+    seen, handle = attention_masks_seen(model)
+    ours = static_logits(model, ids, mask)
+    handle.remove()
+    length = ids.shape[1] + NEW_TOKENS - 1  # generate's static cache: the last new token is never fed
+    assert seen == [(3, length)] * NEW_TOKENS
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model, "create_masks_for_generate", create_masks_for_generate)
+        seen, handle = attention_masks_seen(model)
+        transformers_masks = static_logits(model, ids, mask)
+        handle.remove()
+        assert seen == ["dict"] * NEW_TOKENS  # their 4-D masks, one per layer type
+        # negative control: the comparison sees the padding (every column a real token)
+        unpadded = static_logits(model, ids, torch.ones_like(mask))
+    assert max_diff(ours, transformers_masks) <= TOLERANCE
+    assert max_diff(unpadded, transformers_masks) > 1e-3
+    dynamic = model.generate(ids, attention_mask=mask, **GREEDY)
+    assert torch.equal(model.generate(ids, attention_mask=mask, cache_implementation="static", **GREEDY), dynamic)
+
+
+def test_static_cache_generate_builds_no_transformers_masks_on_the_host():
+    """The host work it saves: official Llama's static-cache generate builds its 4-D masks in Python at every step
+    (sdpa_mask), ours none."""
+    import sys
+    from collections import Counter
+
+    official = tiny_official("llama", num_key_value_heads=2)
+    official.set_attn_implementation("sdpa")
+    ours = ours_from(official)
+    ours.set_attn_implementation("sdpa")
+    ids, mask = prompts()
+    results, frames = {}, {}
+    for name, model in (("official", official), ("ours", ours)):
+        counts = Counter()
+
+        def record(frame, event, arg):
+            if event == "call":
+                counts[frame.f_code.co_name] += 1
+
+        sys.setprofile(record)
+        try:
+            results[name] = model.generate(ids, attention_mask=mask, cache_implementation="static", **GREEDY)
+        finally:
+            sys.setprofile(None)
+        frames[name] = counts
+    assert torch.equal(results["ours"], results["official"])
+    assert frames["official"]["sdpa_mask"] == NEW_TOKENS  # negative control: the recording sees them
+    assert frames["ours"]["sdpa_mask"] == 0 and frames["ours"]["create_causal_mask"] == 0
+
+
+def test_a_static_cache_forward_takes_a_wider_left_padded_mask():
+    """What masks_for_generate hands on, given directly: a static cache's forward takes a padding mask wider than its
+    tokens when the extra first columns are padding (the same logits as the exact mask); a one there, or a wider
+    mask with a dynamic cache, is refused naming the field."""
+    model = sliding_and_full(sliding_window=4)
+    model.set_attn_implementation("sdpa")
+    ids, mask = prompts()
+
+    def logits(attention_mask, cache):
+        with torch.no_grad():
+            return model(ids, attention_mask=attention_mask, past_key_values=cache).logits
+
+    def static():
+        return StaticCache(config=model.config, max_cache_len=16)
+
+    wider = torch.nn.functional.pad(mask, (7, 0))
+    assert max_diff(logits(wider, static()), logits(mask, static())) <= TOLERANCE
+    with pytest.raises(ValueError, match=r"attention_mask is 7 column\(s\) wider than the 9 tokens, which must be "
+                                         r"padding \(0\) before the first token; \[1, 6\] holds 1"):
+        logits(wider.index_put((torch.tensor(1), torch.tensor(6)), torch.tensor(1)), static())
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(3, 16\) but the input needs \(3, 9\)$"):
+        logits(wider, DynamicCache(config=model.config))
+
+
 # With a static cache, generate() builds the masks before each forward (transformers' create_masks_for_generate), one
 # per layer type for models with layer_types (every hf_tiny causal model). For flash attention they are 2-D padding
 # masks: the last columns of the attention_mask that the layer's keys reach (a sliding layer's window only), or None
