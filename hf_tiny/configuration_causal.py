@@ -160,7 +160,8 @@ class TinyCausalConfig(PretrainedConfig):
     Gemma 3 is this block with five switches (all off for Llama):
     - rms_norm_unit_offset: every RMSNorm stores w and scales by (1 + w), multiplying in float32 before the cast
       back (Gemma's `Gemma3RMSNorm`; weights are zero-initialized).
-    - scale_embeddings: token embeddings (from input_ids) times sqrt(hidden_size), rounded to the weights' dtype.
+    - scale_embeddings: token embeddings times sqrt(hidden_size), rounded to the weights' dtype, in the embedding
+      module (layers.ScaledEmbedding), as official Gemma 3: get_input_embeddings()(ids) is scaled.
     - sandwich_norms: besides the pre-norms, a norm on the output of attention and of the MLP before each
       residual add (`attn_output_layernorm`, `mlp_output_layernorm`).
     - query_pre_attn_scalar: attention scale query_pre_attn_scalar ** -0.5 instead of head_dim ** -0.5.

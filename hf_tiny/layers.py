@@ -65,6 +65,24 @@ class RMSNorm(nn.Module):
         return f"{(self.hidden_size,)}, eps={self.variance_epsilon}{offset}{weight}"
 
 
+class ScaledEmbedding(nn.Embedding):
+    """Gemma's token embedding: the rows times sqrt(hidden_size), the scale rounded to the weights' dtype, as
+    official's Gemma3TextScaledWordEmbedding. The scale belongs to the module, so get_input_embeddings()(ids) gives
+    what the layers get from input_ids (PEFT's prompt tuning embeds that way, and its LoRA reads `embed_scale` to
+    scale an adapter's rows alike)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: Optional[int], embed_scale: float):
+        super().__init__(num_embeddings, embedding_dim, padding_idx)
+        self.embed_scale = embed_scale
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        embeds = super().forward(input_ids)
+        return embeds * torch.tensor(self.embed_scale, dtype=embeds.dtype, device=embeds.device)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, embed_scale={self.embed_scale}"
+
+
 def build_norm(norm_type: str, hidden_size: int, eps: float, *, unit_offset: bool = False, bias: bool = True) -> nn.Module:
     """bias: the LayerNorm's additive bias (MPT's have none); RMSNorm has none anyway."""
     if norm_type == "layernorm":

@@ -379,7 +379,7 @@ def key_layout(cache: Optional[Cache], shape: CausalShape, layer_idx: int):
     return cache.get_mask_sizes(shape.query_length, layer_idx)
 
 
-def last_columns(attention_mask: torch.Tensor, width: int) -> torch.Tensor:
+def _last_columns(attention_mask: torch.Tensor, width: int) -> torch.Tensor:
     """The 2-D padding mask's last `width` columns; a narrower mask is filled on the left with padding (0)."""
     known = attention_mask.shape[-1]
     if known >= width:
@@ -391,10 +391,11 @@ def causal_mask(attention_mask, cache, shape: CausalShape, window: Optional[int]
     """The mask of the layers of one type: `window` is their sliding window (None: full causal), `layer_idx` the
     first such layer (its cache tells which keys they hold).
 
-    A 2-D padding mask's last column is the newest token (past_length + query_length - 1): the forward's
-    attention_mask covers every position, and transformers' per-layer-type masks for flash attention (generate with a
-    static cache) only the last columns, those the layer's keys reach (flash_attention_mask slices them). Keys before
-    a mask's first column are not attended."""
+    A 2-D padding mask's column c is position c, as transformers reads it, when it covers every position: the
+    forward's attention_mask, or with a static cache one wider than the tokens (generate's, at the cache's length:
+    columns after the newest token are empty slots, not read). One narrower than the tokens holds the last columns,
+    those the layer's keys reach (transformers' per-layer-type masks for flash attention: flash_attention_mask slices
+    them); keys before its first column are not attended."""
     key_length, key_offset = key_layout(cache, shape, layer_idx)
     if attention_mask is not None and attention_mask.dim() == 4:
         return self_attention_mask(attention_mask, batch_size=shape.batch_size, query_length=shape.query_length,
@@ -403,7 +404,7 @@ def causal_mask(attention_mask, cache, shape: CausalShape, window: Optional[int]
         # Dynamic caches return exactly the keys at positions key_offset .. past + new - 1: causality is bottom-right
         # aligned and the padding mask's last key_length columns belong to them.
         if attention_mask is not None:
-            attention_mask = last_columns(attention_mask, key_length)
+            attention_mask = _last_columns(attention_mask, key_length)
         return _self_attention(attention_mask, shape.batch_size, shape.query_length, key_length, True, window, shape.device)
     return static_cache_mask(attention_mask, shape.past_length, key_offset, key_length, shape.batch_size,
                              shape.query_length, window, shape.device)
@@ -413,8 +414,8 @@ def static_cache_mask(attention_mask, past_length, key_offset, key_length: int, 
                       window: Optional[int], device: torch.device) -> AttentionMask:
     """Causal bool mask [B, 1, Sq, key_length] for caches whose keys are not simply the last keys (static caches).
     Key slot j holds absolute position key_offset + j; query i sits at absolute position past_length + i. Slots not
-    filled yet lie after the newest position, so causality masks them. The 2-D attention_mask's last column is the
-    newest position (causal_mask). Tensor ops only (past_length may be a 0-d tensor), so it compiles without graph
+    filled yet lie after the newest position, so causality masks them. The 2-D attention_mask's columns are read as
+    causal_mask says. Tensor ops only (past_length may be a 0-d tensor), so it compiles without graph
     breaks."""
     query_pos = (torch.arange(query_length, device=device) + past_length)[:, None]
     key_pos = (torch.arange(key_length, device=device) + key_offset)[None, :]
@@ -426,7 +427,9 @@ def static_cache_mask(attention_mask, past_length, key_offset, key_length: int, 
     if attention_mask is not None:
         valid = attention_mask.to(device=device, dtype=torch.bool)
         known = valid.shape[-1]
-        column = key_pos[0] - (past_length + query_length - known)  # the mask's last column is the newest token
+        narrower_by = past_length + query_length - known  # > 0: it holds the last tokens; else it starts at position 0
+        shift = narrower_by.clamp(min=0) if isinstance(narrower_by, torch.Tensor) else max(narrower_by, 0)
+        column = key_pos[0] - shift
         inside = (column >= 0) & (column < known)
         key_valid = valid[:, column.clamp(min=0, max=known - 1)] & inside[None, :]
         mask = mask & key_valid[:, None, None, :]

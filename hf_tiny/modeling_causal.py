@@ -36,7 +36,8 @@ from .chunked_loss import labels_ahead, linear_cross_entropy, use_chunked_loss
 from .runtime import runtime_decoding, runtime_products, runtime_stack
 from .configuration_causal import TinyCausalConfig
 from .layers import (
-    Attention, ClampedSwiGLUFeedForward, PreNormResidual, RotaryEmbedding, build_norm, feed_forward, query_temperature,
+    Attention, ClampedSwiGLUFeedForward, PreNormResidual, RotaryEmbedding, ScaledEmbedding, build_norm, feed_forward,
+    query_temperature,
 )
 from .liger import register_liger_kernels
 from .mla import LatentAttention
@@ -150,7 +151,11 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         super().__init__(config)
         self.padding_idx = config.pad_token_id if config.padding_row.use_padding_idx else None
         self.vocab_size = config.vocab_size
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
+        if config.scale_embeddings:  # Gemma
+            self.embed_tokens = ScaledEmbedding(config.vocab_size, config.hidden_size, self.padding_idx,
+                                                config.hidden_size**0.5)
+        else:
+            self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, self.padding_idx)
         learned = config.position_embedding_type == "learned"
         self.embed_positions = nn.Embedding(config.max_position_embeddings, config.hidden_size) if learned else None
         self.embedding_dropout = nn.Dropout(config.embedding_dropout) if config.embedding_dropout else None
@@ -174,12 +179,6 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
 
     def set_input_embeddings(self, value: nn.Embedding) -> None:
         self.embed_tokens = value
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        embeds = self.embed_tokens(input_ids)
-        if self.config.scale_embeddings:  # Gemma: the scale rounded to the weights' dtype, as official
-            embeds = embeds * torch.tensor(self.config.hidden_size**0.5, dtype=embeds.dtype, device=embeds.device)
-        return embeds
 
     def rotary_positions(self, hidden_states: torch.Tensor, position_ids: torch.Tensor,
                          layer_type: str = "full_attention") -> Optional[tuple[torch.Tensor, torch.Tensor]]:
@@ -209,7 +208,7 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         flags = output_flags(self.config, output_attentions, output_hidden_states, return_dict)
         step = prepare_causal_step(self, input_ids, inputs_embeds, attention_mask, position_ids, cache,
                                    past_key_values, use_cache, flags, kwargs)
-        hidden_states = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.embed_positions is not None:
             hidden_states = hidden_states + self.embed_positions(self._learned_positions(step.position_ids))
         if self.embedding_dropout is not None:

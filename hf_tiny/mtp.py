@@ -81,7 +81,7 @@ def mtp_loss(model, hidden_states, input_ids, attention_mask, position_ids, labe
         positions = torch.arange(n, device=input_ids.device)[None] if position_ids is None else position_ids[..., :n]
         mask = mtp_mask(None if attention_mask is None else attention_mask[:, :n], positions, batch, n)
         rotary = model.model.rotary_positions(previous, positions)
-        previous = layer(previous[:, :n], model.model.embed(input_ids[:, depth:]), mask, rotary)
+        previous = layer(previous[:, :n], model.model.embed_tokens(input_ids[:, depth:]), mask, rotary)
         total = total + model._chunked_loss(
             layer.norm(previous), None, ignore_index=ignore_index, shift_labels=labels_ahead(labels, depth + 1, ignore_index),
             num_items_in_batch=loss_kwargs.get("num_items_in_batch"),
@@ -182,7 +182,7 @@ def _draft(base, head, layers, hidden: list, caches: list, tokens: list, m: int,
         done = hidden[k].shape[1]
         ids = torch.tensor([(tokens + drafts)[done + k : m + k]], device=device)
         positions = torch.arange(done, m, device=device)[None]
-        states = layer(hidden[k - 1][:, done:m], base.embed(ids), AttentionMask(None, True),
+        states = layer(hidden[k - 1][:, done:m], base.embed_tokens(ids), AttentionMask(None, True),
                        base.rotary_positions(hidden[0], positions), caches[k - 1])
         hidden[k] = torch.cat((hidden[k], states), dim=1)
         drafts.append(int(head(layer.norm(hidden[k][:, -1])).argmax(-1)))

@@ -21,8 +21,8 @@ from transformers.utils import ModelOutput
 from .attention import MASK_KERNEL_BACKENDS, is_hf_tiny_backend
 from .engines import check_block_mask, interface_takes_mask, is_block_mask
 from .masks import (
-    AttentionMask, CausalShape, alibi_mask, causal_mask, chunked_layer_mask, last_columns, packed_causal_mask,
-    refuse_alibi, with_hidden_rows,
+    AttentionMask, CausalShape, alibi_mask, causal_mask, chunked_layer_mask, packed_causal_mask, refuse_alibi,
+    with_hidden_rows,
     segment_ids_from_cu_seq_lens, segment_ids_from_position_ids, segment_ids_from_seq_idx,
 )
 
@@ -205,35 +205,28 @@ def check_token_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds:
 
 
 def check_attention_mask(attention_mask, *, expected_shape: tuple, field: str = "attention_mask",
-                         left_padding_ok: bool = False) -> None:
+                         wider_ok: bool = False) -> None:
     """A 2-D padding mask must be [batch, keys] of 0/1 (bool or integer or float); 4-D masks pass through.
-    left_padding_ok (a static cache's forward): it may be wider, its extra first columns padding (0), as
-    masks_for_generate hands generate's mask on at the cache's width."""
+    wider_ok (a static cache's forward): it may be wider, as transformers reads it: column c is position c, and the
+    columns after the newest token (the cache's empty slots) are not read."""
     if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
         raise TypeError(f"{field} must be a torch.Tensor, got {type(attention_mask).__name__}")
     if attention_mask is None or attention_mask.dim() == 4:  # a 4-D mask is checked where it is read (ready_4d_mask)
         return
     batch, keys = expected_shape
-    extra = attention_mask.shape[-1] - keys
-    fits = attention_mask.dim() == 2 and attention_mask.shape[0] == batch and (extra == 0 or left_padding_ok and extra > 0)
+    fits = attention_mask.dim() == 2 and attention_mask.shape[0] == batch and (
+        attention_mask.shape[1] == keys or wider_ok and attention_mask.shape[1] > keys)
     if not fits:
-        wider = ", or wider with padding (0) in its extra first columns (a static cache)" if left_padding_ok else ""
+        wider = " or wider (a static cache: column c is position c)" if wider_ok else ""
         raise ValueError(f"{field} has shape {tuple(attention_mask.shape)} but the input needs {tuple(expected_shape)}"
                          f"{wider}")
     if attention_mask.is_complex():
         raise TypeError(f"{field} must be bool, integer or float 0/1, got dtype {attention_mask.dtype}")
-    if is_compiling() or (attention_mask.dtype == torch.bool and not extra):
+    if attention_mask.dtype == torch.bool or is_compiling():
         return
     not_binary = (attention_mask != 0) & (attention_mask != 1)
-    if extra:  # one host read for both checks
-        not_binary[:, :extra] |= attention_mask[:, :extra] != 0
     if bool(not_binary.any()):
-        rows, columns = not_binary.nonzero()[0].tolist()
-        value = attention_mask[rows, columns].item()
-        if columns < extra:
-            raise ValueError(f"{field} is {extra} column(s) wider than the {keys} tokens, which must be padding (0) "
-                             f"before the first token; [{rows}, {columns}] holds {value!r}")
-        raise ValueError(f"{field} must hold 1 (real token) or 0 (padding); it holds {value!r}")
+        raise ValueError(f"{field} must hold 1 (real token) or 0 (padding); it holds {attention_mask[not_binary][0].item()!r}")
 
 
 def check_sequence_length(length: int, *, limit: int, field: str = "sequence length",
@@ -357,7 +350,7 @@ def prepare_causal_step(model, input_ids, inputs_embeds, attention_mask, positio
         check_block_mask(model.config._attn_implementation, "attention_mask")
     elif attention_mask is not None and not isinstance(attention_mask, dict) and not is_compiling():
         check_attention_mask(attention_mask, expected_shape=(batch_size, int(past_length) + query_length),
-                             left_padding_ok=cache is not None and cache.is_compileable)
+                             wider_ok=cache is not None and cache.is_compileable)
     segment_ids = None
     if position_ids is not None or extras:  # packed rows announce themselves by their positions or boundaries
         position_ids = None if position_ids is None else check_positions(position_ids, batch_size, query_length)
@@ -452,10 +445,10 @@ def masks_for_generate(*, config, inputs_embeds, attention_mask, **kwargs):
     is compileable (a static cache), so that a compiled step sees masks of one shape at every position; transformers'
     own builds 4-D masks there, outside the compiled step, which on a GPU leaves their Python (256 of the 860 calls
     of a captured decoding step of a 22-layer Llama) and their kernels outside the CUDA graph. For the backends whose
-    masks the forward builds (MASKS_BUILT_IN_THE_FORWARD) the 2-D padding mask goes on instead, at the static cache's
-    length: left-filled with padding, so its last column stays the newest token (masks.causal_mask), and the masks
-    are built inside the step. Models without full-attention layers (no layer's keys span the cache's length) or
-    with chunked ones (chunks count from a row's first column), and every other backend, get transformers' masks."""
+    masks the forward builds (MASKS_BUILT_IN_THE_FORWARD) the 2-D padding mask goes on instead, padded to the static
+    cache's length as transformers pads it (column c stays position c; masks.causal_mask), and the masks are built
+    inside the step. Models without full-attention layers (no layer's keys span the cache's length) or with chunked
+    ones, and every other backend, get transformers' masks."""
     cache = kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")  # its name from 5.24 on, before
     layer_types = config.layer_types
     if (config._attn_implementation not in MASKS_BUILT_IN_THE_FORWARD or "full_attention" not in layer_types
@@ -468,7 +461,8 @@ def masks_for_generate(*, config, inputs_embeds, attention_mask, **kwargs):
     if attention_mask is None:  # no padding: the forward's masks are causal
         return None
     keys, _ = cache.get_mask_sizes(inputs_embeds.shape[1], layer_types.index("full_attention"))
-    return last_columns(attention_mask, keys)
+    missing = keys - attention_mask.shape[-1]  # none when the tokens overflow the cache (whose update then refuses)
+    return torch.nn.functional.pad(attention_mask, (0, missing)) if missing > 0 else attention_mask
 
 
 def _masks_by_layer_type(config, attention_mask: dict, shape: CausalShape) -> dict:

@@ -4,6 +4,7 @@ through transformers' own load_adapter), and target_modules that match nothing i
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import tempfile
@@ -11,7 +12,7 @@ import tempfile
 import pytest
 import torch
 import transformers
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import LoraConfig, PeftModel, PromptTuningConfig, get_peft_model
 
 import hf_tiny
 
@@ -207,3 +208,51 @@ def test_target_modules_matching_nothing_is_a_clear_error(family):
     config = LoraConfig(r=4, target_modules=["query", "value"], task_type=task_type)
     with pytest.raises(ValueError, match=NO_MATCH_ERRORS[family]):
         get_peft_model(model, config)
+
+
+# Gemma scales its token embeddings by sqrt(hidden_size) inside the embedding module (official's
+# Gemma3TextScaledWordEmbedding, ours layers.ScaledEmbedding): PEFT's prompt tuning embeds ids through
+# get_input_embeddings() and passes inputs_embeds, and its LoRA on the embedding scales the adapter's rows by the
+# module's embed_scale. Both must compute what they compute on official Gemma 3.
+
+
+@pytest.fixture(scope="module")
+def gemma_pair(tmp_path_factory):
+    from causal_helpers import official_and_converted, tiny_official
+
+    folders = official_and_converted(tiny_official("gemma3_text"), tmp_path_factory.mktemp("gemma_peft"))
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    return {side: load(folders / side, attn_implementation="eager").eval() for side in ("official", "ours")}
+
+
+def _gemma_logits(model, peft_config, ids):
+    torch.manual_seed(3)  # the adapter's own initial values, the same on both sides
+    adapted = get_peft_model(model, peft_config)
+    for name, param in adapted.named_parameters():  # LoRA's B starts at zero: give the adapter an effect
+        if param.requires_grad:
+            torch.nn.init.normal_(param, std=0.5, generator=torch.Generator().manual_seed(len(name)))
+    with torch.no_grad():
+        return adapted(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("method", ["prompt tuning", "lora on embed_tokens"])
+def test_gemma_embedding_scale_reaches_peft_as_on_official(gemma_pair, method):
+    ids = torch.randint(3, 97, (2, 7), generator=torch.Generator().manual_seed(0))
+    ours, official = gemma_pair["ours"], gemma_pair["official"]
+    embeddings = ours.get_input_embeddings()(ids)
+    assert torch.equal(embeddings, official.get_input_embeddings()(ids))
+    with torch.no_grad():
+        assert torch.equal(ours(inputs_embeds=embeddings).logits, ours(input_ids=ids).logits)
+
+    def config():
+        if method == "prompt tuning":
+            return PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)
+        return LoraConfig(target_modules=["embed_tokens"], r=4, lora_alpha=8)
+
+    produced = _gemma_logits(copy.deepcopy(ours), config(), ids)
+    expected = _gemma_logits(copy.deepcopy(official), config(), ids)
+    assert (produced - expected).abs().max() <= 1e-4 * max(1.0, expected.abs().max())
+    # negative control: without the adapter the logits are others
+    with torch.no_grad():
+        plain = ours(input_ids=ids).logits
+    assert (plain - produced[:, -ids.shape[1]:]).abs().max() > 1e-2

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, StaticCache
 from transformers.models.bloom.modeling_bloom import build_alibi_tensor
 from transformers.models.mpt.modeling_mpt import build_mpt_alibi_tensor
 
@@ -72,7 +72,13 @@ def test_greedy_beam_and_static_cache_tokens_identical(heads, tmp_path):
     for extra in ({}, {"num_beams": 3}):
         expected = official.generate(batch["input_ids"], **settings, **extra)
         assert torch.equal(ours.generate(batch["input_ids"], **settings, **extra), expected), extra
-    static = ours.generate(batch["input_ids"], cache_implementation="static", **settings)
+    # MPT's generation config says use_cache=False, which would leave the static cache unused
+    caches = []
+    ours.register_forward_pre_hook(
+        lambda _module, _args, kwargs: caches.append(type(kwargs.get("cache", kwargs.get("past_key_values")))),
+        with_kwargs=True)
+    static = ours.generate(batch["input_ids"], cache_implementation="static", use_cache=True, **settings)
+    assert caches == [StaticCache] * settings["max_new_tokens"]
     assert torch.equal(static, official.generate(batch["input_ids"], **settings))
 
 

@@ -248,28 +248,35 @@ def test_static_cache_generate_builds_no_transformers_masks_on_the_host():
     assert frames["ours"]["sdpa_mask"] == 0 and frames["ours"]["create_causal_mask"] == 0
 
 
-def test_a_static_cache_forward_takes_a_wider_left_padded_mask():
-    """What masks_for_generate hands on, given directly: a static cache's forward takes a padding mask wider than its
-    tokens when the extra first columns are padding (the same logits as the exact mask); a one there, or a wider
-    mask with a dynamic cache, is refused naming the field."""
-    model = sliding_and_full(sliding_window=4)
-    model.set_attn_implementation("sdpa")
+def test_a_static_cache_forward_reads_a_wider_mask_as_transformers_does():
+    """What masks_for_generate hands on, given directly: with a static cache a padding mask wider than the tokens is
+    read as official Llama reads it, column c as position c, whatever the columns after the newest token (the
+    cache's empty slots) hold. A mask that is not 2-D, or a wider one with a dynamic cache, is refused naming the
+    field."""
+    official = tiny_official("llama", num_key_value_heads=2)
+    official.set_attn_implementation("sdpa")
+    ours = ours_from(official)
+    ours.set_attn_implementation("sdpa")
     ids, mask = prompts()
+    empty_slots = torch.tensor([[0, 1, 0, 1, 1, 0, 0]]).expand(3, -1)
+    wider = torch.cat([mask, empty_slots], dim=1)
 
-    def logits(attention_mask, cache):
+    def logits(model, attention_mask, cache="static"):
+        if cache == "static":
+            cache = StaticCache(config=model.config, max_cache_len=16)
         with torch.no_grad():
-            return model(ids, attention_mask=attention_mask, past_key_values=cache).logits
+            out = model(ids, attention_mask=attention_mask, past_key_values=cache).logits
+        return out.masked_fill(mask[..., None] == 0, 0)  # the padding positions' logits are not compared
 
-    def static():
-        return StaticCache(config=model.config, max_cache_len=16)
-
-    wider = torch.nn.functional.pad(mask, (7, 0))
-    assert max_diff(logits(wider, static()), logits(mask, static())) <= TOLERANCE
-    with pytest.raises(ValueError, match=r"attention_mask is 7 column\(s\) wider than the 9 tokens, which must be "
-                                         r"padding \(0\) before the first token; \[1, 6\] holds 1"):
-        logits(wider.index_put((torch.tensor(1), torch.tensor(6)), torch.tensor(1)), static())
+    expected = logits(official, wider)
+    assert max_diff(logits(ours, wider), expected) <= TOLERANCE
+    assert max_diff(logits(ours, mask), expected) <= TOLERANCE
+    # negative control: the same mask shifted to end at the newest token is another mask
+    assert max_diff(logits(ours, torch.cat([torch.zeros_like(empty_slots), mask], dim=1)), expected) > 1e-3
     with pytest.raises(ValueError, match=r"attention_mask has shape \(3, 16\) but the input needs \(3, 9\)$"):
-        logits(wider, DynamicCache(config=model.config))
+        logits(ours, wider, DynamicCache(config=ours.config))
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(\) but the input needs \(3, 9\) or wider"):
+        logits(ours, torch.tensor(1))
 
 
 # With a static cache, generate() builds the masks before each forward (transformers' create_masks_for_generate), one
