@@ -141,8 +141,7 @@ def test_gemma3_bfloat16_logits_are_bit_identical_to_official(tmp_path):
 
 
 def test_gemma3_bfloat16_negative_controls_norm_product_and_embedding_scale_in_another_dtype(tmp_path, monkeypatch):
-    from hf_tiny.layers import RMSNorm
-    from hf_tiny.modeling_causal import TinyCausalModel
+    from hf_tiny.layers import RMSNorm, ScaledEmbedding
 
     official, ours = _gemma3_bf16_pair(tmp_path)
     batch = left_padded_batch(official.config.vocab_size)
@@ -153,9 +152,9 @@ def test_gemma3_bfloat16_negative_controls_norm_product_and_embedding_scale_in_a
         return normalized.to(hidden_states.dtype) * (1.0 + self.weight)
 
     def scale_rounded_in_fp32(self, input_ids):
-        return self.embed_tokens(input_ids) * torch.tensor(self.config.hidden_size**0.5, dtype=torch.float32)
+        return torch.nn.Embedding.forward(self, input_ids) * torch.tensor(self.embed_scale, dtype=torch.float32)
 
-    for cls, name, wrong in ((RMSNorm, "forward", product_in_input_dtype), (TinyCausalModel, "embed", scale_rounded_in_fp32)):
+    for cls, name, wrong in ((RMSNorm, "forward", product_in_input_dtype), (ScaledEmbedding, "forward", scale_rounded_in_fp32)):
         with monkeypatch.context() as patch:
             patch.setattr(cls, name, wrong)
             assert not torch.equal(real_logits(ours, batch), expected), name
