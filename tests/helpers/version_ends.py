@@ -79,6 +79,8 @@ TRANSFORMERS_TESTS = (
 # Triton kernel called from the models (its fp64 sweeps, ~3 min under the interpreter, depend on triton, not torch).
 TORCH_TESTS = (
     "tests/ecosystem/test_compile.py",
+    "tests/ecosystem/test_captured_decoding.py",  # dynamo's guards of the compiled decoding step
+    "tests/runtime/test_memory_off_the_cpu.py",  # a dispatch mode counts the live storage
     "tests/runtime/test_runtime.py",
     "tests/models/test_attention.py",
     "tests/models/test_masks.py",
