@@ -305,8 +305,8 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
 
     def create_masks_for_generate(self, **kwargs):
         """generate()'s masks for a static cache (transformers calls this method where a model has it): for eager
-        and sdpa the 2-D padding mask at the cache's width, the masks built inside the (compiled) step; see
-        step.masks_for_generate."""
+        and sdpa the 2-D padding mask, padded to the cache's length as transformers pads it, the masks built inside
+        the (compiled) step; see step.masks_for_generate."""
         return masks_for_generate(**kwargs)
 
     @runtime_decoding(head="lm_head")

@@ -1,8 +1,9 @@
 """vLLM serves a converted hf_tiny model (its Transformers modeling backend, trust_remote_code) with the greedy tokens
-of official transformers, offline (examples/serve_vllm.py) and over the OpenAI-compatible HTTP server.
+of official transformers, offline (examples/serve_vllm.py) and over the OpenAI-compatible HTTP server; a random
+Gemma 3 checks a family beside Llama offline (its embedding module scales, as official's).
 
-vLLM runs in its own venv (tests/helpers/vllm_env.py: built once per machine, ~3.5 min, then reused) because it pins torch
-and transformers. Each engine start takes 1-3 minutes on CPU; the module starts two (one offline, one server).
+vLLM runs in its own venv (tests/helpers/vllm_env.py: built once per machine, ~3.5 min, then reused) because it pins
+torch and transformers. Each engine start takes 1-3 minutes on CPU; the module starts three (two offline, one server).
 """
 
 from __future__ import annotations
@@ -55,21 +56,56 @@ def smollm2(smollm2_official, smollm2_converted):
 
 def test_offline_engine_generates_officials_greedy_tokens_with_fused_projections(vllm_python, smollm2, tmp_path):
     folder, _, prompt_ids, expected = smollm2
-    out = tmp_path / "vllm.json"
-    result = subprocess.run(
-        [str(vllm_python), str(REPO / "examples" / "serve_vllm.py"), str(folder), "--prompt-ids",
-         json.dumps(prompt_ids), "--max-tokens", str(NEW_TOKENS), "--json", str(out)],
-        env=vllm_environment(), cwd=tmp_path, capture_output=True, text=True, timeout=1200,
-    )
-    log = result.stdout + result.stderr
-    assert result.returncode == 0, log[-6000:]
-    produced = json.loads(out.read_text())
+    produced, log = _serve_offline(vllm_python, folder, prompt_ids, NEW_TOKENS, tmp_path)
     # vLLM's Transformers backend ran our code: it found our attention modules and fused our projections
     assert produced["vllm_model_class"] == "TransformersForCausalLM", produced["vllm_model_class"]
     assert "Found: self_attn (Attention) -> attention interface" in log
     assert "Fused: q_proj + k_proj + v_proj (self_attn: Attention) -> qkv_proj" in log
     assert "Fused: gate_proj + up_proj (mlp: GatedFeedForward) -> gate_up_proj" in log
     assert all(len(set(tokens)) > 5 for tokens in expected)  # real text, not a repeated token
+    assert produced["token_ids"] == expected
+
+
+def _serve_offline(vllm_python: Path, folder: Path, prompt_ids: list, new_tokens: int, tmp_path: Path,
+                   *extra: str) -> tuple[dict, str]:
+    out = tmp_path / "vllm.json"
+    result = subprocess.run(
+        [str(vllm_python), str(REPO / "examples" / "serve_vllm.py"), str(folder), "--prompt-ids",
+         json.dumps(prompt_ids), "--max-tokens", str(new_tokens), "--json", str(out), *extra],
+        env=vllm_environment(), cwd=tmp_path, capture_output=True, text=True, timeout=1200,
+    )
+    log = result.stdout + result.stderr
+    assert result.returncode == 0, log[-6000:]
+    return json.loads(out.read_text()), log
+
+
+def test_gemma3_scaled_embeddings_serve_with_officials_greedy_tokens(vllm_python, smollm2, tmp_path):
+    """A random Gemma 3 (sliding and full layers, sandwich norms, the embedding scale inside the embedding module, as
+    official's): vLLM rebases that nn.Embedding subclass onto its VocabParallelEmbedding and keeps its forward, so
+    the tokens are official's. The same model with the scale set to 1 gives others (the negative control). SmolLM2's
+    tokenizer stands in (vLLM wants one; the prompts are ids)."""
+    from transformers import AutoModelForCausalLM
+
+    from causal_helpers import official_and_converted, tiny_official
+
+    official = tiny_official("gemma3_text", vocab_size=49152, hidden_size=128, intermediate_size=256,
+                             num_attention_heads=2, num_key_value_heads=1, head_dim=64, num_hidden_layers=2,
+                             tie_word_embeddings=False)  # vLLM's CPU attention takes head_dim 64
+    folders = official_and_converted(official, tmp_path / "gemma")
+    prompt_ids, new_tokens = [[504, 3575, 282, 4649, 314], [563, 11712, 30, 1248, 9]], 16
+
+    def greedy(model) -> list:
+        with torch.no_grad():
+            return [model.generate(torch.tensor([ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                   do_sample=False, pad_token_id=0)[0, len(ids):].tolist() for ids in prompt_ids]
+
+    expected = greedy(official)
+    unscaled = AutoModelForCausalLM.from_pretrained(folders / "ours").eval()
+    unscaled.model.embed_tokens.embed_scale = 1.0
+    assert greedy(unscaled) != expected
+    produced, _ = _serve_offline(vllm_python, folders / "ours", prompt_ids, new_tokens, tmp_path, "--tokenizer",
+                                 str(smollm2[0]), "--max-model-len", "64")
+    assert produced["vllm_model_class"] == "TransformersForCausalLM"
     assert produced["token_ids"] == expected
 
 
