@@ -171,8 +171,9 @@ def test_static_cache_generate_equals_dynamic(pair, backend):
 # (step.masks_for_generate): a compiled step sees one shape, and transformers' 4-D masks are not built on the host.
 
 
-def attention_masks_seen(model) -> list:
-    """The attention_mask each forward of the model gets: a tensor's shape, or the mask's type name."""
+def attention_masks_seen(model) -> tuple[list, object]:
+    """(the attention_mask each forward of the model gets: a tensor's shape, or the mask's type name; the hook's
+    handle)."""
     seen = []
 
     def record(module, args, kwargs):
@@ -237,11 +238,12 @@ def test_static_cache_generate_builds_no_transformers_masks_on_the_host():
             if event == "call":
                 counts[frame.f_code.co_name] += 1
 
+        previous = sys.getprofile()
         sys.setprofile(record)
         try:
             results[name] = model.generate(ids, attention_mask=mask, cache_implementation="static", **GREEDY)
         finally:
-            sys.setprofile(None)
+            sys.setprofile(previous)
         frames[name] = counts
     assert torch.equal(results["ours"], results["official"])
     assert frames["official"]["sdpa_mask"] == NEW_TOKENS  # negative control: the recording sees them
