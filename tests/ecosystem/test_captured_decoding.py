@@ -15,7 +15,6 @@ the decoding steps after warm-up under torch.cuda.set_sync_debug_mode("error"): 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 from collections import Counter
@@ -30,6 +29,7 @@ import hf_tiny  # noqa: F401  (registers the Auto classes)
 from causal_helpers import left_padded_batch, official_and_converted, tiny_official
 from fresh_interpreter import clean_env
 from markers import cuda_only
+from runtime_checks import python_frames
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -58,22 +58,6 @@ class GraphCounter:
             return graph_module.forward
 
         self.backend = backend
-
-
-@contextlib.contextmanager
-def python_frames(counts: Counter):
-    """Counts, by function name, the Python frames run inside the block (sys.setprofile)."""
-    previous = sys.getprofile()
-
-    def record(frame, event, arg):
-        if event == "call":
-            counts[frame.f_code.co_name] += 1
-
-    sys.setprofile(record)
-    try:
-        yield
-    finally:
-        sys.setprofile(previous)
 
 
 def compiled_generate(model, batch: dict, *, fullgraph: bool = True, step_frames: Optional[Counter] = None, **extra):

@@ -1,10 +1,12 @@
-"""The runtime's promise on any model (outputs and gradients bit-identical with the runtime on and off) and the aten
-operators a step runs."""
+"""The runtime's promise on any model (outputs and gradients bit-identical with the runtime on and off), the aten
+operators a step runs, and the Python frames a call runs."""
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import weakref
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import torch
 from torch import nn
@@ -33,6 +35,22 @@ def ops_of(fn) -> list[str]:
     with OpNames() as mode:
         fn()
     return mode.names
+
+
+@contextlib.contextmanager
+def python_frames(counts: Counter):
+    """Counts, by function name, the Python frames run inside the block (sys.setprofile)."""
+    previous = sys.getprofile()
+
+    def record(frame, event, arg):
+        if event == "call":
+            counts[frame.f_code.co_name] += 1
+
+    sys.setprofile(record)
+    try:
+        yield
+    finally:
+        sys.setprofile(previous)
 
 
 class LiveBytes(TorchDispatchMode):

@@ -4,6 +4,8 @@ attention's block masks with a static cache), torch.compile of a static-cache de
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from transformers import DynamicCache, PreTrainedTokenizerFast, StaticCache, TextStreamer
@@ -11,6 +13,7 @@ from transformers import DynamicCache, PreTrainedTokenizerFast, StaticCache, Tex
 import hf_tiny  # noqa: F401
 from causal_helpers import left_padded_batch, max_diff, tiny_official
 from fake_flash_attn import FakeFlashAttn, flash_on_cpu
+from runtime_checks import python_frames
 from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -222,9 +225,6 @@ def test_static_cache_forwards_get_the_padding_mask_at_the_cache_length(backend)
 def test_static_cache_generate_builds_no_transformers_masks_on_the_host():
     """The host work it saves: official Llama's static-cache generate builds its 4-D masks in Python at every step
     (sdpa_mask), ours none."""
-    import sys
-    from collections import Counter
-
     official = tiny_official("llama", num_key_value_heads=2)
     official.set_attn_implementation("sdpa")
     ours = ours_from(official)
@@ -232,19 +232,9 @@ def test_static_cache_generate_builds_no_transformers_masks_on_the_host():
     ids, mask = prompts()
     results, frames = {}, {}
     for name, model in (("official", official), ("ours", ours)):
-        counts = Counter()
-
-        def record(frame, event, arg):
-            if event == "call":
-                counts[frame.f_code.co_name] += 1
-
-        previous = sys.getprofile()
-        sys.setprofile(record)
-        try:
+        frames[name] = Counter()
+        with python_frames(frames[name]):
             results[name] = model.generate(ids, attention_mask=mask, cache_implementation="static", **GREEDY)
-        finally:
-            sys.setprofile(previous)
-        frames[name] = counts
     assert torch.equal(results["ours"], results["official"])
     assert frames["official"]["sdpa_mask"] == NEW_TOKENS  # negative control: the recording sees them
     assert frames["ours"]["sdpa_mask"] == 0 and frames["ours"]["create_causal_mask"] == 0
