@@ -447,12 +447,13 @@ def masks_for_generate(*, config, inputs_embeds, attention_mask, **kwargs):
     of a captured decoding step of a 22-layer Llama) and their kernels outside the CUDA graph. For the backends whose
     masks the forward builds (MASKS_BUILT_IN_THE_FORWARD) the 2-D padding mask goes on instead, padded to the static
     cache's length as transformers pads it (column c stays position c; masks.causal_mask), and the masks are built
-    inside the step. Models without full-attention layers (no layer's keys span the cache's length) or with chunked
-    ones, and every other backend, get transformers' masks."""
+    inside the step (chunked layers too: transformers 5.16-5.19's builder fails on them, a TypeError official Llama 4
+    meets). Models without full-attention layers (no layer's keys span the cache's length), and every other backend,
+    get transformers' masks."""
     cache = kwargs["cache"] if "cache" in kwargs else kwargs.get("past_key_values")  # its name from 5.24 on, before
     layer_types = config.layer_types
     if (config._attn_implementation not in MASKS_BUILT_IN_THE_FORWARD or "full_attention" not in layer_types
-            or "chunked_attention" in layer_types or not isinstance(cache, Cache) or not cache.is_compileable
+            or not isinstance(cache, Cache) or not cache.is_compileable
             or (attention_mask is not None and attention_mask.dim() != 2)):
         from transformers.masking_utils import create_masks_for_generate
 

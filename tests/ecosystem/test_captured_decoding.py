@@ -8,6 +8,10 @@ proves there is no graph break; with flex_attention too (generate's BlockMasks i
 here is dynamo's "eager" (it traces and checks the graph, then runs it with the same kernels, so tokens equal eager's
 exactly and the test stays within seconds on 2 cores).
 
+Mixture-of-Experts (Mixtral, Qwen2-MoE, DeepSeek-V3, GPT-OSS, Llama 4 text): the compiled step holds every MoE layer in
+fixed shapes (moe.py: a decoding step's experts see every token), so it compiles fullgraph=True with official's tokens
+and official's number of graphs.
+
 CUDA (marked `cuda`): mode="reduce-overhead" (inductor + CUDA graphs) on both sides, each in its own process (official's
 compiled generate segfaulted under CUDA graphs on an H100: a crash there is recorded, not fatal; ours must run), with
 the decoding steps after warm-up under torch.cuda.set_sync_debug_mode("error"): no host synchronisation in a step.
@@ -26,7 +30,11 @@ import torch
 from transformers import AutoModelForCausalLM, CompileConfig, StaticCache
 
 import hf_tiny  # noqa: F401  (registers the Auto classes)
+import deepseek_models
+import gpt_oss_models
+import llama4_models
 from causal_helpers import left_padded_batch, official_and_converted, tiny_official
+from hf_tiny import moe
 from fresh_interpreter import clean_env
 from markers import cuda_only
 from runtime_checks import python_frames
@@ -100,6 +108,61 @@ def test_compiled_static_cache_generate_gives_official_greedy_tokens_with_one_gr
     # negative control: another prompt gives other tokens
     other = left_padded_batch(97, LENGTHS, seed=2)
     assert not torch.equal(compiled_generate(ours, other, do_sample=False)[0][:, -NEW_TOKENS:], expected[:, -NEW_TOKENS:])
+
+
+def moe_pair(name: str, folder: Path):
+    """(official model, hf_tiny's twin): Mixtral, Qwen2-MoE and DeepSeek-V3 through the production converter; GPT-OSS
+    and Llama 4 text through their tests' key tables."""
+    if name == "gpt_oss":
+        official = gpt_oss_models.tiny_official()
+        return official, gpt_oss_models.ours_from(official)
+    if name == "llama4_text":
+        official = llama4_models.tiny_llama4("scout_like")
+        return official, llama4_models.ours_for(official)
+    if name == "deepseek_v3":
+        official = deepseek_models.tiny_deepseek("mla_moe")
+    else:
+        official = tiny_official(name, num_local_experts=4, num_experts_per_tok=2) if name == "mixtral" else \
+            tiny_official(name, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                          shared_expert_intermediate_size=24)
+    official_and_converted(official, folder)
+    return official, AutoModelForCausalLM.from_pretrained(folder / "ours").eval()
+
+
+# official's graphs where its generate compiles the step (Llama 4 text: it does not here): the hybrids recompile once,
+# at the step where the sliding (GPT-OSS) or chunked (Llama 4) layers' cache is first full, on either side
+MOE_GRAPHS = {"mixtral": 1, "qwen2_moe": 1, "deepseek_v3": 1, "gpt_oss": 2, "llama4_text": 2}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(MOE_GRAPHS))
+def test_moe_decoding_compiles_fullgraph_with_officials_tokens(name, tmp_path):
+    official, ours = moe_pair(name, tmp_path)
+    batch = left_padded_batch(official.config.vocab_size, LENGTHS, seed=1)
+    with torch.no_grad():
+        expected = official.generate(batch["input_ids"], attention_mask=batch["attention_mask"], do_sample=False,
+                                     **settings())
+    produced, graphs, steps = compiled_generate(ours, batch, do_sample=False)
+    assert torch.equal(produced, expected)
+    assert steps == NEW_TOKENS - 1 and graphs == MOE_GRAPHS[name]
+    if name != "llama4_text":
+        assert compiled_generate(official, batch, do_sample=False)[1] == graphs
+
+
+@pytest.mark.slow
+def test_moe_routed_loop_cannot_compile_fullgraph_which_the_fixed_shapes_fix(tmp_path, monkeypatch):
+    """Negative control: with the routed loop in the compiled step too (no token count is small enough for the
+    fixed shapes), dynamo refuses the routing-sized shapes under fullgraph=True."""
+    official, ours = moe_pair("mixtral", tmp_path)
+    batch = left_padded_batch(official.config.vocab_size, LENGTHS, seed=1)
+    monkeypatch.setattr(moe, "COMPILED_DENSE_MAX_TOKENS", 0)
+    with pytest.raises(Exception, match="data-dependent"):
+        compiled_generate(ours, batch, do_sample=False)
+    produced, graphs, steps = compiled_generate(ours, batch, fullgraph=False, do_sample=False)
+    assert steps == NEW_TOKENS - 1 and graphs > 1  # the loop breaks the graph at every MoE layer
+    monkeypatch.setattr(moe, "COMPILED_DENSE_MAX_TOKENS", len(LENGTHS) - 1)  # the batch's 3 tokens are one too many
+    with pytest.raises(Exception, match="data-dependent"):
+        compiled_generate(ours, batch, do_sample=False)
 
 
 @pytest.mark.slow
@@ -242,11 +305,20 @@ def run_captured(folder: Path, tmp_path: Path) -> dict:
     return json.loads(line[len("RESULT "):])
 
 
+@pytest.fixture(scope="module")
+def mixtral_folders(tmp_path_factory):
+    official = tiny_official("mixtral", num_local_experts=4, num_experts_per_tok=2)
+    return official_and_converted(official, tmp_path_factory.mktemp("captured_decoding_mixtral"))
+
+
 @cuda_only
 @pytest.mark.slow
-def test_cuda_graph_decoding_gives_official_tokens_without_recompiling_or_syncing(folders, tmp_path):
+@pytest.mark.parametrize("family", ["llama", "mixtral"])
+def test_cuda_graph_decoding_gives_official_tokens_without_recompiling_or_syncing(family, request, tmp_path):
     """fp32 (TF32 off). Ours must run; official's side is compared where it runs (its compiled generate segfaulted
-    under CUDA graphs on an H100 with torch 2.11 / transformers 5.17)."""
+    under CUDA graphs on an H100 with torch 2.11 / transformers 5.17). Mixtral: the MoE layers' fixed shapes, where
+    the routed loop would sync with the host at every expert."""
+    folders = request.getfixturevalue("folders" if family == "llama" else "mixtral_folders")
     official = AutoModelForCausalLM.from_pretrained(folders / "official", attn_implementation="sdpa").cuda().eval()
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     batch = {k: v.cuda() for k, v in left_padded_batch(97, LENGTHS, seed=1).items()}

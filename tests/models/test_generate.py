@@ -4,10 +4,13 @@ attention's block masks with a static cache), torch.compile of a static-cache de
 
 from __future__ import annotations
 
+import inspect
 from collections import Counter
 
 import pytest
 import torch
+import transformers
+import transformers.masking_utils
 from transformers import DynamicCache, PreTrainedTokenizerFast, StaticCache, TextStreamer
 
 import hf_tiny  # noqa: F401
@@ -193,14 +196,28 @@ def static_logits(model, ids, mask, **settings) -> torch.Tensor:
     return torch.stack(out.logits, dim=1)
 
 
+def chunked_and_full() -> TinyCausalForCausalLM:
+    """Llama 4 text's layout: chunks of 5 tokens, every second layer full attention without RoPE; all-MoE."""
+    import llama4_models
+
+    return llama4_models.ours_for(llama4_models.tiny_llama4("scout_like"))
+
+
+# transformers 5.16-5.19's create_masks_for_generate passes create_chunked_causal_mask a block_sequence_ids it does not
+# take: a TypeError for any chunked model, official Llama 4 included (hf_tiny's own masks do not go there)
+CHUNKED_MASKS_BUILT_BY_TRANSFORMERS = "block_sequence_ids" in inspect.signature(
+    transformers.masking_utils.create_chunked_causal_mask).parameters
+
+
+@pytest.mark.parametrize("layout", ["sliding_and_full", "chunked_and_full"])
 @pytest.mark.parametrize("backend", ["eager", "sdpa"])
-def test_static_cache_forwards_get_the_padding_mask_at_the_cache_length(backend):
-    """A window (4) shorter than the prompts beside full layers, a left-padded batch: every forward (the prefill
-    included) gets the [batch, cache length] padding mask, and the logits of every step equal those with
+def test_static_cache_forwards_get_the_padding_mask_at_the_cache_length(backend, layout):
+    """A window (4) or chunks (5) shorter than the prompts beside full layers, a left-padded batch: every forward (the
+    prefill included) gets the [batch, cache length] padding mask, and the logits of every step equal those with
     transformers' 4-D masks (the model's create_masks_for_generate set aside) and the tokens a dynamic cache's."""
     from transformers.masking_utils import create_masks_for_generate
 
-    model = sliding_and_full(sliding_window=4)
+    model = sliding_and_full(sliding_window=4) if layout == "sliding_and_full" else chunked_and_full()
     model.set_attn_implementation(backend)
     ids, mask = prompts()
     seen, handle = attention_masks_seen(model)
@@ -208,6 +225,10 @@ def test_static_cache_forwards_get_the_padding_mask_at_the_cache_length(backend)
     handle.remove()
     length = ids.shape[1] + NEW_TOKENS - 1  # generate's static cache: the last new token is never fed
     assert seen == [(3, length)] * NEW_TOKENS
+    dynamic = model.generate(ids, attention_mask=mask, **GREEDY)
+    assert torch.equal(model.generate(ids, attention_mask=mask, cache_implementation="static", **GREEDY), dynamic)
+    if layout == "chunked_and_full" and not CHUNKED_MASKS_BUILT_BY_TRANSFORMERS:
+        return
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(model, "create_masks_for_generate", create_masks_for_generate)
         seen, handle = attention_masks_seen(model)
@@ -218,8 +239,6 @@ def test_static_cache_forwards_get_the_padding_mask_at_the_cache_length(backend)
         unpadded = static_logits(model, ids, torch.ones_like(mask))
     assert max_diff(ours, transformers_masks) <= TOLERANCE
     assert max_diff(unpadded, transformers_masks) > 1e-3
-    dynamic = model.generate(ids, attention_mask=mask, **GREEDY)
-    assert torch.equal(model.generate(ids, attention_mask=mask, cache_implementation="static", **GREEDY), dynamic)
 
 
 def test_static_cache_generate_builds_no_transformers_masks_on_the_host():

@@ -220,6 +220,47 @@ def test_deepseek_v3_correction_bias_and_groups_change_the_choice():
         assert max_diff(ungrouped(hidden), expected) > 100 * TOLERANCE
 
 
+# routing styles of the compiled step's fixed-shape experts; GPT-OSS's experts are clamped SwiGLUs with biases
+FIXED_SHAPE_SPECS = {
+    "softmax": MoeSpec(8, 2, 24, "softmax", True),
+    "sigmoid_groups_shared": MoeSpec(8, 2, 24, "sigmoid", True, n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                                     shared_intermediate_size=16),
+    "topk_softmax_biases": MoeSpec(8, 4, 24, "topk_softmax", True, router_bias=True),
+    "topk_sigmoid_weights_on_input": MoeSpec(4, 1, 24, "topk_sigmoid", False, weights_on_input=True),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", sorted(FIXED_SHAPE_SPECS))
+def test_every_expert_on_every_token_gives_the_routed_loops_sums(name, dtype):
+    """The compiled step's experts (every token through every expert, the unchosen dropped) against the routed loop
+    (the reading, used outside compilation): the same sums in the same order, up to the products' rounding over other
+    row counts (fp32 here: ~1e-7 of the largest output; bf16: equal, bounded at one bf16 rounding of it). Negative control: another routing (the tokens' choices rolled by one token) differs."""
+    from hf_tiny.layers import ClampedSwiGLUFeedForward, GatedFeedForward
+
+    biases = name == "topk_softmax_biases"
+    make = (lambda size: ClampedSwiGLUFeedForward(32, size, alpha=1.702, limit=7.0, bias=True)) if biases else \
+        (lambda size: GatedFeedForward(32, size, "silu", bias=False))
+    torch.manual_seed(0)
+    layer = SparseMoeFeedForward(32, FIXED_SHAPE_SPECS[name], make)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.normal_(0, 0.3)
+    layer = layer.to(dtype).eval()
+    tokens = torch.randn(37, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    with torch.no_grad():
+        _, top_k_index, top_k_weights = layer.gate(tokens)
+        assert len(top_k_index.unique()) == layer.spec.num_experts  # every expert has tokens
+        routed = layer._each_expert_on_its_tokens(tokens, top_k_index, top_k_weights)
+        fixed = layer._every_expert_on_every_token(tokens, top_k_index, top_k_weights)
+        rerouted = layer._every_expert_on_every_token(tokens, top_k_index.roll(1, dims=0), top_k_weights)
+    scale = float(routed.abs().max())
+    assert scale > 1.0
+    bound = (1e-6 if dtype == torch.float32 else 2.0**-8) * scale
+    assert max_diff(fixed, routed) <= bound
+    assert max_diff(rerouted, routed) > 0.1 * scale
+
+
 def test_first_k_dense_replace_makes_the_first_layers_dense():
     config = TinyCausalConfig(
         vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=3, num_attention_heads=2,

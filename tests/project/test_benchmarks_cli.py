@@ -300,3 +300,37 @@ def test_fit_memory_host_counts_the_plans_reads_and_steps_with_stand_in_counters
     on, off = (rows[f"training step, 2 layers, fit_memory {state}"] for state in ("on (every layer fits)", "off"))
     assert on > off
     assert not runtime.counts_memory(torch.device("cpu")) and memory_fit.device_memory(torch.device("cpu")) is None
+
+
+def test_moe_decode_routed_contender_runs_the_loop_in_the_step_and_restores_the_default():
+    from benchmarks import moe_decode
+    from hf_tiny import moe
+
+    default, seen = moe.COMPILED_DENSE_MAX_TOKENS, []
+
+    def step():
+        seen.append(moe.COMPILED_DENSE_MAX_TOKENS)
+        raise RuntimeError("a failing generate")
+
+    with pytest.raises(RuntimeError, match="a failing generate"):
+        moe_decode.routed_in_the_graph(step)()
+    assert seen == [0] and moe.COMPILED_DENSE_MAX_TOKENS == default > 0
+
+
+def test_moe_decode_report_divides_each_side_by_the_right_one():
+    from benchmarks import moe_decode
+
+    row = {"batch": 8, "new_tokens": 32, "official_tokens_per_s": 200.0, "hf_tiny_tokens_per_s": 300.0,
+           "hf_tiny_routed_tokens_per_s": 100.0, "tokens_equal_official": {"hf_tiny": 1.0, "hf_tiny_routed": 0.5}}
+    page = moe_decode.report([row], torch.device("cpu"), "python -m benchmarks.moe_decode")
+    assert "| 8 x 32 | 200.0 | 300.0 | 100.0 | 1.50x | 3.00x | 100%, 50% |" in page
+
+
+@pytest.mark.parametrize("argv", [["--batches", "0"], ["--new-tokens", "1"], ["--repeats", "0"]])
+def test_moe_decode_rejects_a_bad_shape_by_name(argv, capsys):
+    from benchmarks import moe_decode
+
+    with pytest.raises(SystemExit) as exit_info:
+        moe_decode.main(["--device", "cpu", *argv])
+    assert exit_info.value.code == 2
+    assert "--batches must be positive, --new-tokens >= 2, --repeats >= 1" in capsys.readouterr().err
