@@ -437,7 +437,8 @@ def causal_masks(model, attention_mask, cache, shape: CausalShape, segment_ids) 
 
 
 # generate() with a static cache asks the model for its masks before each step; these backends build them in the forward
-MASKS_BUILT_IN_THE_FORWARD = frozenset({"eager", "sdpa"})
+# (transformers has no builder for the "paged|" names: its create_masks_for_generate gives them no mask, the padding lost)
+MASKS_BUILT_IN_THE_FORWARD = MASK_KERNEL_BACKENDS
 
 
 def masks_for_generate(*, config, inputs_embeds, attention_mask, **kwargs):

@@ -241,6 +241,27 @@ def test_static_cache_forwards_get_the_padding_mask_at_the_cache_length(backend,
     assert max_diff(unpadded, transformers_masks) > 1e-3
 
 
+def test_paged_eager_static_cache_generate_keeps_the_padding():
+    """"paged|eager" (continuous batching's name for eager; hf_tiny runs its eager math under it) with a static cache:
+    transformers has no mask builder for the name, and its create_masks_for_generate gives every layer type None. The
+    forward builds the masks from generate's 2-D mask instead, as for eager: official Llama's sdpa tokens on a
+    left-padded batch. Negative control: transformers' masks (None) lose the padding, and the padded rows' tokens."""
+    from transformers.masking_utils import create_masks_for_generate
+
+    official = tiny_official("llama", num_key_value_heads=2)
+    official.set_attn_implementation("sdpa")
+    ids, mask = prompts()
+    expected = official.generate(ids, attention_mask=mask, **GREEDY)
+    ours = ours_from(official)
+    ours.set_attn_implementation("paged|eager")
+    assert torch.equal(ours.generate(ids, attention_mask=mask, cache_implementation="static", **GREEDY), expected)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ours, "create_masks_for_generate", create_masks_for_generate)
+        unmasked = ours.generate(ids, attention_mask=mask, cache_implementation="static", **GREEDY)
+    assert torch.equal(unmasked[0], expected[0])  # the unpadded row
+    assert not torch.equal(unmasked[1:], expected[1:])
+
+
 def test_static_cache_generate_builds_no_transformers_masks_on_the_host():
     """The host work it saves: official Llama's static-cache generate builds its 4-D masks in Python at every step
     (sdpa_mask), ours none."""
