@@ -15,12 +15,15 @@ CUDA: inductor, mode "reduce-overhead" (transformers' default CompileConfig), bf
 (CompileConfig._compile_all_devices: generate does not compile on a CPU by itself), fp32.
 
     python -m benchmarks.moe_decode [--device cpu] [--batches 1,8,32] [--new-tokens 32] [--out FILE.md]
+
+The page goes to stdout (and to --out with its rows as .json beside it), each row's progress to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -103,7 +106,7 @@ def measure(device: torch.device, batches: list[int], new_tokens: int, repeats: 
             "tokens_equal_official": {name: float((tokens[name] == tokens["official"]).float().mean())
                                       for name in ("hf_tiny", "hf_tiny_routed")},
         })
-        print(json.dumps(rows[-1]), flush=True)
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # progress; the page alone goes to stdout
     return rows
 
 
@@ -145,7 +148,7 @@ def main(argv=None) -> None:
                      f"{args.new_tokens}, {args.repeats}")
     device = torch.device(args.device)
     rows = measure(device, batches, args.new_tokens, args.repeats)
-    command = "python -m benchmarks.moe_decode " + " ".join(argv if argv is not None else __import__("sys").argv[1:])
+    command = "python -m benchmarks.moe_decode " + " ".join(argv if argv is not None else sys.argv[1:])
     page = report(rows, device, command.strip())
     print(page)
     if args.out:
