@@ -38,6 +38,7 @@ SPEED = "docs/speed-and-memory.md"
 FAMILIES = "docs/families.md"
 CONVERSION = "docs/conversion.md"
 ARCHITECTURE = "docs/architecture.md"
+COMPATIBILITY = "docs/compatibility.md"
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,13 @@ FIGURES = [
            results=("host-work-gpu-rows-cpu-2026-11-28-transformers-5.24-masks.md",),
            quotes=quotes(SPEED, ("860 / 932", "| 860 |"), ("645 / 716", "| 645 |"), ("(0.750x", "0.750"), ("0.768x)", "0.768"))
            + quotes(README, ("645 against 860", "| 860 | 645 |"), ("(0.75×", "0.750"))),
+    Figure("moe-decode", COMPATIBILITY, "python -m benchmarks.moe_decode", "compiled decoding of a random 8-expert "
+           "top-2 Mixtral: hf_tiny's fixed-shape experts against the routed loop in the step, and against official",
+           "python -m benchmarks.moe_decode --device cpu", 2.5, "cpu", "moe-decode-cpu-{date}.md",
+           results=("moe-decode-cpu-2026-11-28.md",),
+           quotes=quotes(COMPATIBILITY, ("0.48x the routed", "0.48x"), ("1.13x at batch 8", "1.13x"),
+                         ("0.86x at batch 32", "0.86x"), ("0.43x /", "0.43x"), ("0.93x /", "0.93x"),
+                         ("0.80x official's", "0.80x"))),
     Figure("fit-memory-host", SPEED, "python -m benchmarks.fit_memory_host", "fit_memory's host work where a step "
            "fits: a counter read and a 22-layer training step's Python calls, the option off and on",
            "python -m benchmarks.fit_memory_host", 0.3, "cheap", results=("fit-memory-host-cpu-2026-11-28.md",),

@@ -42,7 +42,8 @@ MLP_LAYER_TYPES = ("dense", "sparse")
 # CUDA graph can replay it; a longer input keeps the routed loop, whose routing-sized shapes break the graph (and
 # sync with the host on a GPU), rather than pay E / k times the experts' products. The cost, where reading the
 # weights is the time: every expert's weights at every step. Compiled decoding of a random 8-expert top-2 Mixtral on
-# a 2-core CPU (benchmarks/moe_decode.py): 0.51x the routed loop's tokens/s at batch 1, 1.11x at 8, 0.90x at 32.
+# a 2-core CPU (benchmarks/moe_decode.py, 2026-11-28): 0.48x the routed loop's tokens/s at batch 1, 1.13x at 8, 0.86x
+# at 32. On a GPU the routed loop also syncs with the host at every expert; the GPU check measures it.
 COMPILED_DENSE_MAX_TOKENS = 64
 
 
