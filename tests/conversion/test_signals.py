@@ -77,6 +77,13 @@ def source(tmp_path_factory) -> Path:
     return folder
 
 
+def sigint_as_in_a_terminal() -> None:
+    """The child's SIGINT at its default (Python's KeyboardInterrupt), as a terminal's foreground job has it: a suite
+    started as a shell's background job (`cmd &`) inherits SIGINT ignored, and so would the child, which then converts
+    to the end (exit 0) where a user's Ctrl-C stops it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def wait_for(condition, process: subprocess.Popen, what: str, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
@@ -114,7 +121,8 @@ def assert_stopped_cleanly(process: subprocess.Popen, sig: signal.Signals, dst: 
 def test_a_signal_while_torch_loads_stops_with_one_line(sig, source, tmp_path):
     dst = tmp_path / "dst"
     process = subprocess.Popen([sys.executable, "-m", "conversion", str(source), str(dst)], cwd=tmp_path, env=ENV,
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=sigint_as_in_a_terminal)
     wait_for(lambda: torch_is_loading(process.pid), process, "loading torch")
     process.send_signal(sig)
     assert_stopped_cleanly(process, sig, dst)
@@ -125,7 +133,8 @@ def test_a_signal_while_torch_loads_stops_with_one_line(sig, source, tmp_path):
 def test_a_signal_while_the_parity_threads_run_stops_them_all_first(sig, source, tmp_path):
     dst, ready = tmp_path / "dst", tmp_path / "ready"
     process = subprocess.Popen([sys.executable, "-c", PAUSED_IN_PARITY, str(ready), str(source), str(dst)],
-                               cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                               cwd=tmp_path, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               preexec_fn=sigint_as_in_a_terminal)
     wait_for(ready.exists, process, "the parity runs")
     process.send_signal(sig)
     out = assert_stopped_cleanly(process, sig, dst)
