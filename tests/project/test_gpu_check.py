@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -353,3 +354,29 @@ def test_dry_run_runs_every_kind_of_job_and_lists_every_target(tmp_path):
     owns = [own for _, _, own in profile["kernels"]]
     assert 0 < owns[0] and owns == sorted(owns, reverse=True) and profile["kernel_launches"] >= len(owns)
     assert f"`{profile['kernels'][0][0]}`" in markdown
+
+
+# ---- the CUDA tests it runs ------------------------------------------------------------------------------------------
+
+def cuda_marked_files_run_by_the_script() -> set[str]:
+    """The test files benchmarks/gpu_check.sh hands pytest -m cuda (its CUDA_MARKED=( ... ) list)."""
+    script = (REPO / "benchmarks" / "gpu_check.sh").read_text()
+    listed = script.split("CUDA_MARKED=(", 1)[1].split(")", 1)[0]
+    return set(listed.split())
+
+
+# a cuda-marked test or module: @cuda_only, @pytest.mark.cuda, or a pytestmark holding pytest.mark.cuda
+CUDA_MARK = re.compile(r"^\s*@cuda_only\b|^\s*@pytest\.mark\.cuda\b|^pytestmark\b.*\bpytest\.mark\.cuda\b", re.M)
+
+
+def test_the_gpu_script_runs_every_file_that_has_cuda_tests():
+    """A file whose CUDA tests the script does not list never runs on a GPU (the captured-decoding, Liger and
+    flash-attn package tests had been left out)."""
+    marked = {str(path.relative_to(REPO)) for path in (REPO / "tests").rglob("test_*.py")
+              if CUDA_MARK.search(path.read_text())}
+    listed = cuda_marked_files_run_by_the_script()
+    assert all((REPO / path).is_file() for path in listed), sorted(p for p in listed if not (REPO / p).is_file())
+    assert marked - listed == set(), sorted(marked - listed)
+    # negative controls: the scan finds each kind of mark
+    assert {"tests/ecosystem/test_captured_decoding.py", "tests/models/test_cuda_families.py",
+            "tests/models/test_cuda.py"} <= marked
