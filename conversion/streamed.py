@@ -426,9 +426,12 @@ class _Lockstep:
             self.stopping = True
             self.condition.notify_all()
 
-    def wait_until_finished(self) -> None:
+    def wait_until_finished(self, poll: float = 0.1) -> None:
+        """Wakes every poll seconds: a signal that the OS handed to another thread (torch's workers do not block
+        signals) does not wake a waiting lock, and its Python handler runs only once this thread runs again."""
         with self.condition:
-            self.condition.wait_for(lambda: all(self.finished))
+            while not self.condition.wait_for(lambda: all(self.finished), timeout=poll):
+                pass
 
 
 def run_in_lockstep(jobs, progress=None) -> list:
@@ -436,12 +439,10 @@ def run_in_lockstep(jobs, progress=None) -> list:
     order. The outputs equal those of one run after the other: each run is its own model and its own tensors.
     progress (a tqdm bar): advanced as every run has started one more layer.
 
-    Interrupted while it waits (Ctrl-C's KeyboardInterrupt, or what a SIGTERM handler raises), it stops the runs at
-    their next layer and waits for them before the exception goes on: no run is left computing while the
+    A SIGINT or SIGTERM meanwhile (Ctrl-C's KeyboardInterrupt, the CLI's Terminated) stops the runs at their next
+    layer, and its exception is raised here once every run's thread has ended: no run is left computing while the
     interpreter shuts down (a thread still inside torch's C++ code then is killed with an unwind that C++ turns
-    into abort(), "terminate called without an active exception"). It waits on its own condition, not with
-    Thread.join: CPython 3.11's join, interrupted, marks the thread as finished while it still runs, so that the
-    interpreter's exit no longer waits for it."""
+    into abort(), "terminate called without an active exception")."""
     lockstep, results = _Lockstep(len(jobs), progress), [None] * len(jobs)
 
     def work(index: int) -> None:
@@ -453,28 +454,57 @@ def run_in_lockstep(jobs, progress=None) -> list:
             lockstep.finish(index)
 
     threads = [threading.Thread(target=work, args=(index,), name=f"parity-run-{index}") for index in range(len(jobs))]
-    with _signals_held():  # a signal while a thread starts would leave it running, unknown to the wait below
-        for thread in threads:
-            thread.start()
-    try:
-        lockstep.wait_until_finished()
-    except BaseException:
-        lockstep.stop()
-        with _signals_held():  # a second Ctrl-C waits for the runs too; it is handled once they are done
+    with _signals_deferred(until_then=lockstep.stop):
+        with _signals_blocked():  # inherited by the runs' threads: the OS hands a signal to this one
+            for thread in threads:
+                thread.start()
+        try:
             lockstep.wait_until_finished()
-            for thread in threads:  # past their last layer; joined so that none is alive when the error goes on
+        finally:  # what a handler that could not be deferred raised stops the runs too
+            lockstep.stop()
+            lockstep.wait_until_finished()
+            for thread in threads:
                 thread.join()
-        raise
-    for thread in threads:
-        thread.join()  # finished: returns at once
     return results
 
 
 @contextlib.contextmanager
-def _signals_held() -> Iterator[None]:
-    """SIGINT and SIGTERM held pending (in this thread, and in threads it starts) while open; delivered after."""
+def _signals_deferred(until_then) -> Iterator[None]:
+    """While open, a SIGINT or SIGTERM whose handler is Python's (Ctrl-C's KeyboardInterrupt, the CLI's Terminated)
+    only calls until_then() and is remembered; on closing, the handlers are put back and the first one remembered
+    is handled, raising its exception there. Deferred in Python rather than blocked by the OS: the OS may hand a
+    signal to any thread that does not block it (torch's worker threads), and Python then runs its handler in the
+    main thread at the next bytecode, wherever that is (it once was while the runs were being started, which left
+    them running). Only the main thread handles signals: elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received, closed, previous = [], [], {}
+
+    def defer(signum, frame):
+        if closed:  # its handler was not yet put back when the signal came: handled as that handler would
+            return previous[signum](signum, frame)
+        received.append(signum)
+        until_then()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        if callable(signal.getsignal(signum)):
+            previous[signum] = signal.signal(signum, defer)
+    try:
+        yield
+    finally:
+        closed.append(True)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if received:
+            previous[received[0]](received[0], None)
+
+
+@contextlib.contextmanager
+def _signals_blocked() -> Iterator[None]:
+    """SIGINT and SIGTERM blocked in this thread, and in the threads it starts, while open; delivered after."""
     held = {signal.SIGINT, signal.SIGTERM}
-    if not hasattr(signal, "pthread_sigmask"):  # not POSIX: nothing to hold
+    if not hasattr(signal, "pthread_sigmask"):  # not POSIX: nothing to block
         yield
         return
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, held)

@@ -8,6 +8,10 @@ lockstep's gate so that the official reference run, at its second layer, reports
 runs wait at their own gates) until the runs are told to stop. The child reports which parity threads are still
 alive when the CLI returns: none may be (a run left computing while the interpreter exits aborts the process,
 "terminate called without an active exception", exit -6).
+
+In process, a signal that arrives while streamed.run_in_lockstep is still starting the runs' threads (the race that
+the CI's 2 cores once hit) is reached deterministically by holding back the last thread's start until the first run
+has sent it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -139,3 +144,59 @@ def test_a_signal_while_the_parity_threads_run_stops_them_all_first(sig, source,
     process.send_signal(sig)
     out = assert_stopped_cleanly(process, sig, dst)
     assert json.loads(out.strip().splitlines()[-1]) == [], "parity threads were still running when the CLI returned"
+
+
+class _SignalledWhileStarting(threading.Thread):
+    """run_in_lockstep's thread class, patched: the last run's thread starts only after the first run has sent the
+    signal, so that it arrives while the main thread is still starting the runs (the moment the CI's 2 cores once
+    hit: the first run reached its second layer before the main thread got back from starting the second)."""
+
+    sent = threading.Event()
+
+    def start(self):
+        if self.name.endswith("-1"):
+            assert self.sent.wait(30), "the first run never sent its signal"
+        super().start()
+
+
+@pytest.fixture
+def cli_handlers():
+    """The handlers a CLI run has: Ctrl-C's KeyboardInterrupt, and SIGTERM raising Terminated (the CLI's own)."""
+    from conversion.__main__ import _sigterm_interrupts
+
+    with _sigterm_interrupts():
+        yield
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_the_runs_start_stops_and_joins_every_run_before_it_is_raised(sig, cli_handlers, monkeypatch):
+    """In process, deterministic: the first run sends sig to the process and then computes layer after layer; the
+    second starts only once it was sent. run_in_lockstep raises the signal's exception only after every run saw the
+    stop at its next layer and its thread ended; no run completes its 200 layers."""
+    from conversion import streamed
+
+    _SignalledWhileStarting.sent.clear()
+    monkeypatch.setattr(streamed.threading, "Thread", _SignalledWhileStarting)
+    ended = {}
+
+    def job(index: int):
+        def run(gate):
+            try:
+                for layer in range(200):
+                    gate()
+                    if index == 0 and layer == 0:
+                        os.kill(os.getpid(), sig)
+                        _SignalledWhileStarting.sent.set()
+                    time.sleep(0.01)
+            except streamed.RunsStopped:
+                ended[index] = "stopped"
+                raise
+            ended[index] = "completed"
+
+        return run
+
+    with pytest.raises(KeyboardInterrupt) as raised:
+        streamed.run_in_lockstep([job(0), job(1)])
+    assert (sig == signal.SIGTERM) == (type(raised.value).__name__ == "Terminated")
+    assert [t.name for t in threading.enumerate() if t.name.startswith("parity-run")] == []
+    assert ended == {0: "stopped", 1: "stopped"}
