@@ -93,8 +93,9 @@ PAUSE_BEFORE_SWAP = textwrap.dedent(
     real_swap = io_utils.swap_into_place
 
     def paused_swap(tmp, dst, **kwargs):
-        if Path(dst) in watched:
-            ready.write_text(str(tmp))
+        if Path(dst) in watched:  # written whole, then renamed: the parent never reads it half-written
+            ready.with_name(ready.name + ".part").write_text(str(tmp))
+            os.replace(ready.with_name(ready.name + ".part"), ready)
             time.sleep(300)
         return real_swap(tmp, dst, **kwargs)
 

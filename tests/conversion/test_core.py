@@ -537,7 +537,7 @@ def test_next_run_cleans_stale_temp_folders_and_restores_a_moved_aside_dst(tmp_p
 
 KILLED_WRITER = textwrap.dedent(
     """
-    import sys, time
+    import os, sys, time
     from pathlib import Path
     from conversion import atomic_output_dir, save_state_dict_safetensors
     import torch
@@ -546,7 +546,8 @@ KILLED_WRITER = textwrap.dedent(
     with atomic_output_dir(dst, force=True) as tmp:
         save_state_dict_safetensors({"w": torch.ones(1000)}, tmp / "model.safetensors")
         (tmp / "config.json").write_text("{")  # half-written
-        ready.write_text(str(tmp))
+        ready.with_name(ready.name + ".part").write_text(str(tmp))  # written whole, then renamed: never read half-written
+        os.replace(ready.with_name(ready.name + ".part"), ready)
         time.sleep(120)
     """
 )
@@ -560,7 +561,7 @@ def test_sigkill_mid_write_leaves_dst_as_it_was(tmp_path, dst_exists):
     env = {**os.environ, "PYTHONPATH": f"{REPO_ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     process = subprocess.Popen([sys.executable, "-c", KILLED_WRITER, str(dst), str(ready)], env=env)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 240  # a fresh interpreter imports torch first: 20 s and more on 2 busy cores
         while not ready.exists():
             assert process.poll() is None, f"writer exited early with {process.returncode}"
             assert time.monotonic() < deadline, "writer never signalled readiness"

@@ -37,7 +37,7 @@ MESSAGE = "error: interrupted ({name}); the destination was left as it was"
 pytestmark = pytest.mark.skipif(not Path("/proc/self/maps").is_file() or sys.platform == "win32",
                                 reason="needs POSIX signals and /proc")
 
-# The child: the CLI with the official run paused at its second layer until the runs are stopped (20 s at most);
+# The child: the CLI with the official run paused at its second layer until the runs are stopped (300 s at most);
 # argv: ready file, then the CLI's arguments. Prints the parity threads alive when main() returned.
 PAUSED_IN_PARITY = textwrap.dedent(
     """
@@ -57,7 +57,7 @@ PAUSED_IN_PARITY = textwrap.dedent(
             layers.append(None)
             if run == 0 and len(layers) == 2:
                 ready.write_text("in parity")
-                deadline = time.monotonic() + 20
+                deadline = time.monotonic() + 300
                 while not getattr(lockstep, "stopping", False) and time.monotonic() < deadline:
                     time.sleep(0.01)
             wait()
@@ -161,11 +161,16 @@ class _SignalledWhileStarting(threading.Thread):
 
 @pytest.fixture
 def cli_handlers():
-    """The handlers a CLI run has: Ctrl-C's KeyboardInterrupt, and SIGTERM raising Terminated (the CLI's own)."""
+    """The handlers a CLI run in a terminal has: Ctrl-C's KeyboardInterrupt (set here too: a suite started as a shell's
+    background job has SIGINT ignored), and SIGTERM raising Terminated (the CLI's own)."""
     from conversion.__main__ import _sigterm_interrupts
 
-    with _sigterm_interrupts():
-        yield
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with _sigterm_interrupts():
+            yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])

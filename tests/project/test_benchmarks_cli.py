@@ -129,12 +129,16 @@ def test_decode_step_profile_in_the_report(threads):
     threads(2)
     model = weight_first_model()
     shape = Shape(batch=1, seq=5, new_tokens=4)
-    for _ in range(3):  # a group's time is a long run's minus a short run's: machine noise can cancel it once
+
+    def found(steps: dict) -> bool:
+        return all(step["weight matmuls"] > 0 and step["attention kernel"] > 0 and step["wall"] > step["weight matmuls"]
+                   for step in steps.values())
+
+    for _ in range(6):  # a group's time is a long run's minus a short run's: a busy machine can cancel it in a run
         steps = run.profile_decode_step({"official": model, "hf_tiny": model}, shape, torch.device("cpu"))
-        if all(step["weight matmuls"] > 0 and step["attention kernel"] > 0 for step in steps.values()):
+        if found(steps):
             break
-    for step in steps.values():
-        assert step["weight matmuls"] > 0 and step["attention kernel"] > 0 and step["wall"] > step["weight matmuls"]
+    assert found(steps), steps
     arch = roofline.Arch.from_config(model.config, "causal")
     row = {"model": "tiny", "shape": shape.label(), "step_profile": steps, "step_profile_steps": run.PROFILED_STEPS,
            "step_weight_bytes": roofline.generate_bytes(arch, batch=1, prompt=0, new_tokens=1, bytes_per_value=4)}

@@ -274,7 +274,7 @@ def test_the_failure_log_names_each_failure_as_it_happens(tmp_path):
     env = dict(os.environ, HF_TINY_FAILURE_LOG=str(log), PYTHONPATH=str(REPO / "tests"))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider",
                            str(tmp_path / "test_two.py")], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120, check=False)
+                          timeout=300, check=False)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert gpu_report.failed_tests(log) == ["test_two.py::test_bad"]
     assert "planted" in log.read_text()
@@ -312,6 +312,7 @@ DRY_RUN_TARGETS = [
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)  # the script's budget < the child's timeout < pytest's: each limit names what ran over
 def test_dry_run_runs_every_kind_of_job_and_lists_every_target(tmp_path):
     """The script on the CPU, hf_tiny's side of every kind of job (the build, the eager rows, captured decode, the
     longest-sequence search; each a process of its own; the official side runs the same functions): every selected
@@ -320,8 +321,8 @@ def test_dry_run_runs_every_kind_of_job_and_lists_every_target(tmp_path):
     stages = "main-hf_tiny,captured-hf_tiny-1,longest-hf_tiny,longest-hf_tiny_fit,liger-paired"
     env = dict(os.environ, HF_TINY_BENCH_CACHE=str(tmp_path / "checkpoints"))
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--out", str(tmp_path),
-                           "--budget-s", "600", "--stages", stages], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=700, check=False)
+                           "--budget-s", "1200", "--stages", stages], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=1300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (page,), (data,) = tmp_path.glob("*-dry-run.md"), tmp_path.glob("*-dry-run.json")
     results = json.loads(data.read_text())
