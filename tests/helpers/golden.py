@@ -208,26 +208,36 @@ def gradients(model, family: str) -> dict:
 
 
 def snapshot(family: str, *, paged: bool = True) -> dict:
-    """Everything pinned for one family: outputs of each input kind and one training step's gradients."""
-    from hf_tiny.runtime import disabled as keep_all_activations
-
+    """Everything pinned for one family: outputs of each input kind and one training step's gradients, computed on
+    one thread (the reduction order the snapshots were written with; the caller's thread count is put back)."""
+    threads = torch.get_num_threads()
     with torch.random.fork_rng():
         torch.set_num_threads(1)
-        model = build(family)
-        kind = _kind(family)
-        if kind == "causal":
-            outputs = _causal_outputs(model)
-            if paged and family in PAGED_FAMILIES:
-                outputs.update(_paged_tokens(model))
-        elif kind == "encoder":
-            outputs = _encoder_outputs(model)
-        else:
-            outputs = _seq2seq_outputs(model)
-        outputs.update(gradients(model, family))
-        with keep_all_activations():
-            reference = gradients(model, family)
-        outputs.update({f"keep_all.{key}": value for key, value in reference.items()})
+        try:
+            outputs = _outputs_and_gradients(family, paged=paged)
+        finally:
+            torch.set_num_threads(threads)
     return {key: value.detach().contiguous() for key, value in outputs.items()}
+
+
+def _outputs_and_gradients(family: str, *, paged: bool) -> dict:
+    from hf_tiny.runtime import disabled as keep_all_activations
+
+    model = build(family)
+    kind = _kind(family)
+    if kind == "causal":
+        outputs = _causal_outputs(model)
+        if paged and family in PAGED_FAMILIES:
+            outputs.update(_paged_tokens(model))
+    elif kind == "encoder":
+        outputs = _encoder_outputs(model)
+    else:
+        outputs = _seq2seq_outputs(model)
+    outputs.update(gradients(model, family))
+    with keep_all_activations():
+        reference = gradients(model, family)
+    outputs.update({f"keep_all.{key}": value for key, value in reference.items()})
+    return outputs
 
 
 def state_dict_keys(family: str) -> list[str]:
