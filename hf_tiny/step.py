@@ -252,6 +252,23 @@ def check_cache_matches(cache, *, batch_size: int, num_key_value_heads: int, hea
         )
 
 
+def check_static_cache_room(cache, past_length, query_length: int) -> None:
+    """A static cache's full-attention layers hold max_cache_len positions: an input that would write past them is
+    refused naming the sizes. (The cache's own write fails with an index error; on CUDA, with a device-side assert
+    that ends the process's use of the GPU.) Sliding-window layers keep their last window and take any length."""
+    for layer in getattr(cache, "layers", ()):
+        if getattr(layer, "is_sliding", True) or not isinstance(getattr(layer, "max_cache_len", None), int):
+            continue
+        filled = int(past_length)
+        if filled + query_length > layer.max_cache_len:
+            raise ValueError(
+                f"the static cache holds {layer.max_cache_len} positions (max_cache_len), {filled} of them filled, "
+                f"and this input adds {query_length}: {filled + query_length} do not fit. Pass a StaticCache with "
+                f"max_cache_len >= {filled + query_length}, or a DynamicCache"
+            )
+        return
+
+
 def check_positions(position_ids, batch_size: int, query_length: int) -> torch.Tensor:
     """position_ids: integers, [query_length] or [1 | batch, query_length], never negative. Rotary positions have
     no upper limit (the rotation exists for any position; scaled rope types exist to run past the trained length)."""
@@ -344,6 +361,8 @@ def prepare_causal_step(model, input_ids, inputs_embeds, attention_mask, positio
         return _paged_step(model, attention_mask, position_ids, paged_cache, flags, extras)
     cache = _cache_to_fill(model, cache, use_cache, batch_size)
     past_length = cache.get_seq_length() if cache is not None else 0
+    if cache is not None and cache.is_compileable and not is_compiling():
+        check_static_cache_room(cache, past_length, query_length)
     device = (input_ids if input_ids is not None else inputs_embeds).device
     shape = CausalShape(batch_size, query_length, past_length, device)
     if is_block_mask(attention_mask):

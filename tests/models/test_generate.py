@@ -280,6 +280,35 @@ def test_static_cache_generate_builds_no_transformers_masks_on_the_host():
     assert frames["ours"]["sdpa_mask"] == 0 and frames["ours"]["create_causal_mask"] == 0
 
 
+def test_a_static_cache_too_small_for_the_input_is_refused_naming_the_sizes():
+    """An input that would write past a static cache's full-attention layers: official Llama fails inside the cache's
+    write (IndexError; on CUDA a device-side assert), hf_tiny refuses it first, naming max_cache_len, the filled
+    positions and the input's, with use_cache=False too. An input that fills the cache exactly is taken and gives the
+    logits of a run without a cache; sliding-window layers, which keep their last window, take a longer input as
+    official's do."""
+    official = tiny_official("llama")
+    ours = ours_from(official)
+    ids = torch.randint(0, official.config.vocab_size, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        with pytest.raises(IndexError):
+            official(ids, past_key_values=StaticCache(config=official.config, max_cache_len=8))
+        for use_cache in (True, False):
+            with pytest.raises(ValueError, match=r"holds 8 positions \(max_cache_len\), 0 of them filled, and this "
+                                                 r"input adds 10: 10 do not fit.*max_cache_len >= 10"):
+                ours(ids, past_key_values=StaticCache(config=ours.config, max_cache_len=8), use_cache=use_cache)
+        cache = StaticCache(config=ours.config, max_cache_len=10)
+        ours(ids[:, :6], past_key_values=cache)
+        with pytest.raises(ValueError, match=r"holds 10 positions \(max_cache_len\), 6 of them filled, and this "
+                                             r"input adds 5: 11 do not fit"):
+            ours(ids[:, :5], past_key_values=cache)
+        assert max_diff(ours(ids[:, 6:], past_key_values=cache).logits, ours(ids).logits[:, 6:]) < 1e-5
+
+        sliding = tiny_official("mistral", sliding_window=4)
+        logits = [model(ids, past_key_values=StaticCache(config=model.config, max_cache_len=8)).logits
+                  for model in (sliding, ours_from(sliding))]
+        assert max_diff(*logits) < 1e-5
+
+
 def test_a_static_cache_forward_reads_a_wider_mask_as_transformers_does():
     """What masks_for_generate hands on, given directly: with a static cache a padding mask wider than the tokens is
     read as official Llama reads it, column c as position c, whatever the columns after the newest token (the
