@@ -260,6 +260,13 @@ class MtpCausalLMOutput(MoeCausalLMOutputWithPast):
     mtp_loss: Optional[torch.FloatTensor] = None
 
 
+def longrope_switch(config: TinyCausalConfig) -> Optional[int]:
+    """longrope (Phi-3): the length past which generation recomputes its cache (prepare_inputs_for_generation), read
+    once from the config, as the rotary module reads its parameters; None for every other rope type."""
+    rope = config.rope_parameters_for("full_attention")
+    return rope["original_max_position_embeddings"] if rope["rope_type"] == "longrope" else None
+
+
 class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
     _tp_plan = {"lm_head": "colwise_gather_output"}
@@ -273,11 +280,15 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         depth = config.mtp_depth()
         blocks = (TinyCausalDecoderLayer(config, config.num_hidden_layers + k) for k in range(depth))
         self.mtp = nn.ModuleList(MtpLayer(config, block) for block in blocks) if depth else None
-        # longrope (Phi-3): the length past which generation recomputes its cache (prepare_inputs_for_generation),
-        # read once from the config, as the rotary module reads its parameters
-        rope = config.rope_parameters_for("full_attention")
-        self._longrope_switch = rope["original_max_position_embeddings"] if rope["rope_type"] == "longrope" else None
+        self._longrope_switch = longrope_switch(config)
         self.post_init()
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickling (torch.save of the whole model, copy.deepcopy): a model pickled before the longrope switch was
+        kept on the instance gets it from its config."""
+        super().__setstate__(state)
+        if "_longrope_switch" not in self.__dict__:
+            self._longrope_switch = longrope_switch(self.config)
 
     def get_output_embeddings(self) -> nn.Linear:
         return self.lm_head

@@ -83,6 +83,31 @@ def test_parity_generation_and_bit_exact_reverse(variant, tmp_path):
     assert back.config.rope_parameters == official.config.rope_parameters
 
 
+def test_a_model_pickled_before_it_kept_the_longrope_switch_generates_as_official(tmp_path):
+    """torch.save of a whole model (or copy.deepcopy) pickles its instance attributes: one pickled before hf_tiny
+    kept the longrope switch on the instance has none, and gets it from its config when unpickled; it then switches
+    to the long factors where official does. Without the switch it generated nothing (AttributeError)."""
+    import pickle
+
+    official = tiny_phi3(**LONGROPE)
+    dst, _ = convert(official, tmp_path)
+    ours = AutoModelForCausalLM.from_pretrained(dst).eval()
+    older = ours.__reduce_ex__(pickle.HIGHEST_PROTOCOL)
+    del older[2]["_longrope_switch"]  # the instance state as pickled before the switch was kept
+    restored = older[0](*older[1])
+    restored.__setstate__(older[2])
+    assert restored._longrope_switch == official.config.original_max_position_embeddings == 16
+    assert pickle.loads(pickle.dumps(restored))._longrope_switch == 16
+    short = left_padded_batch(official.config.vocab_size, lengths=(9, 6, 3), seed=1)
+    settings = dict(attention_mask=short["attention_mask"], **GENERATE)
+    ours_tokens, official_tokens = (model.generate(short["input_ids"], **settings) for model in (restored, official))
+    switch = official.config.original_max_position_embeddings + 1
+    if official_switch_keeps_the_sequence():
+        assert torch.equal(ours_tokens, official_tokens)
+    else:
+        assert torch.equal(ours_tokens[:, :switch], official_tokens[:, :switch])
+
+
 @pytest.mark.parametrize(
     "variant, perturbation",
     [
