@@ -136,7 +136,7 @@ class LayerOutputs(contextlib.AbstractContextManager):
 
         record.records_outputs = True  # the runtime's recompute may replay a layer holding it (removed by then)
         self._handles = getattr(self, "_handles", [])
-        self._handles += [module.register_forward_hook(record) for module in modules]
+        self._handles += _registered_outside_the_graph(modules, record)
         return found
 
     def add_hidden(self, hidden_states: torch.Tensor) -> None:
@@ -149,6 +149,15 @@ class LayerOutputs(contextlib.AbstractContextManager):
         for name in ("attentions", "cross_attentions", "router_logits"):
             if getattr(self, name) is not None:
                 setattr(self, name, tuple(getattr(self, name)))
+
+
+@torch.compiler.disable(reason=(
+    "output_attentions / output_router_logits record layer outputs with forward hooks registered for that forward, "
+    "which torch.compile(fullgraph=True) cannot do; compile with fullgraph=False (transformers' CompileConfig "
+    "default: the hooks are registered between graphs), or ask for these outputs from an uncompiled forward"))
+def _registered_outside_the_graph(modules, hook) -> list:
+    """The hook on each module; under torch.compile a graph break (in a fullgraph compile, an error giving the reason)."""
+    return [module.register_forward_hook(hook) for module in modules]
 
 
 def format_output(output: ModelOutput, return_dict: bool) -> Union[ModelOutput, tuple]:

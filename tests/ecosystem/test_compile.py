@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_tiny  # noqa: F401  (registers the Auto classes)
 from causal_helpers import tiny_official
+from runtime_models import causal_model
 from conversion import llama
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -76,6 +77,32 @@ def test_a_packed_training_forward_compiles_in_one_graph(folder, boundaries):
     assert relative_gap(compiled, eager) <= TOLERANCE
     # negative control: one packed row read as one sequence attends across the boundaries
     assert relative_gap(model(input_ids=ids, labels=ids).loss, eager) > 1e-3
+
+
+@pytest.mark.parametrize("requested", ["attentions", "router_logits"])
+def test_outputs_recorded_by_hooks_compile_without_fullgraph_and_fullgraph_says_why_not(folder, requested):
+    """output_attentions and output_router_logits are recorded by forward hooks registered for that forward. With
+    fullgraph=False (CompileConfig's default) they come back equal to eager's; fullgraph=True cannot register them
+    and says so (before: dynamo's "setattr() on unsupported type" from inside torch.utils.hooks)."""
+    if requested == "attentions":
+        model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+        ask = dict(output_attentions=True)
+    else:
+        model = causal_model("mixtral")
+        ask = dict(output_router_logits=True)
+    ids = batch(6)
+    with torch.no_grad():
+        eager = getattr(model(ids, **ask), requested)
+        torch._dynamo.reset()
+        compiled = getattr(torch.compile(model, fullgraph=False, backend="eager")(ids, **ask), requested)
+        assert len(compiled) == len(eager) == model.config.num_hidden_layers
+        for got, want in zip(compiled, eager):
+            assert relative_gap(got, want) <= TOLERANCE
+        # negative control: another batch's outputs differ
+        assert relative_gap(getattr(model(batch(6, seed=1), **ask), requested)[0], eager[0]) > 1e-3
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=r"forward hooks .*fullgraph=True\) cannot do; compile with fullgraph=False"):
+            torch.compile(model, fullgraph=True, backend="eager")(ids, **ask)
 
 
 def test_strict_export_of_a_training_forward_with_grad_enabled(folder):
