@@ -121,7 +121,9 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
 
     def _check_inputs(self, input_ids, inputs_embeds, attention_mask, token_type_ids, position_ids) -> tuple[int, int]:
         config = self.config
-        shape = check_token_inputs(config, input_ids, inputs_embeds)
+        # inputs_embeds are what get_input_embeddings() gives: embedding_size wide where that is narrower (ELECTRA, ALBERT)
+        width = "hidden_size" if config.embedding_size == config.hidden_size else "embedding_size"
+        shape = check_token_inputs(config, input_ids, inputs_embeds, embedding_width=width)
         if self.embed_positions is None:  # rotary positions exist for any position, as in official ModernBERT
             if position_ids is not None:
                 check_positions(position_ids, *shape)
@@ -285,11 +287,17 @@ class TinyEncoderForPreTrainingOutput(ModelOutput):
     hidden_states: Optional[tuple[torch.Tensor, ...]] = None
     attentions: Optional[tuple[torch.Tensor, ...]] = None
 
+    @property
+    def sop_logits(self) -> Optional[torch.Tensor]:
+        """ALBERT's name for the same head's logits (its sentence-order head: 0 = in order, 1 = swapped)."""
+        return self.seq_relationship_logits
+
 
 class TinyEncoderForPreTraining(_WithMaskedLMHead, TinyEncoderPreTrainedModel):
     """BERT's pretraining model: the MLM head on every token and the next-sentence head on the pooled output
-    (ALBERT's sentence-order head is the same linear layer, after next_sentence_dropout; its labels go to
-    next_sentence_label). The loss (when both labels and next_sentence_label are given) is the sum of the two
+    (ALBERT's sentence-order head is the same linear layer, after next_sentence_dropout; its labels come as
+    next_sentence_label or, as official ALBERT names them, sentence_order_label, and its logits are also the
+    output's sop_logits). The loss (when both labels and next_sentence_label are given) is the sum of the two
     cross-entropies."""
 
     def __init__(self, config: TinyEncoderConfig):
@@ -302,9 +310,14 @@ class TinyEncoderForPreTraining(_WithMaskedLMHead, TinyEncoderPreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 labels: Optional[torch.Tensor] = None, next_sentence_label: Optional[torch.Tensor] = None,
-                output_attentions=None, output_hidden_states=None, return_dict=None):
+                output_attentions=None, output_hidden_states=None, return_dict=None,
+                sentence_order_label: Optional[torch.Tensor] = None):
         """labels: [batch, seq] masked-LM targets (-100 = not masked); next_sentence_label: [batch], 0 = the second
-        segment follows the first, 1 = random."""
+        segment follows the first, 1 = random (ALBERT: sentence_order_label, 0 = in order, 1 = swapped)."""
+        if sentence_order_label is not None:
+            if next_sentence_label is not None:
+                raise ValueError("pass next_sentence_label or sentence_order_label (ALBERT's name for it), not both")
+            next_sentence_label = sentence_order_label
         outputs = self._encode(
             input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions, output_hidden_states
         )

@@ -185,31 +185,35 @@ def check_input_ids(input_ids: torch.Tensor, *, vocab_size: int, field: str = "i
         raise ValueError(f"{field} contains token id {low if low < 0 else high}, outside the vocabulary [0, {vocab_size})")
 
 
-def check_inputs_embeds(inputs_embeds, *, hidden_size: int, field: str = "inputs_embeds") -> None:
-    """Floating-point [batch, sequence, hidden_size] embeddings with at least one example and one position."""
+def check_inputs_embeds(inputs_embeds, *, width: int, width_name: str = "hidden_size",
+                        field: str = "inputs_embeds") -> None:
+    """Floating-point [batch, sequence, width] embeddings with at least one example and one position; width_name
+    says which config field the width is (embedding_size where the embeddings are projected to hidden_size)."""
     if not isinstance(inputs_embeds, torch.Tensor):
-        raise TypeError(f"{field} must be a torch.Tensor [batch, sequence, hidden_size], got {type(inputs_embeds).__name__}")
+        raise TypeError(f"{field} must be a torch.Tensor [batch, sequence, {width_name}={width}], got {type(inputs_embeds).__name__}")
     if not inputs_embeds.is_floating_point():
         raise TypeError(
-            f"{field} must be floating-point embeddings [batch, sequence, hidden_size={hidden_size}], got dtype "
+            f"{field} must be floating-point embeddings [batch, sequence, {width_name}={width}], got dtype "
             f"{inputs_embeds.dtype} (token ids go in input_ids)"
         )
-    if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != hidden_size or 0 in inputs_embeds.shape[:2]:
+    if inputs_embeds.dim() != 3 or inputs_embeds.shape[-1] != width or 0 in inputs_embeds.shape[:2]:
         raise ValueError(
             f"{field} has shape {tuple(inputs_embeds.shape)}, but {field} must be [batch, sequence, "
-            f"hidden_size={hidden_size}]"
+            f"{width_name}={width}]"
         )
 
 
 def check_token_inputs(config, input_ids: Optional[torch.Tensor], inputs_embeds: Optional[torch.Tensor], *,
-                       names: tuple[str, str] = ("input_ids", "inputs_embeds")) -> tuple[int, int]:
-    """Exactly one of ids / embeddings, checked; returns (batch, seq_len)."""
+                       names: tuple[str, str] = ("input_ids", "inputs_embeds"),
+                       embedding_width: str = "hidden_size") -> tuple[int, int]:
+    """Exactly one of ids / embeddings, checked; returns (batch, seq_len). embedding_width: the config field that
+    inputs_embeds' width must equal (the width of get_input_embeddings()'s vectors)."""
     if (input_ids is None) == (inputs_embeds is None):
         raise ValueError(f"pass exactly one of {names[0]} or {names[1]}")
     if input_ids is not None:
         check_input_ids(input_ids, vocab_size=config.vocab_size, field=names[0])
         return tuple(input_ids.shape[:2])
-    check_inputs_embeds(inputs_embeds, hidden_size=config.hidden_size, field=names[1])
+    check_inputs_embeds(inputs_embeds, width=getattr(config, embedding_width), width_name=embedding_width, field=names[1])
     return tuple(inputs_embeds.shape[:2])
 
 

@@ -452,6 +452,32 @@ def test_electra_parity(architecture, heads, layers, intermediate, hidden, embed
         assert_parity(official, ours, padded_batch(), backend)
 
 
+@pytest.mark.parametrize("family", ["electra", "albert"])
+def test_factorized_embeddings_take_inputs_embeds_of_the_embedding_width(family, tmp_path):
+    """ELECTRA (embedding_size != hidden_size) and ALBERT: inputs_embeds are what get_input_embeddings() gives,
+    embedding_size wide (projected to hidden_size after the embeddings' norm), as official takes them. Before, the
+    check asked for hidden_size and refused them."""
+    official = official_electra("ElectraModel") if family == "electra" else official_albert("AlbertModel")
+    conversion = electra_conversion if family == "electra" else albert_conversion
+    conversion.convert(save(official, tmp_path / "src"), tmp_path / "dst")
+    ours = AutoModel.from_pretrained(tmp_path / "dst").eval()
+    batch = padded_batch()
+    ids = batch.pop("input_ids")
+    with torch.no_grad():
+        expected = official(inputs_embeds=official.get_input_embeddings()(ids), **batch).last_hidden_state
+        embeds = ours.get_input_embeddings()(ids)
+        assert embeds.shape[-1] == ours.config.embedding_size == 16 != ours.config.hidden_size
+        got = ours(inputs_embeds=embeds, **batch).last_hidden_state
+        real = batch["attention_mask"].bool()
+        assert relative_error(got[real], expected[real]) <= parity_bound(official, padded_batch())
+        # negative control: other tokens' embeddings
+        other = ours(inputs_embeds=ours.get_input_embeddings()(ids.flip(-1)), **batch).last_hidden_state
+        assert relative_error(other[real], expected[real]) > 1e-2
+        with pytest.raises(ValueError, match=r"inputs_embeds has shape \(3, \d+, 32\), but inputs_embeds must be "
+                                             r"\[batch, sequence, embedding_size=16\]"):
+            ours(inputs_embeds=torch.randn(*ids.shape, 32), **batch)
+
+
 def test_electra_discriminator_loss_matches_official_and_negative_control(tmp_path):
     official = official_electra("ElectraForPreTraining")
     electra_conversion.convert(save(official, tmp_path / "src"), tmp_path / "dst")
@@ -546,6 +572,16 @@ def test_albert_sentence_order_loss_and_dropout_match_official(tmp_path):
     got = ours(**batch, labels=labels, next_sentence_label=order)
     torch.testing.assert_close(got.seq_relationship_logits, expected.sop_logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.loss, expected.loss, rtol=1e-5, atol=1e-5)
+    # official ALBERT's names: sentence_order_label in, sop_logits out
+    torch.manual_seed(7)
+    named = ours(**batch, labels=labels, sentence_order_label=order)
+    torch.testing.assert_close(named.sop_logits, expected.sop_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(named.loss, expected.loss, rtol=1e-5, atol=1e-5)
+    torch.manual_seed(7)
+    swapped = ours(**batch, labels=labels, sentence_order_label=1 - order)  # negative control
+    assert abs(float(swapped.loss) - float(expected.loss)) > 1e-3
+    with pytest.raises(ValueError, match="pass next_sentence_label or sentence_order_label"):
+        ours(**batch, labels=labels, sentence_order_label=order, next_sentence_label=order)
 
 
 def test_albert_negative_control_unshared_schedule_is_rejected(tmp_path):
