@@ -133,6 +133,35 @@ def _normalise_source(state: dict, *, src, shared: bool, tied_head: bool) -> dic
     return state
 
 
+def _with_model_prefix(state: LazyTensors, *, src, model_type: str) -> tuple[LazyTensors, list[str]]:
+    """A bare BartModel / MarianModel stores its tensors without the `model.` prefix and has no LM head: read as
+    the ForConditionalGeneration class reads it (transformers' AutoModelForSeq2SeqLM does the same), with the head
+    tied to the embeddings and a zero final_logits_bias."""
+    if any(key.startswith("model.") for key in state) or not any(key.startswith(("shared.", "encoder.", "decoder."))
+                                                                  for key in state):
+        return state, []
+    bare = {"bart": "BartModel", "marian": "MarianModel"}[model_type]
+    note = (f"The checkpoint is a bare `{bare}` (no `model.` prefix, no LM head): converted as "
+            f"`{OFFICIAL_CLASSES[model_type]}` loads it, with the head tied to the embeddings and a zero final_logits_bias")
+    return state.renamed(lambda key: "model." + key), [note]
+
+
+def _check_untied_tables(state: LazyTensors, *, src, official) -> None:
+    """With tie_word_embeddings=False transformers 5 keeps BART's model.shared, encoder and decoder tables apart;
+    hf_tiny's encoder reads `shared`, so a table that differs from it has nowhere to go."""
+    if getattr(official, "tie_word_embeddings", True) or "model.shared.weight" not in state:
+        return
+    shared = state["model.shared.weight"]
+    differing = [key for key in ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight")
+                 if key in state and (state.info(key).shape != shared.shape or not torch.equal(state[key], shared))]
+    if differing:
+        raise ConversionError(
+            f"{src}: tie_word_embeddings=False and {', '.join(differing)} differ from model.shared.weight: this "
+            "checkpoint keeps separate embedding tables, which transformers 5 reads apart; hf_tiny's seq2seq model "
+            "has one table shared by the encoder and the decoder, so it cannot hold this checkpoint"
+        )
+
+
 class BartFamily(Seq2SeqFamily):
     name = "bart"
     model_types = tuple(OFFICIAL_CLASSES)
@@ -143,6 +172,9 @@ class BartFamily(Seq2SeqFamily):
         official = official_config(source.raw_config, src=src)
         model_type = official.model_type
         shared = bool(getattr(official, "share_encoder_decoder_embeddings", True))
+        state, notes = _with_model_prefix(LazyTensors.of(state), src=src, model_type=model_type)
+        if shared:
+            _check_untied_tables(state, src=src, official=official)
         tied_head = stores_tied_copy(state, "model.shared.weight" if shared else "model.decoder.embed_tokens.weight",
                                      "lm_head.weight")
         if not tied_head and "lm_head.weight" not in state:
@@ -152,7 +184,7 @@ class BartFamily(Seq2SeqFamily):
         mapping = key_map(model_type=model_type, tied_head=tied_head, shared_embeddings=shared)
         source.description = f"the official `{OFFICIAL_CLASSES[model_type]}` checkpoint `{src.resolve().name}`"
         return Plan(config, "TinySeq2SeqForConditionalGeneration", OFFICIAL_CLASSES[model_type], mapping,
-                    stack_depths(config), state, official_config=official)
+                    stack_depths(config), state, official_config=official, notes=notes)
 
     def reverse(self, config, our_class: str, src: Path) -> ReversePlan:
         if config.position_embedding_type == "relative":

@@ -168,6 +168,44 @@ def test_bart_untied_head_parity(tmp_path):
     assert real_logit_diff(ours, official, padded_batch(ours.config)) <= TOLERANCE
 
 
+@pytest.mark.parametrize("bare", ["BartModel", "MarianModel"])
+def test_a_bare_base_model_converts_as_auto_seq2seq_lm_loads_it(bare, tmp_path):
+    """A bare BartModel / MarianModel folder stores its tensors without the `model.` prefix and has no LM head;
+    official AutoModelForSeq2SeqLM loads it as the ForConditionalGeneration class with the head tied to the
+    embeddings. Before, the converter said "missing tensor model.shared.weight"."""
+    import transformers
+
+    make = make_official_marian if bare == "MarianModel" else make_official_bart
+    full = AutoModelForSeq2SeqLM.from_pretrained(make(tmp_path / "full", seed=5)).eval()
+    base = getattr(transformers, bare)(full.config)
+    base.load_state_dict(full.model.state_dict())
+    base.save_pretrained(tmp_path / "bare")
+    assert not any(key.startswith("model.") for key in load_file(tmp_path / "bare" / "model.safetensors"))
+    result = bart.convert(tmp_path / "bare", tmp_path / "ours")
+    official = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "bare").eval()
+    ours = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "ours").eval()
+    batch = padded_batch(ours.config)
+    assert real_logit_diff(ours, official, batch) <= TOLERANCE
+    assert all(row["max_abs_diff"] <= row["tolerance"] for row in result["parity"])
+    assert f"bare `{bare}` (no `model.` prefix, no LM head)" in (tmp_path / "ours" / "README.md").read_text()
+    # negative control: one weight changed (the last encoder layer's output projection zeroed)
+    with torch.no_grad():
+        ours.model.encoder.layers[-1].self_attn.o_proj.weight.zero_()
+    assert real_logit_diff(ours, official, batch) > 1e-3
+
+
+def test_bart_with_separate_embedding_tables_is_refused_naming_them(tmp_path):
+    """tie_word_embeddings=False: transformers 5 keeps BART's shared, encoder and decoder tables apart; hf_tiny has
+    one table for both stacks, so the converter refuses, naming the tables (before: "... but they are tied")."""
+    src = make_official_bart(tmp_path / "official", seed=2, tie_word_embeddings=False)
+    official = BartForConditionalGeneration.from_pretrained(src)
+    assert not torch.equal(official.model.encoder.embed_tokens.weight, official.model.shared.weight)
+    with pytest.raises(ConversionError, match=r"tie_word_embeddings=False and model\.encoder\.embed_tokens\.weight, "
+                                              r"model\.decoder\.embed_tokens\.weight differ from model\.shared\.weight"):
+        bart.convert(src, tmp_path / "ours")
+    assert not (tmp_path / "ours").exists()
+
+
 def test_marian_sinusoidal_positions_match_official(tmp_path):
     src = make_official_marian(tmp_path / "marian")
     dst = tmp_path / "ours"
