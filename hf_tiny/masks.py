@@ -113,14 +113,21 @@ def unhidden(mask: torch.Tensor, hidden: torch.Tensor, dtype: Optional[torch.dty
 _MASKED_AT_OR_BELOW = -1e4
 
 
-def ready_4d_mask(attention_mask: torch.Tensor, *, query_length: int, key_length: int) -> torch.Tensor:
+def ready_4d_mask(attention_mask: torch.Tensor, *, query_length: int, key_length: int,
+                  one_row_for_all_queries: bool = False) -> torch.Tensor:
     """A caller's 4-D mask: bool (True = attend) as it is, float additive (0 = attend, large negative = masked,
-    e.g. transformers' eager masks) as a bool, integer 1/0 as a bool."""
-    if attention_mask.dim() != 4 or attention_mask.shape[-2:] != (query_length, key_length):
+    e.g. transformers' eager masks) as a bool, integer 1/0 as a bool. one_row_for_all_queries (attention without
+    causality): a [batch, 1, 1, keys] mask, the extended mask of BERT-era code (get_extended_attention_mask), is
+    taken for every query, as official encoders broadcast it."""
+    rows = (query_length, 1) if one_row_for_all_queries else (query_length,)
+    if attention_mask.dim() != 4 or attention_mask.shape[-1] != key_length or attention_mask.shape[-2] not in rows:
+        expected = f"[batch, 1, {query_length}, {key_length}]" + (f" or [batch, 1, 1, {key_length}]" if len(rows) > 1 else "")
         raise ValueError(
             f"attention_mask of shape {tuple(attention_mask.shape)} does not match {query_length} queries and "
-            f"{key_length} keys; expected [batch, 1, {query_length}, {key_length}]"
+            f"{key_length} keys; expected {expected}"
         )
+    if attention_mask.shape[-2] != query_length:
+        attention_mask = attention_mask.expand(*attention_mask.shape[:2], query_length, key_length)
     if attention_mask.dtype == torch.bool:
         return attention_mask
     if attention_mask.is_floating_point():
@@ -143,7 +150,9 @@ def self_attention_mask(attention_mask, *, batch_size: int, query_length: int, k
     attention_mask None, 2-D [B, key_length] 1/0, or a ready 4-D mask; a query sees the last sliding_window keys."""
     _check_self_attention(attention_mask, batch_size, query_length, key_length, causal, sliding_window)
     if attention_mask is not None and attention_mask.dim() == 4:
-        return AttentionMask(ready_4d_mask(attention_mask, query_length=query_length, key_length=key_length), causal)
+        ready = ready_4d_mask(attention_mask, query_length=query_length, key_length=key_length,
+                              one_row_for_all_queries=not causal)
+        return AttentionMask(ready, causal)
     return _self_attention(attention_mask, batch_size, query_length, key_length, causal, sliding_window, device)
 
 
@@ -224,7 +233,9 @@ def cross_attention_mask(encoder_attention_mask, *, query_length: int) -> Attent
         return AttentionMask(None, False)
     if encoder_attention_mask.dim() == 4:
         key_length = encoder_attention_mask.shape[-1]
-        return AttentionMask(ready_4d_mask(encoder_attention_mask, query_length=query_length, key_length=key_length), False)
+        ready = ready_4d_mask(encoder_attention_mask, query_length=query_length, key_length=key_length,
+                              one_row_for_all_queries=True)
+        return AttentionMask(ready, False)
     if encoder_attention_mask.dim() != 2:
         raise ValueError(
             f"encoder_attention_mask must be 2-D [batch, encoder_length]; got shape {tuple(encoder_attention_mask.shape)}"

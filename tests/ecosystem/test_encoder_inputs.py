@@ -84,3 +84,23 @@ def test_bad_one_dimensional_token_type_ids_are_named(bert_pair, types, message)
     batch.pop("token_type_ids")
     with pytest.raises(ValueError, match=message):
         ours(**batch, token_type_ids=types)
+
+
+@pytest.mark.parametrize("kind", ["additive", "bool"])
+def test_an_extended_mask_with_one_row_for_every_query_is_read_as_official(bert_pair, kind):
+    """[batch, 1, 1, keys], what BERT-era code passes (get_extended_attention_mask: 0 / finfo.min): official
+    broadcasts it over the queries; so does hf_tiny (before: refused, asking for [batch, 1, queries, keys])."""
+    official, folder = bert_pair
+    ours = AutoModel.from_pretrained(folder).eval()
+    batch = bert_batch()
+    mask = batch.pop("attention_mask")
+    extended = {"additive": (1.0 - mask.float()) * torch.finfo(torch.float32).min, "bool": mask.bool()}[kind][:, None, None, :]
+    real = mask.bool()
+    with torch.no_grad():
+        expected = official(**batch, attention_mask=mask).last_hidden_state
+        got = ours(**batch, attention_mask=extended).last_hidden_state
+        unmasked = ours(**batch).last_hidden_state  # negative control: the padding keys seen
+    assert float((got - expected)[real].abs().max()) <= TOLERANCE * max(1.0, float(expected.abs().max()))
+    assert float((unmasked - expected)[real].abs().max()) > 1e-2
+    with pytest.raises(ValueError, match=r"expected \[batch, 1, 12, 12\] or \[batch, 1, 1, 12\]"):
+        ours(**batch, attention_mask=extended[..., :11])
