@@ -282,7 +282,34 @@ def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVED else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-_contexts = functools.partial(create_selective_checkpoint_contexts, _policy)
+def _contexts():
+    forward, recompute = create_selective_checkpoint_contexts(_policy)
+    return forward, _SecondBackwardNamed(recompute)
+
+
+class _SecondBackwardNamed(contextlib.AbstractContextManager):
+    """torch's recompute context (entered at each backward through the layer), whose error for a second backward
+    (retain_graph=True, or autograd.grad before backward, as adversarial training does) names the runtime and how
+    to turn it off."""
+
+    def __init__(self, recompute):
+        self.recompute = recompute
+
+    def __enter__(self):
+        return self.recompute.__enter__()
+
+    def __exit__(self, kind, error, traceback):
+        if self.recompute.__exit__(kind, error, traceback):
+            return True
+        if isinstance(error, RuntimeError) and "backward an extra time" in str(error):
+            raise RuntimeError(
+                "a second backward through a layer that hf_tiny's training recompute ran (on by default on the CPU: "
+                "it keeps a layer's matrix products and recomputes the rest once, in the first backward), e.g. "
+                "backward(retain_graph=True), or torch.autograd.grad(..., retain_graph=True) then backward. Turn the "
+                "recompute off for this model, model.set_runtime(recompute=False), or the whole runtime, "
+                "model.set_runtime(False)"
+            ) from error
+        return False
 # Set while a layer that draws random numbers runs in training: its feed-forward is recomputed alone.
 _parts_recomputed: contextvars.ContextVar = contextvars.ContextVar("hf_tiny_parts_recomputed", default=False)
 

@@ -177,6 +177,27 @@ def test_backward_recomputes_only_elementwise_work():
         assert counts["on"][product] == counts["off"][product], counts
 
 
+def test_a_second_backward_through_a_recomputed_layer_names_the_runtime_and_works_with_it_off():
+    """The recompute (on by default on the CPU) replays each layer once, in the first backward; a second backward
+    through the same forward (retain_graph=True, adversarial training's autograd.grad) gets an error naming the
+    runtime and how to turn it off, not only torch's "selective activation checkpoint" one. Off, both backwards run
+    and accumulate, as on official models."""
+    model = causal_model().train()
+    inputs = batch(model)
+    loss = model(**inputs).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"hf_tiny's training recompute .* model\.set_runtime\(recompute=False\)"):
+        loss.backward()
+    model.set_runtime(recompute=False).zero_grad()
+    loss = model(**inputs).loss
+    loss.backward(retain_graph=True)
+    once = {name: p.grad.clone() for name, p in model.named_parameters()}
+    loss.backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * once[name], rtol=1e-6, atol=1e-7, msg=name)
+    assert any(float(g.abs().max()) > 0 for g in once.values())
+
+
 def test_a_layer_with_dropout_recomputes_its_feed_forward_without_drawing_again():
     """Replaying a layer with dropout would draw its masks again (bernoulli_ costs more than the rest on a CPU): the
     layer keeps its activations, its feed-forward alone is replayed (the activation runs again, no mask is drawn)."""
