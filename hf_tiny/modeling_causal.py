@@ -328,6 +328,9 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         arguments of the loss: LOSS_KWARGS, HEAD_KWARGS; see _losses). logits_to_keep: logits of the last N
         positions only (0: all; generate passes 1), or of the given position indices."""
         head_kwargs = {k: kwargs.pop(k) for k in LOSS_KWARGS + HEAD_KWARGS if k in kwargs}
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        if not return_dict:  # a tuple is read by position: the logits keep theirs (no chunked loss without them)
+            head_kwargs.setdefault("skip_logits", False)
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
@@ -345,8 +348,7 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         if self.model.is_moe or self.mtp is not None:
             output_class = MtpCausalLMOutput if self.mtp is not None else MoeCausalLMOutputWithPast
             fields.update(self._routing(getattr(outputs, "router_logits", None), attention_mask, fields["loss"]))
-        return format_output(with_cache(output_class, cache_of(outputs), **fields),
-                             self.config.return_dict if return_dict is None else return_dict)
+        return format_output(with_cache(output_class, cache_of(outputs), **fields), return_dict)
 
     @runtime_products
     def _logits(self, hidden_states: torch.Tensor, logits_to_keep) -> torch.Tensor:

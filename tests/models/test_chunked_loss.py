@@ -194,6 +194,23 @@ def test_logits_are_returned_in_eval_and_when_asked(tmp_path):
         model(input_ids=ids, skip_logits=True)
 
 
+def test_a_tuple_output_keeps_the_logits_in_their_place(tmp_path):
+    """return_dict=False is read by position (`loss, logits = out[:2]`, as official's tuple gives them): the training
+    forward then returns the logits, not the chunked loss's None, which the tuple would drop, shifting what follows."""
+    official = tiny_official("llama")
+    model = ours_from(official, tmp_path).train()
+    official.train()
+    ids = torch.randint(3, 97, (2, 7), generator=torch.Generator().manual_seed(5))
+    by_name = model(input_ids=ids, labels=ids, output_hidden_states=True)
+    assert by_name.logits is None  # control: the same call read by name takes the chunked loss
+    loss, logits, hidden_states = model(input_ids=ids, labels=ids, output_hidden_states=True, return_dict=False)
+    expected_loss, expected_logits = official(input_ids=ids, labels=ids, return_dict=False)[:2]
+    assert relative(loss, by_name.loss) <= FP32_RELATIVE and relative(loss, expected_loss) <= FP32_RELATIVE
+    assert relative(logits, expected_logits) <= 1e-5
+    assert len(hidden_states) == model.config.num_hidden_layers + 1
+    assert relative(logits, model.eval()(input_ids=ids.flip(-1)).logits) > 1e-2  # negative control: other ids
+
+
 def test_a_wrapped_head_falls_back_to_full_logits(tmp_path):
     """PEFT (or quantization) replaces lm_head by a module whose own forward must run: no chunking then."""
     model = ours_from(tiny_official("llama"), tmp_path).train()
