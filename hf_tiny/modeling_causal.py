@@ -421,6 +421,15 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
             return super().generate(*args, **kwargs)
         return generate_with_mtp(self, *args, **kwargs)
 
+    def _get_static_cache_init_shape(self):
+        """(heads, head dimension) with which generate fills a static cache before the first forward (with
+        prefill_chunk_size), or None to leave the cache to its first write: MLA's cache holds a latent (keys
+        kv_lora_rank wide, values qk_rope_head_dim wide), which no (heads, head dimension) describes; official
+        leaves MLA models' caches to their first write too."""
+        if self.config.mla.in_use(self.config):
+            return None
+        return super()._get_static_cache_init_shape()
+
 
 class TinyCausalForSequenceClassification(TinyCausalPreTrainedModel):
     """Scores the last non-padding token of each sequence (the rightmost token != pad_token_id, as Llama does)."""

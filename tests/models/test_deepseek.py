@@ -99,6 +99,21 @@ def test_the_cache_holds_the_latent_not_keys_and_values(tmp_path):
     assert torch.allclose(layer.keys, official_cache.layers[0].keys, atol=1e-5)
 
 
+def test_a_static_cache_with_chunked_prefill_gives_officials_tokens(tmp_path):
+    """generate(cache_implementation="static", prefill_chunk_size=N) fills the static cache before the first forward
+    with transformers' (heads, head dimension); MLA's latent cache has none, so hf_tiny leaves it to the first write,
+    as official does for MLA models (before: "the cache ... holds keys of shape ... key/value heads 4 (expected 1)")."""
+    official = tiny_deepseek("mla_moe")
+    convert(official, tmp_path)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    ids = torch.randint(3, 97, (2, 11), generator=torch.Generator().manual_seed(2))
+    settings = dict(max_new_tokens=6, do_sample=False, cache_implementation="static", pad_token_id=0, eos_token_id=None)
+    expected = official.generate(ids, prefill_chunk_size=4, **settings)
+    assert torch.equal(expected, official.generate(ids, **settings))
+    assert torch.equal(ours.generate(ids, prefill_chunk_size=4, **settings), expected)
+    assert not torch.equal(ours.generate(ids.flip(-1), prefill_chunk_size=4, **settings)[:, 11:], expected[:, 11:])
+
+
 def test_negative_controls_interleaving_and_correction_bias(tmp_path):
     official = tiny_deepseek("mla_moe")
     convert(official, tmp_path)
