@@ -348,7 +348,11 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
         (decoder_start_token_id first) into decoder_input_ids. num_items_in_batch (given by Trainer under gradient
         accumulation): the loss is summed and divided by it instead of averaged over this batch.
         skip_logits: while training with labels the loss is computed a chunk of tokens at a time without the full
-        logits (chunked_loss.py) and `logits` is None; skip_logits=False returns the logits as usual."""
+        logits (chunked_loss.py) and `logits` is None; skip_logits=False (and a tuple output, return_dict=False)
+        returns the logits as usual."""
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        if not return_dict and skip_logits is None:  # a tuple is read by position: the logits keep theirs
+            skip_logits = False
         chunked = use_chunked_loss(skip_logits, labels, model=self, head=self.lm_head)
         if labels is not None:
             self._check_labels(labels, input_ids, inputs_embeds)
@@ -370,7 +374,7 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
             cross_attentions=outputs.cross_attentions, encoder_last_hidden_state=outputs.encoder_last_hidden_state,
             encoder_hidden_states=outputs.encoder_hidden_states, encoder_attentions=outputs.encoder_attentions,
         )
-        return format_output(output, self.config.return_dict if return_dict is None else return_dict)
+        return format_output(output, return_dict)
 
 __all__ = [
     "TinySeq2SeqForConditionalGeneration",

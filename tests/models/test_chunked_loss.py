@@ -248,3 +248,24 @@ def test_seq2seq_training_loss_and_grads_equal_official_bart(tmp_path):
             if name.endswith("k_proj.bias"):  # its true gradient is 0 (softmax ignores a per-query constant): noise
                 continue
             assert relative(produced_grads[name], plain_grads[name]) <= 1e-5, name
+
+
+def test_a_seq2seq_tuple_output_keeps_the_logits_in_their_place(tmp_path):
+    """BART trained with return_dict=False: (loss, logits, ...) as official's, not the chunked loss's None dropped."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    from conversion import bart
+    from bart_models import make_official_bart, padded_batch
+
+    src = make_official_bart(tmp_path / "official")
+    bart.convert(src, tmp_path / "ours")
+    official = AutoModelForSeq2SeqLM.from_pretrained(src).train()
+    ours = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "ours").train()
+    batch = padded_batch(official.config)
+    labels = batch.pop("decoder_input_ids").masked_fill(batch["decoder_attention_mask"] == 0, -100)
+    assert ours(**batch, labels=labels).logits is None  # control: read by name, the chunked loss
+    loss, logits = ours(**batch, labels=labels, return_dict=False)[:2]
+    expected_loss, expected_logits = official(**batch, labels=labels, return_dict=False)[:2]
+    assert relative(loss, expected_loss) <= FP32_RELATIVE
+    assert logits.shape == expected_logits.shape and relative(logits, expected_logits) <= 1e-5
+    assert relative(logits, ours(**batch, labels=labels.flip(-1), return_dict=False)[1]) > 1e-2  # negative control
