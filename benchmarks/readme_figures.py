@@ -3,7 +3,7 @@
     python -m benchmarks.readme_figures                 # the list, as a markdown table
     python -m benchmarks.readme_figures --check         # which pages no longer state what their results files hold
     python -m benchmarks.readme_figures --run cheap     # rerun the cheap ones (seconds, load-independent)
-    python -m benchmarks.readme_figures --run cpu       # rerun every CPU one, one after the other (~2.7 h)
+    python -m benchmarks.readme_figures --run cpu       # rerun every CPU one, one after the other (~3.9 h)
     python -m benchmarks.readme_figures --run few-rows,fusion [--dry-run]
 
 Each entry names the page that states its figures, a passage of that page next to them (the command, as a rule),
@@ -263,17 +263,19 @@ FIGURES = [
     Figure("reading-path", ARCHITECTURE, "python -m benchmarks.reading_path", "functions, lines and "
            "files a reader follows through one causal forward (the default, runtime on; --runtime off beside it)",
            "python -m benchmarks.reading_path", 0.5, "cheap", "reading-path-{date}.md",
-           quotes=quotes(ARCHITECTURE, "52 functions, 604 lines, 6 files") + quotes(README, "604 lines in 6 files")),
+           results=("reading-path-2026-11-29.md",),
+           quotes=quotes(ARCHITECTURE, "54 functions, 687 lines, 7 files")
+           + quotes(README, ("687 lines in 7 files", "687 lines, 7 files"))),
     Figure("host-work", SPEED, "python -m benchmarks.host_work", "Python calls of a prefill and a decoding step, "
            "official beside hf_tiny (cProfile)", "python -m benchmarks.host_work --models overhead --prompt 16 --repeats 3",
-           1, "cheap", results=("host-work-cpu-2026-11-28-evening.md", "host-work-cpu-2026-11-28.md",
+           1, "cheap", results=("host-work-cpu-2026-11-29.md", "host-work-cpu-2026-11-28.md",
                                 "host-work-cpu-2026-11-27-gpu-paths.md", "host-work-cpu-2026-11-27.md"),
-           quotes=quotes(SPEED, ("| prefill | 7,504 | 5,973 | 0.80 | 5,952 | 5,862 (0.78) |",
-                                 "| prefill | 7,504 | 5,973 | 0.80 | 5,952 | 5,862 (0.78) |"),
-                         ("| decode step | 5,774 | 5,277 | 0.91 | 5,277 | 5,277 (0.91) |",
-                          "| decode step | 5,774 | 5,277 | 0.91 | 5,277 | 5,277 (0.91) |"), ("5,334 calls (0.92)", "5,334"),
+           quotes=quotes(SPEED, ("| prefill | 7,504 | 5,978 | 0.80 | 5,957 | 5,867 (0.78) |",
+                                 "| prefill | 7,504 | 5,978 | 0.80 | 5,957 | 5,867 (0.78) |"),
+                         ("| decode step | 5,774 | 5,276 | 0.91 | 5,276 | 5,276 (0.91) |",
+                          "| decode step | 5,774 | 5,276 | 0.91 | 5,276 | 5,276 (0.91) |"), ("5,334 calls (0.92)", "5,334"),
                          ("5,714 calls (0.99x)", "5,714"), ("6,182 and 5,542", "6,182"))
-           + quotes(README, "5,973", "5,277", "7,504", "5,774", ("0.80×", "0.80"), ("0.91×", "0.91"))),
+           + quotes(README, "5,978", "5,276", "7,504", "5,774", ("0.80×", "0.80"), ("0.91×", "0.91"))),
     Figure("flash-kernel", SPEED, "python -m benchmarks.flash_kernel", "Triton FlashAttention TFLOP/s table (H100)",
            "python -m benchmarks.flash_kernel", 2, "cuda", results=("flash-kernel-nvidia-h100-80gb-hbm3-2026-11-23.md",),
            quotes=quotes(SPEED, ("398 / 311 (1.28) | 455", "398 (55%) | 311 (43%) | 455 (63%) | 1.28"),
@@ -319,7 +321,7 @@ HISTORICAL = [
     ("official train step 30.1-32.2 s over three runs", "a range over the earlier host's runs"),
     ("first compiled calls 135-164 s", "cpu-2026-11-23-decode-compiled.md, before the weight-first product"),
     ("CUDA test counts (126 passed, 22 skipped)", "the test suite on a GPU, not a benchmark"),
-    ("Gemma 3 270M conversion 3 min 17 s, 4.3 GB peak RSS", "`/usr/bin/time -v python -m conversion ...`, by hand"),
+    ("Gemma 3 270M conversion 4 min 00 s, 4.6 GB peak RSS", "`/usr/bin/time -v python -m conversion ...`, by hand"),
 ]
 
 
