@@ -277,6 +277,26 @@ class _Opened:
     names: dict[str, str]
 
 
+def _without_unit_rope_freqs(path: Path, tensors: list[GGUFTensor], names: dict) -> list[GGUFTensor]:
+    """llama.cpp stores Llama 3.1+'s RoPE scaling as per-frequency factors, `rope_freqs.weight`, which transformers
+    has no name for: it drops the tensor and computes RoPE unscaled. That is exact only where every factor is 1, so
+    such a tensor is dropped and any other is refused (the scaling is in the source HF folder's rope_parameters)."""
+    freqs = [t for t in tensors if t.name == "rope_freqs.weight" and t.name not in names]
+    if not freqs:
+        return tensors
+    from gguf import dequantize
+
+    factors = dequantize(freqs[0].data, freqs[0].tensor_type)
+    if (factors != 1).any():
+        raise ConversionError(
+            f"{path}: rope_freqs.weight holds llama.cpp's per-frequency RoPE scaling factors (Llama 3.1+ scaling, "
+            f"{float(factors.min()):g} .. {float(factors.max()):g}), which transformers' GGUF loader drops (its model "
+            "would compute RoPE unscaled); convert the source Hugging Face folder instead, whose config.json states "
+            "the scaling (rope_parameters)"
+        )
+    return [t for t in tensors if t is not freqs[0]]
+
+
 def _opened(path: Path, expected_architecture: str | tuple[str, ...]) -> _Opened:
     """The architecture and every tensor's quantization type checked, every GGUF tensor given a transformers name;
     nothing dequantized."""
@@ -297,6 +317,7 @@ def _opened(path: Path, expected_architecture: str | tuple[str, ...]) -> _Opened
         names = _gguf_to_transformers_names(model, processor, architecture, model.config.num_hidden_layers)
     except (ValueError, KeyError, NotImplementedError, OSError) as error:
         raise ConversionError(f"cannot read GGUF file {path}: {type(error).__name__}: {error}") from error
+    tensors = _without_unit_rope_freqs(path, tensors, names)
     unmapped = [t.name for t in tensors if t.name not in names]
     if unmapped:
         raise ConversionError(

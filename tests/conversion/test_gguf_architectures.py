@@ -85,6 +85,42 @@ def test_every_writable_quantization_dequantizes_as_official(quantization, tmp_p
     assert changed
 
 
+@pytest.mark.parametrize("factors", ["ones", "llama3_scaling"])
+def test_llamacpp_rope_freqs_converts_where_exact_and_is_refused_where_not(factors, tmp_path, monkeypatch):
+    """llama.cpp writes Llama 3.1+'s RoPE scaling as a `rope_freqs.weight` of per-frequency factors; transformers has
+    no name for it and drops it. All ones, that is exact: the file converts with official's logits. Other factors
+    would be lost (official computes RoPE unscaled): refused, naming the tensor (before: every such file refused as
+    a tensor with no transformers name)."""
+    import gguf
+    import numpy as np
+
+    head_dim = 8  # tiny_official: hidden 32 over 4 heads
+    values = np.ones(head_dim // 2, dtype=np.float32)
+    if factors == "llama3_scaling":
+        values[head_dim // 4:] = 8.0  # the low frequencies stretched by factor 8
+    write_header = gguf.GGUFWriter.write_header_to_file
+
+    def with_rope_freqs(writer, *args, **kwargs):
+        writer.add_tensor("rope_freqs.weight", values)
+        return write_header(writer, *args, **kwargs)
+
+    monkeypatch.setattr(gguf.GGUFWriter, "write_header_to_file", with_rope_freqs)
+    path = write_gguf_from_official(tiny_official("llama"), tmp_path / "model.gguf", "llama")
+    monkeypatch.undo()
+    assert "rope_freqs.weight" in [t.name for t in gguf.GGUFReader(path).tensors]
+    if factors == "llama3_scaling":
+        with pytest.raises(ConversionError, match=r"rope_freqs\.weight holds llama\.cpp's per-frequency RoPE scaling factors .*1 \.\. 8\)"):
+            llama.convert(path, tmp_path / "converted")
+        assert not (tmp_path / "converted").exists()
+        return
+    result = llama.convert(path, tmp_path / "converted")
+    assert all(row["max_abs_diff"] <= row["tolerance"] for row in result["parity"])
+    official = official_from_gguf(path)
+    batch = left_padded_batch(official.config.vocab_size)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "converted").eval()
+    assert max_diff(real_logits(ours, batch), real_logits(official, batch)) <= TOLERANCE
+
+
 def test_gguf_of_an_unsupported_architecture_names_it_and_lists_the_supported(tmp_path):
     path = write_stub_gguf(tmp_path / "bloom.gguf", "bloom")
     with pytest.raises(ConversionError, match=r"no converter reads GGUF architecture 'bloom'; known: .*gemma3.*llama.*qwen2.*qwen3"):
