@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in argv
     with _sigterm_interrupts():
         try:
-            args = build_parser().parse_args(argv)
+            args = build_parser().parse_intermixed_args(argv)  # options anywhere, e.g. between FAMILY and SRC
             resolve_paths(args)
             result = run(args)
         except UsageError as error:

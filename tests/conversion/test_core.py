@@ -923,8 +923,13 @@ def run_cli(capsys, *argv):
     return code, captured.out, captured.err
 
 
-def test_cli_forward_passes_force_and_dtype(fake_family, capsys):
-    code, out, err = run_cli(capsys, "fake", "src", "dst", "--force", "--dtype", "bfloat16")
+@pytest.mark.parametrize("argv", [
+    ("fake", "src", "dst", "--force", "--dtype", "bfloat16"),
+    ("fake", "--force", "--dtype", "bfloat16", "src", "dst"),  # options between FAMILY and SRC (before: exit 2)
+    ("--force", "fake", "src", "--dtype", "bfloat16", "dst"),
+])
+def test_cli_forward_passes_force_and_dtype(fake_family, capsys, argv):
+    code, out, err = run_cli(capsys, *argv)
     assert code == 0 and err == "" and "converted fake: src -> dst" in out
     assert fake_family.calls == [("convert", "src", "dst", True, torch.bfloat16)]
 
