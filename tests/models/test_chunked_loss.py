@@ -223,8 +223,8 @@ def test_a_wrapped_head_falls_back_to_full_logits(tmp_path):
     assert relative(produced.loss, expected) <= FP32_RELATIVE
 
 
-def test_seq2seq_training_loss_and_grads_equal_official_bart(tmp_path):
-    """BART: the decoder's labels are not shifted, and final_logits_bias joins the head's bias."""
+def bart_in_training(tmp_path):
+    """(official BART, ours converted from it, both in train mode, a padded batch without decoder ids, its labels)."""
     from transformers import AutoModelForSeq2SeqLM
 
     from conversion import bart
@@ -236,6 +236,12 @@ def test_seq2seq_training_loss_and_grads_equal_official_bart(tmp_path):
     ours = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "ours").train()
     batch = padded_batch(official.config)
     labels = batch.pop("decoder_input_ids").masked_fill(batch["decoder_attention_mask"] == 0, -100)
+    return official, ours, batch, labels
+
+
+def test_seq2seq_training_loss_and_grads_equal_official_bart(tmp_path):
+    """BART: the decoder's labels are not shifted, and final_logits_bias joins the head's bias."""
+    official, ours, batch, labels = bart_in_training(tmp_path)
     for kwargs in ({}, {"num_items_in_batch": torch.tensor(11)}):
         produced, produced_grads = loss_and_grads(ours, **batch, labels=labels, **kwargs)
         plain, plain_grads = loss_and_grads(ours, **batch, labels=labels, skip_logits=False, **kwargs)
@@ -252,17 +258,7 @@ def test_seq2seq_training_loss_and_grads_equal_official_bart(tmp_path):
 
 def test_a_seq2seq_tuple_output_keeps_the_logits_in_their_place(tmp_path):
     """BART trained with return_dict=False: (loss, logits, ...) as official's, not the chunked loss's None dropped."""
-    from transformers import AutoModelForSeq2SeqLM
-
-    from conversion import bart
-    from bart_models import make_official_bart, padded_batch
-
-    src = make_official_bart(tmp_path / "official")
-    bart.convert(src, tmp_path / "ours")
-    official = AutoModelForSeq2SeqLM.from_pretrained(src).train()
-    ours = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "ours").train()
-    batch = padded_batch(official.config)
-    labels = batch.pop("decoder_input_ids").masked_fill(batch["decoder_attention_mask"] == 0, -100)
+    official, ours, batch, labels = bart_in_training(tmp_path)
     assert ours(**batch, labels=labels).logits is None  # control: read by name, the chunked loss
     loss, logits = ours(**batch, labels=labels, return_dict=False)[:2]
     expected_loss, expected_logits = official(**batch, labels=labels, return_dict=False)[:2]
