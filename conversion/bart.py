@@ -133,7 +133,7 @@ def _normalise_source(state: dict, *, src, shared: bool, tied_head: bool) -> dic
     return state
 
 
-def _with_model_prefix(state: LazyTensors, *, src, model_type: str) -> tuple[LazyTensors, list[str]]:
+def _with_model_prefix(state: LazyTensors, *, model_type: str) -> tuple[LazyTensors, list[str]]:
     """A bare BartModel / MarianModel stores its tensors without the `model.` prefix and has no LM head: read as
     the ForConditionalGeneration class reads it (transformers' AutoModelForSeq2SeqLM does the same), with the head
     tied to the embeddings and a zero final_logits_bias."""
@@ -151,9 +151,8 @@ def _check_untied_tables(state: LazyTensors, *, src, official) -> None:
     hf_tiny's encoder reads `shared`, so a table that differs from it has nowhere to go."""
     if getattr(official, "tie_word_embeddings", True) or "model.shared.weight" not in state:
         return
-    shared = state["model.shared.weight"]
     differing = [key for key in ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight")
-                 if key in state and (state.info(key).shape != shared.shape or not torch.equal(state[key], shared))]
+                 if not stores_tied_copy(state, "model.shared.weight", key)]
     if differing:
         raise ConversionError(
             f"{src}: tie_word_embeddings=False and {', '.join(differing)} differ from model.shared.weight: this "
@@ -172,7 +171,7 @@ class BartFamily(Seq2SeqFamily):
         official = official_config(source.raw_config, src=src)
         model_type = official.model_type
         shared = bool(getattr(official, "share_encoder_decoder_embeddings", True))
-        state, notes = _with_model_prefix(LazyTensors.of(state), src=src, model_type=model_type)
+        state, notes = _with_model_prefix(LazyTensors.of(state), model_type=model_type)
         if shared:
             _check_untied_tables(state, src=src, official=official)
         tied_head = stores_tied_copy(state, "model.shared.weight" if shared else "model.decoder.embed_tokens.weight",

@@ -121,7 +121,8 @@ def ready_4d_mask(attention_mask: torch.Tensor, *, query_length: int, key_length
     taken for every query, as official encoders broadcast it."""
     rows = (query_length, 1) if one_row_for_all_queries else (query_length,)
     if attention_mask.dim() != 4 or attention_mask.shape[-1] != key_length or attention_mask.shape[-2] not in rows:
-        expected = f"[batch, 1, {query_length}, {key_length}]" + (f" or [batch, 1, 1, {key_length}]" if len(rows) > 1 else "")
+        broadcast = f" or [batch, 1, 1, {key_length}]" if one_row_for_all_queries else ""
+        expected = f"[batch, 1, {query_length}, {key_length}]{broadcast}"
         raise ValueError(
             f"attention_mask of shape {tuple(attention_mask.shape)} does not match {query_length} queries and "
             f"{key_length} keys; expected {expected}"

@@ -310,6 +310,8 @@ class _SecondBackwardNamed(contextlib.AbstractContextManager):
                 "model.set_runtime(False)"
             ) from error
         return False
+
+
 # Set while a layer that draws random numbers runs in training: its feed-forward is recomputed alone.
 _parts_recomputed: contextvars.ContextVar = contextvars.ContextVar("hf_tiny_parts_recomputed", default=False)
 
