@@ -149,7 +149,13 @@ class CausalFamily(Family):
     def read_gguf(self, path: Path) -> Source:
         raw, state = open_gguf(path, expected_architecture=self.gguf_architectures)
         require_model_type(raw, self.model_types, src=path)
-        return Source(path, path.parent, "gguf", raw, state, f"the GGUF file `{path.name}` (dequantized to float32)")
+        notes = [] if "rope_parameters" not in raw else [
+            f"Its `rope_freqs.weight` (llama.cpp's per-frequency RoPE factors) is read as rope_parameters="
+            f"{raw['rope_parameters']}, which reproduce every factor; transformers' GGUF loader drops the tensor, so "
+            "the official side is loaded with these rope_parameters."
+        ]
+        return Source(path, path.parent, "gguf", raw, state, f"the GGUF file `{path.name}` (dequantized to float32)",
+                      notes=notes)
 
     def official_stream(self, source: Source, plan: Plan):
         """A GGUF's official side: the class and config `from_pretrained(dir, gguf_file=...)` builds, over the same
@@ -163,8 +169,9 @@ class CausalFamily(Family):
         if source.kind == "gguf":
             import transformers
 
+            scaling = {"rope_parameters": source.raw_config["rope_parameters"]} if "rope_parameters" in source.raw_config else {}
             return transformers.AutoModelForCausalLM.from_pretrained(
-                str(source.folder), gguf_file=source.path.name, dtype=torch.float32
+                str(source.folder), gguf_file=source.path.name, dtype=torch.float32, **scaling
             )
         return super().official_model(source, plan)
 

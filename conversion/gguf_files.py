@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .errors import ConversionError, list_names
+from .gguf_rope import llama3_rope_parameters
 from .lazy import LazyTensors, TensorInfo, release_array_pages
 
 _GGUF_MAGIC = b"GGUF"
@@ -277,23 +278,18 @@ class _Opened:
     names: dict[str, str]
 
 
-def _without_unit_rope_freqs(path: Path, tensors: list[GGUFTensor], names: dict) -> list[GGUFTensor]:
+def _rope_freqs_read(path: Path, tensors: list[GGUFTensor], names: dict, config: dict) -> list[GGUFTensor]:
     """llama.cpp stores Llama 3.1+'s RoPE scaling as per-frequency factors, `rope_freqs.weight`, which transformers
-    has no name for: it drops the tensor and computes RoPE unscaled. That is exact only where every factor is 1, so
-    such a tensor is dropped and any other is refused (the scaling is in the source HF folder's rope_parameters)."""
+    has no name for (it drops the tensor and computes RoPE unscaled). All ones, the tensor is dropped; else the
+    factors become the config's llama3 `rope_parameters` (gguf_rope), or are refused. Returns the other tensors."""
     freqs = [t for t in tensors if t.name == "rope_freqs.weight" and t.name not in names]
     if not freqs:
         return tensors
     from gguf import dequantize
 
-    factors = dequantize(freqs[0].data, freqs[0].tensor_type)
+    factors = torch.from_numpy(dequantize(freqs[0].data, freqs[0].tensor_type).copy())
     if (factors != 1).any():
-        raise ConversionError(
-            f"{path}: rope_freqs.weight holds llama.cpp's per-frequency RoPE scaling factors (Llama 3.1+ scaling, "
-            f"{float(factors.min()):g} .. {float(factors.max()):g}), which transformers' GGUF loader drops (its model "
-            "would compute RoPE unscaled); convert the source Hugging Face folder instead, whose config.json states "
-            "the scaling (rope_parameters)"
-        )
+        config["rope_parameters"] = llama3_rope_parameters(path, factors, config)
     return [t for t in tensors if t is not freqs[0]]
 
 
@@ -317,7 +313,7 @@ def _opened(path: Path, expected_architecture: str | tuple[str, ...]) -> _Opened
         names = _gguf_to_transformers_names(model, processor, architecture, model.config.num_hidden_layers)
     except (ValueError, KeyError, NotImplementedError, OSError) as error:
         raise ConversionError(f"cannot read GGUF file {path}: {type(error).__name__}: {error}") from error
-    tensors = _without_unit_rope_freqs(path, tensors, names)
+    tensors = _rope_freqs_read(path, tensors, names, config)
     unmapped = [t.name for t in tensors if t.name not in names]
     if unmapped:
         raise ConversionError(

@@ -85,19 +85,35 @@ def test_every_writable_quantization_dequantizes_as_official(quantization, tmp_p
     assert changed
 
 
-@pytest.mark.parametrize("factors", ["ones", "llama3_scaling"])
-def test_llamacpp_rope_freqs_converts_where_exact_and_is_refused_where_not(factors, tmp_path, monkeypatch):
-    """llama.cpp writes Llama 3.1+'s RoPE scaling as a `rope_freqs.weight` of per-frequency factors; transformers has
-    no name for it and drops it. All ones, that is exact: the file converts with official's logits. Other factors
-    would be lost (official computes RoPE unscaled): refused, naming the tensor (before: every such file refused as
-    a tensor with no transformers name)."""
-    import gguf
+# Llama 3.1 8B's RoPE scaling, as its config.json states it
+META_LLAMA3_SCALING = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def llamacpp_rope_factors(head_dim: int, scaling: dict):
+    """rope_freqs.weight as llama.cpp's converter computes it from a llama3 rope scaling (convert_hf_to_gguf.py)."""
+    import math
+
     import numpy as np
 
-    head_dim = 8  # tiny_official: hidden 32 over 4 heads
-    values = np.ones(head_dim // 2, dtype=np.float32)
-    if factors == "llama3_scaling":
-        values[head_dim // 4:] = 8.0  # the low frequencies stretched by factor 8
+    factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    factors = []
+    for frequency in 1.0 / (scaling["rope_theta"] ** (np.arange(0, head_dim, 2) / head_dim)):
+        wavelength = 2 * math.pi / frequency
+        if wavelength < old / high:
+            factors.append(1.0)
+        elif wavelength > old / low:
+            factors.append(factor)
+        else:
+            smooth = (old / wavelength - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(factors, dtype=np.float32)
+
+
+def gguf_with_rope_freqs(official, values, path, monkeypatch):
+    import gguf
+
     write_header = gguf.GGUFWriter.write_header_to_file
 
     def with_rope_freqs(writer, *args, **kwargs):
@@ -105,20 +121,62 @@ def test_llamacpp_rope_freqs_converts_where_exact_and_is_refused_where_not(facto
         return write_header(writer, *args, **kwargs)
 
     monkeypatch.setattr(gguf.GGUFWriter, "write_header_to_file", with_rope_freqs)
-    path = write_gguf_from_official(tiny_official("llama"), tmp_path / "model.gguf", "llama")
+    written = write_gguf_from_official(official, path, "llama")
     monkeypatch.undo()
-    assert "rope_freqs.weight" in [t.name for t in gguf.GGUFReader(path).tensors]
-    if factors == "llama3_scaling":
-        with pytest.raises(ConversionError, match=r"rope_freqs\.weight holds llama\.cpp's per-frequency RoPE scaling factors .*1 \.\. 8\)"):
-            llama.convert(path, tmp_path / "converted")
-        assert not (tmp_path / "converted").exists()
-        return
+    assert "rope_freqs.weight" in [t.name for t in gguf.GGUFReader(written).tensors]
+    return written
+
+
+def test_llamacpp_rope_freqs_of_ones_are_dropped(tmp_path, monkeypatch):
+    """All-ones rope_freqs (a Llama 3 GGUF without scaling) change nothing: the file converts with the logits of
+    transformers' own GGUF load, which drops the tensor."""
+    import numpy as np
+
+    path = gguf_with_rope_freqs(tiny_official("llama"), np.ones(4, dtype=np.float32), tmp_path / "model.gguf",
+                                monkeypatch)
     result = llama.convert(path, tmp_path / "converted")
     assert all(row["max_abs_diff"] <= row["tolerance"] for row in result["parity"])
     official = official_from_gguf(path)
     batch = left_padded_batch(official.config.vocab_size)
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "converted").eval()
     assert max_diff(real_logits(ours, batch), real_logits(official, batch)) <= TOLERANCE
+
+
+def test_llamacpp_rope_freqs_of_llama3_scaling_become_its_rope_parameters(tmp_path, monkeypatch):
+    """Llama 3.1's scaling written the way llama.cpp writes it converts to Meta's own rope_parameters, and the model
+    computes what the official Llama with those parameters computes on the same weights. Negative control: the
+    official GGUF load, which drops the factors, differs at long positions."""
+    official = tiny_official("llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1,
+                             max_position_embeddings=131072,
+                             rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    path = gguf_with_rope_freqs(official, llamacpp_rope_factors(64, META_LLAMA3_SCALING), tmp_path / "model.gguf",
+                                monkeypatch)
+    result = llama.convert(path, tmp_path / "converted")
+    assert all(row["max_abs_diff"] <= row["tolerance"] for row in result["parity"])
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "converted").eval()
+    assert ours.config.rope_parameters == META_LLAMA3_SCALING
+    assert "rope_freqs.weight" in (tmp_path / "converted" / "README.md").read_text()
+
+    scaled = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=path.name, dtype=torch.float32,
+                                                  rope_parameters=META_LLAMA3_SCALING).eval()
+    batch = left_padded_batch(official.config.vocab_size)
+    batch["position_ids"] = batch["position_ids"] + 20000  # where the low frequencies' scaling shows
+    assert max_diff(real_logits(ours, batch), real_logits(scaled, batch)) <= TOLERANCE
+    assert max_diff(real_logits(ours, batch), real_logits(official_from_gguf(path), batch)) > 100 * TOLERANCE
+
+
+def test_llamacpp_rope_freqs_of_another_scaling_are_refused(tmp_path, monkeypatch):
+    """Factors no llama3 scaling gives (a step from 1 to 8 with nothing between) would be lost: refused, naming
+    the tensor and why, with nothing written."""
+    import numpy as np
+
+    values = np.ones(4, dtype=np.float32)
+    values[2:] = 8.0
+    path = gguf_with_rope_freqs(tiny_official("llama"), values, tmp_path / "model.gguf", monkeypatch)
+    with pytest.raises(ConversionError, match=r"rope_freqs\.weight holds llama\.cpp's per-frequency RoPE scaling "
+                       r"factors \(1 \.\. 8\) that are not Llama 3\.1's scaling \(0 factors between"):
+        llama.convert(path, tmp_path / "converted")
+    assert not (tmp_path / "converted").exists()
 
 
 def test_gguf_of_an_unsupported_architecture_names_it_and_lists_the_supported(tmp_path):
