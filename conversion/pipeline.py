@@ -181,22 +181,10 @@ class Family:
         """auto_map naming the config and every hf_tiny class of this config, so a converted folder loads with
         any Auto head and trust_remote_code; where two classes share an Auto class, our_class (the folder's)."""
         import hf_tiny
+        from hf_tiny.saving import family_auto_map
 
-        config_class = self.hf_tiny_class(self.config_class)
-        auto_map = {"AutoConfig": _code_path(config_class)}
-        for value in vars(hf_tiny).values():
-            if isinstance(value, type) and getattr(value, "config_class", None) is config_class:
-                if getattr(value, "_auto_class", None) and value._auto_class not in auto_map:
-                    auto_map[value._auto_class] = _code_path(value)
-        if our_class is not None:
-            ours = self.hf_tiny_class(our_class)
-            if getattr(ours, "_auto_class", None):
-                auto_map[ours._auto_class] = _code_path(ours)
-        return auto_map
-
-
-def _code_path(cls) -> str:
-    return f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}"
+        own = self.hf_tiny_class(our_class) if our_class is not None else None
+        return family_auto_map(self.hf_tiny_class(self.config_class), vars(hf_tiny).values(), own=own)
 
 
 class _Stages:

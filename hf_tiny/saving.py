@@ -6,6 +6,7 @@ import inspect
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 from transformers import PreTrainedModel
@@ -27,6 +28,7 @@ class AtomicSaveAndCardMixin:
         arguments = inspect.signature(PreTrainedModel.save_pretrained).bind(self, save_directory, *args, **kwargs)
         arguments.apply_defaults()
         options = arguments.arguments
+        self._name_every_auto_class()
         if not _can_save_atomically(save_directory, options):
             before = _entries(save_directory)
             result = super().save_pretrained(save_directory, *args, **kwargs)
@@ -43,6 +45,12 @@ class AtomicSaveAndCardMixin:
             _carry_over_previous_folder(self, destination, tmp, os.fspath(save_directory), options.get("variant"))
         return result
 
+    def _name_every_auto_class(self) -> None:
+        """transformers' save writes into auto_map only the saved class's own Auto class: the config's auto_map gets
+        every class of the family first, so the folder loads with any Auto head (entries it has are kept)."""
+        family = family_auto_map(type(self.config), vars(sys.modules[type(self).__module__]).values(), own=type(self))
+        self.config.auto_map = {**family, **(getattr(self.config, "auto_map", None) or {})}
+
     def push_to_hub(self, repo_id=None, *args, **kwargs):
         return super().push_to_hub(check_repo_id(repo_id), *args, **kwargs)
 
@@ -51,6 +59,22 @@ class AtomicSaveAndCardMixin:
         # pointed at the repo, before the upload.
         carry_model_card(self, working_dir, model_id=repo_id)
         return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
+
+
+def family_auto_map(config_class, classes, own=None) -> dict[str, str]:
+    """auto_map naming config_class and, per Auto class, the first of `classes` registered for it with that config;
+    own (the class a folder holds) wins where two share an Auto class (AutoModelForPreTraining)."""
+    auto_map = {"AutoConfig": _code_path(config_class)}
+    for value in [*classes, *([own] if own is not None else [])]:
+        if isinstance(value, type) and getattr(value, "config_class", None) is config_class:
+            auto_class = getattr(value, "_auto_class", None)
+            if auto_class and (auto_class not in auto_map or value is own):
+                auto_map[auto_class] = _code_path(value)
+    return auto_map
+
+
+def _code_path(cls) -> str:
+    return f"{cls.__module__.rsplit('.', 1)[-1]}.{cls.__name__}"
 
 
 def _entries(folder) -> dict:

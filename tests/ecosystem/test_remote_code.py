@@ -110,6 +110,9 @@ for family, entry in spec["load"].items():
             out["greedy"] = model.generate(**prompt, max_new_tokens=5, do_sample=False)
     out["class"] = f"{module}.{type(model).__name__}"
     results[family] = out
+for family, auto_class in spec["other_heads"]:
+    model = getattr(transformers, auto_class).from_pretrained(spec["load"][family]["folder"], trust_remote_code=True)
+    results[f"{family} as {auto_class}"] = f"{type(model).__module__.split('.')[0]}.{type(model).__name__}"
 for missing, folder in spec["broken"].items():
     try:
         transformers.AutoModelForMaskedLM.from_pretrained(folder, trust_remote_code=True)
@@ -135,11 +138,22 @@ MISSING_FILE_ERRORS = {
 }
 
 
+# A folder saved from one head loads into the family's other heads, as an official folder does: (family, Auto class)
+# -> the class it gives.
+OTHER_HEADS = {
+    ("encoder", "AutoModel"): "transformers_modules.TinyEncoderModel",
+    ("encoder", "AutoModelForSequenceClassification"): "transformers_modules.TinyEncoderForSequenceClassification",
+    ("causal", "AutoModel"): "transformers_modules.TinyCausalModel",
+    ("causal", "AutoModelForSequenceClassification"): "transformers_modules.TinyCausalForSequenceClassification",
+    ("seq2seq", "AutoModel"): "transformers_modules.TinySeq2SeqModel",
+}
+
+
 @pytest.fixture(scope="module")
 def isolated_results(saved_models, tmp_path_factory):
     """One fresh hf_tiny-free interpreter (network blocked, offline) loads every family and every broken folder."""
     work = tmp_path_factory.mktemp("isolated")
-    spec = {"load": {}, "broken": {}}
+    spec = {"load": {}, "broken": {}, "other_heads": [list(key) for key in OTHER_HEADS]}
     for family, (folder, auto_class, inputs, _) in saved_models.items():
         torch.save(inputs, work / f"{family}_inputs.pt")
         spec["load"][family] = {
@@ -176,6 +190,15 @@ def test_saved_model_loads_as_remote_code_without_hf_tiny(saved_models, isolated
     assert expected["logits"].abs().max() > 1.0  # large init: a broken load could not hide in tiny numbers
     if family in GENERATES:
         assert torch.equal(got["greedy"], expected["greedy"]), family
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, auto_class", sorted(OTHER_HEADS))
+def test_saved_model_loads_into_the_family_s_other_heads_without_hf_tiny(isolated_results, family, auto_class):
+    """save_pretrained names every Auto class of the family in auto_map (transformers' own save names only the saved
+    class's); before, AutoModel on a saved TinyCausalForCausalLM failed 'Unrecognized configuration class'."""
+    results, _ = isolated_results
+    assert results[f"{family} as {auto_class}"] == OTHER_HEADS[family, auto_class]
 
 
 @pytest.mark.slow
