@@ -60,6 +60,10 @@ class LMHeadTransform(nn.Module):
         return self.norm(self.act_fn(self.dense(hidden_states)))
 
 
+def _outputs_require_grad(module, inputs, output):
+    output.requires_grad_(True)
+
+
 class TinySeq2SeqPreTrainedModel(HfTinyPreTrainedModel):
     _has_lm_head = False  # True for the LM class: its tied head enters the tie map
     config_class = TinySeq2SeqConfig
@@ -88,6 +92,17 @@ class TinySeq2SeqPreTrainedModel(HfTinyPreTrainedModel):
         if all_submodels:
             return super().get_expanded_tied_weights_keys(all_submodels=True)
         return self._tie_map("model." if self._has_lm_head else "")
+
+    def enable_input_require_grads(self):
+        """transformers hooks the input embeddings of each PreTrainedModel inside (official BART's encoder and decoder
+        are ones); our stacks are plain modules whose forward calls their own `embed_tokens` (holding `shared`'s
+        weight), so those are hooked too: else reentrant checkpointing (QLoRA's default) sees no input needing grad."""
+        super().enable_input_require_grads()
+        hooked = {id(self.get_input_embeddings())}
+        for stack in (self.get_encoder(), self.get_decoder()):
+            if id(stack.embed_tokens) not in hooked:
+                hooked.add(id(stack.embed_tokens))
+                self._require_grads_hooks.append(stack.embed_tokens.register_forward_hook(_outputs_require_grad))
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

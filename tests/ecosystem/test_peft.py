@@ -8,6 +8,7 @@ import copy
 import functools
 import json
 import tempfile
+import zlib
 
 import pytest
 import torch
@@ -256,3 +257,57 @@ def test_gemma_embedding_scale_reaches_peft_as_on_official(gemma_pair, method):
     with torch.no_grad():
         plain = ours(input_ids=ids).logits
     assert (plain - produced[:, -ids.shape[1]:]).abs().max() > 1e-2
+
+
+def _lora_grads_with_reentrant_checkpointing(model, batch: dict) -> dict:
+    """What prepare_model_for_kbit_training sets up (input grads on, reentrant checkpointing) plus LoRA: one
+    backward's adapter gradients, under names without PEFT's prefix."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.enable_input_require_grads()
+    peft_model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"],
+                                                  task_type="SEQ_2_SEQ_LM"))
+    adapters = {_lora_name(name): param for name, param in peft_model.named_parameters() if "lora_" in name}
+    with torch.no_grad():  # the same adapter values on both sides, by name (module orders differ)
+        for name, param in adapters.items():
+            param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(zlib.crc32(name.encode()))))
+    peft_model.train()
+    peft_model(**batch).loss.backward()
+    return {name: param.grad for name, param in adapters.items()}
+
+
+def _lora_name(name: str) -> str:
+    """A LoRA parameter's name under PEFT's prefix, with official BART's cross-attention name made ours."""
+    return name.split("model.", 2)[-1].replace("encoder_attn", "cross_attn")
+
+
+def test_seq2seq_lora_with_reentrant_checkpointing_trains_as_official_bart(tmp_path, monkeypatch):
+    """enable_input_require_grads hooks the embeddings each stack's forward calls (official's are PreTrainedModels of
+    their own; ours are plain stacks), so QLoRA's default set-up trains the adapters as on official BART; before, the
+    loss had no grad_fn. Negative control: with transformers' hooks alone (on `shared`), the loss needs no grad."""
+    from bart_models import make_official_bart, padded_batch
+
+    from conversion import bart
+
+    make_official_bart(tmp_path / "official")
+    bart.convert(tmp_path / "official", tmp_path / "ours")
+    official = transformers.BartForConditionalGeneration.from_pretrained(tmp_path / "official")
+    batch = padded_batch(official.config)
+    batch["labels"] = batch.pop("decoder_input_ids").masked_fill(batch.pop("decoder_attention_mask") == 0, -100)
+    ours = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "ours")
+    torch.manual_seed(0)
+    expected = _lora_grads_with_reentrant_checkpointing(official, batch)
+    torch.manual_seed(0)
+    got = _lora_grads_with_reentrant_checkpointing(ours, batch)
+    assert len(got) == len(expected) == 2 * 2 * (2 + 2 * 3)  # A and B of q/v: encoder self, decoder self + cross
+    for name, grad in got.items():
+        assert grad is not None and grad.abs().max() > 0, name
+        torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-6)
+
+    monkeypatch.setattr(hf_tiny.TinySeq2SeqPreTrainedModel, "enable_input_require_grads",
+                        transformers.PreTrainedModel.enable_input_require_grads)
+    plain = transformers.AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "ours")
+    plain.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    plain.enable_input_require_grads()
+    peft_model = get_peft_model(plain, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="SEQ_2_SEQ_LM"))
+    peft_model.train()
+    assert not peft_model(**batch).loss.requires_grad
