@@ -59,7 +59,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 continue
             grad = torch.exp(logits.sub_(log_normalizer[:, None]))  # softmax, in place of the logits
             grad.scatter_add_(1, safe_target, -valid[:, None].to(grad.dtype))
-            grad.mul_((valid / divisor)[:, None])
+            grad.mul_(torch.where(valid, 1 / divisor, 0.0)[:, None])  # ignored rows 0, also when divisor is 0
             if softcap is not None:
                 grad.mul_(1.0 - capped * capped)
             if need_bias:

@@ -82,12 +82,28 @@ def test_bfloat16_head_accumulates_in_float32_and_stays_within_bf16_rounding():
         assert relative(mine, theirs) <= 2e-2  # a few bf16 ulps: the unchunked side rounds its sum once
 
 
-def test_all_targets_ignored_gives_nan_like_cross_entropy():
-    hidden = torch.randn(4, 8)
-    weight = torch.randn(10, 8)
+@pytest.mark.parametrize("num_items_in_batch", [None, 0])
+def test_all_targets_ignored_gives_nan_loss_and_zero_gradients_like_cross_entropy(num_items_in_batch):
+    """A batch with nothing to learn (labels all -100; Trainer's num_items_in_batch 0 when a whole accumulation
+    window has none) has a nan loss but zero gradients, as transformers' loss has: before, the gradients were nan
+    (0/0 on the ignored rows), and one such step turned every weight nan."""
     targets = torch.full((4,), -100)
-    assert torch.isnan(F.cross_entropy(hidden @ weight.T, targets))
-    assert torch.isnan(linear_cross_entropy(hidden, weight, targets))
+    results = []
+    for loss_of in (
+        lambda h, w: F.cross_entropy(h @ w.T, targets) if num_items_in_batch is None
+        else F.cross_entropy(h @ w.T, targets, reduction="sum") / num_items_in_batch,
+        lambda h, w: linear_cross_entropy(h, w, targets, num_items_in_batch=num_items_in_batch),
+    ):
+        torch.manual_seed(0)
+        hidden, weight = torch.randn(4, 8, requires_grad=True), torch.randn(10, 8, requires_grad=True)
+        loss = loss_of(hidden, weight)
+        loss.backward()
+        results.append((loss, hidden.grad, weight.grad))
+    (expected_loss, *expected_grads), (loss, *grads) = results
+    assert torch.isnan(expected_loss) and torch.isnan(loss)
+    for expected, got in zip(expected_grads, grads):
+        assert torch.equal(expected, torch.zeros_like(expected))  # what the reference gives
+        assert torch.equal(got, expected)
 
 
 def test_chunk_size_bounds_the_logits_held_at_once():
