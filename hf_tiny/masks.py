@@ -160,9 +160,12 @@ def self_attention_mask(attention_mask, *, batch_size: int, query_length: int, k
 def _self_attention(attention_mask, batch_size: int, query_length: int, key_length: int, causal: bool,
                     sliding_window: Optional[int], device) -> AttentionMask:
     """self_attention_mask for checked arguments and a 2-D mask or none."""
-    # under torch.compile the padding mask is always applied: no branch on the data
+    # under torch.compile / export the padding mask and the window are always applied: no branch on the data or
+    # on a length that may be symbolic (a window wider than the keys restricts nothing)
     padded = attention_mask is not None and (is_compiling() or not bool(attention_mask.all()))
-    window = sliding_window if causal and sliding_window is not None and key_length > sliding_window else None
+    window = None if not causal or sliding_window is None else sliding_window
+    if window is not None and not is_compiling() and key_length <= window:
+        window = None
     if not padded and window is None and (not causal or query_length in (1, key_length)):
         return AttentionMask(None, causal and query_length > 1)
     if causal:
@@ -193,7 +196,7 @@ def encoder_masks(config, attention_mask, *, batch_size: int, length: int, devic
 def _within_reach(mask: AttentionMask, reach: int, batch_size: int, length: int, device) -> AttentionMask:
     """The bidirectional mask `mask` (built from a 2-D mask or none) limited to keys at most `reach` positions from
     the query."""
-    if length <= reach + 1:  # every key is within reach
+    if length <= reach + 1 and not is_compiling():  # every key is within reach
         return mask
     positions = torch.arange(length, device=device)
     near = (positions[:, None] - positions[None, :]).abs() <= reach
