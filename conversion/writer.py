@@ -110,6 +110,9 @@ TOKENIZER_FILES = (
     "spiece.model",
     "tokenizer.model",
     "sentencepiece.bpe.model",
+    "source.spm",  # Marian: one SentencePiece model per language, and the target vocabulary when separate
+    "target.spm",
+    "target_vocab.json",
     "chat_template.jinja",
     "chat_template.json",
     # not a tokenizer file, but it belongs with the converted model just the same

@@ -225,6 +225,27 @@ def test_marian_sinusoidal_positions_match_official(tmp_path):
     assert sorted(original) == sorted(returned) and all(torch.equal(original[k], returned[k]) for k in original)
 
 
+# MarianTokenizer's VOCAB_FILES_NAMES (transformers/models/marian/tokenization_marian.py, which needs sentencepiece to
+# import), as every Helsinki-NLP/opus-mt-* repository ships them
+MARIAN_TOKENIZER_FILES = ("source.spm", "target.spm", "vocab.json", "target_vocab.json", "tokenizer_config.json")
+
+
+def test_marian_tokenizer_files_travel_both_ways(tmp_path):
+    """Every file MarianTokenizer reads (its vocab_files_names: one SentencePiece model per language, the vocabularies)
+    is copied to the converted folder and back, byte for byte, and the card names them; before, source.spm,
+    target.spm and target_vocab.json stayed behind and the converted folder's tokenizer could not load."""
+    src = make_official_marian(tmp_path / "marian")
+    for number, name in enumerate(sorted(MARIAN_TOKENIZER_FILES)):
+        (src / name).write_bytes(f"{name} {number}".encode())  # stand-ins: sentencepiece is not a test dependency
+    bart.convert(src, tmp_path / "ours")
+    bart.convert_back(tmp_path / "ours", tmp_path / "back")
+    card = (tmp_path / "ours" / "README.md").read_text()
+    for name in MARIAN_TOKENIZER_FILES:
+        assert (tmp_path / "ours" / name).read_bytes() == (src / name).read_bytes(), name
+        assert (tmp_path / "back" / name).read_bytes() == (src / name).read_bytes(), name
+        assert name in card, name
+
+
 def test_bart_failures_are_clear_and_leave_dst_untouched(bart_pair, tmp_path):
     src, _, _ = bart_pair
     existing = tmp_path / "existing"
