@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast floating weights")
     parser.add_argument("--max-shard-size", metavar="SIZE",
                         help="largest weights file written, as save_pretrained's max_shard_size (e.g. 5GB; default 50GB)")
+    parser.add_argument("--base-model", metavar="ID",
+                        help="the source's Hub model id for the model card's base_model (default: the one a Hugging "
+                        "Face cache path or config shows; none otherwise)")
     parser.add_argument("--debug", action="store_true", help="show the full traceback on failure")
     return parser
 
@@ -110,6 +113,8 @@ def run(args: argparse.Namespace) -> None:
         convert_back = getattr(module, "convert_back", None)
         if convert_back is None:
             raise UsageError(f"family {args.family!r} has no reverse conversion (--reverse)")
+        if args.base_model is not None:
+            raise UsageError("--base-model names the source of an hf_tiny folder's card; not with --reverse")
         return convert_back(args.src, args.dst, force=args.force, **_shard_size(convert_back, args))
     else:
         convert = getattr(module, "convert", None)
@@ -120,6 +125,10 @@ def run(args: argparse.Namespace) -> None:
             if "dtype" not in inspect.signature(convert).parameters:
                 raise UsageError(f"family {args.family!r} does not support --dtype")
             kwargs["dtype"] = parse_dtype(args.dtype)
+        if args.base_model is not None:
+            if "base_model" not in inspect.signature(convert).parameters:
+                raise UsageError(f"family {args.family!r} does not support --base-model")
+            kwargs["base_model"] = args.base_model
         return convert(args.src, args.dst, **kwargs)
 
 

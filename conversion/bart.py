@@ -19,7 +19,7 @@ from .errors import ConversionError
 from .keymap import KeyMap, Rule, layer_rules
 from .lazy import LazyTensors, TensorInfo
 from .pipeline import Plan, ReversePlan, Source, entry_points
-from .readers import official_config
+from .readers import official_config, source_name
 from .seq2seq_common import Seq2SeqFamily, require_style, stack_depths, styled_config
 from .writer import drop_tied_copies, stores_tied_copy
 
@@ -181,7 +181,7 @@ class BartFamily(Seq2SeqFamily):
         config = config_from_official(official, src=src, tied_head=tied_head)
         state = _normalise_source(state, src=src, shared=shared, tied_head=tied_head)
         mapping = key_map(model_type=model_type, tied_head=tied_head, shared_embeddings=shared)
-        source.description = f"the official `{OFFICIAL_CLASSES[model_type]}` checkpoint `{src.resolve().name}`"
+        source.description = f"the official `{OFFICIAL_CLASSES[model_type]}` checkpoint `{source_name(src)}`"
         return Plan(config, "TinySeq2SeqForConditionalGeneration", OFFICIAL_CLASSES[model_type], mapping,
                     stack_depths(config), state, official_config=official, notes=notes)
 

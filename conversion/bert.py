@@ -25,7 +25,7 @@ from .errors import ConversionError, list_names
 from .keymap import KeyMap, Rule, join, layer_rules
 from .lazy import LazyTensors
 from .pipeline import Family, Plan, ReversePlan, Source, entry_points
-from .readers import official_config
+from .readers import official_config, source_name
 from .writer import drop_tied_copies
 
 # official class suffix -> (hf_tiny class, Auto class, pipeline tag)
@@ -383,7 +383,7 @@ class EncoderFamily(Family):
         for note in notes:
             print(f"note: {note}", file=sys.stderr)
         official = variant.official_class(suffix)
-        source.description = f"the official `{official}` checkpoint `{source.path.resolve().name}`"
+        source.description = f"the official `{official}` checkpoint `{source_name(source.path)}`"
         return Plan(config, variant.hf_tiny_class(suffix)[0], official, key_map(variant, suffix, config), config.num_blocks(),
                     state, notes=notes, official_kwargs=official_kwargs)
 

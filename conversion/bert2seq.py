@@ -29,7 +29,7 @@ from .errors import ConversionError
 from .keymap import KeyMap, Rule, check_shapes, expected_shapes, layer_rules
 from .pipeline import Plan, Source
 from .pipeline import convert as run_conversion
-from .readers import official_config
+from .readers import official_config, source_name
 from .seq2seq_common import Seq2SeqFamily, stack_depths, styled_config
 from .writer import drop_tied_copies, stores_tied_copy
 
@@ -167,7 +167,7 @@ class Bert2SeqFamily(Seq2SeqFamily):
         source.state = {k: v.detach().clone() for k, v in source.official.state_dict().items()}
         source.kind = "warm start"
         source.description = (
-            f"an encoder-decoder warm-started from the BERT checkpoint `{src.resolve().name}`, as transformers' "
+            f"an encoder-decoder warm-started from the BERT checkpoint `{source_name(src)}`, as transformers' "
             "`EncoderDecoderModel.from_encoder_decoder_pretrained` does: encoder and decoder carry the BERT weights, "
             "cross-attention (and the LM-head transform, when the checkpoint has none) is newly initialized "
             f"(seed {self.seed}). Fine-tune it before use"

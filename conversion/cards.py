@@ -70,7 +70,8 @@ _DERIVED_CARD_FIELDS = {
 def render_model_card(template_name: str = "hf_tiny", **fields) -> str:
     """Fills model_cards/<template_name>.md ($placeholders) with fields; a missing or unknown field is an error.
 
-    Fields of the hf_tiny template: model_name, model_id (what from_pretrained is given), base_model,
+    Fields of the hf_tiny template: model_name, model_id (what from_pretrained is given), base_model (the source's
+    Hub id, or None where it has none: the metadata line is left out), source_name (how the text names the source),
     pipeline_tag, family, auto_class, description, parity_rows (rows of backend, dtype, device,
     max_abs_diff, tolerance, as dicts or 5-tuples); optional: license, tags, attention_backends, extra.
     """
@@ -102,9 +103,11 @@ def render_model_card(template_name: str = "hf_tiny", **fields) -> str:
         "attention_backends_list": ", ".join(f"`{name}`" for name in values["attention_backends"]),
         "license_yaml": _yaml_str(values["license"]),
     }
-    for name in ("base_model", "pipeline_tag"):
-        if name in values:
-            derived[f"{name}_yaml"] = _yaml_str(values[name])
+    if "pipeline_tag" in values:
+        derived["pipeline_tag_yaml"] = _yaml_str(values["pipeline_tag"])
+    if "base_model" in values:  # a line of its own, left out where the source has no Hub id (None)
+        base_model = values["base_model"]
+        derived["base_model_yaml"] = "" if base_model is None else f"\nbase_model: {_yaml_str(base_model)}"
     if "parity_table" in placeholders:
         derived["parity_table"] = _parity_table(values["parity_rows"])
     return template.substitute({**values, **derived})

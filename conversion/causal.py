@@ -14,7 +14,7 @@ from .errors import ConversionError
 from .gguf_files import gguf_special_token_ids, official_meta_model, open_gguf
 from .keymap import KeyMap, Rule
 from .pipeline import Family, Plan, ReversePlan, Source
-from .readers import official_config, require_model_type
+from .readers import hub_id_of, official_config, require_model_type, source_name
 from .streamed import Streamed
 from .writer import drop_tied_copies
 
@@ -137,6 +137,11 @@ def class_for_architecture(architectures, official_classes: dict[str, str], defa
     )
 
 
+def _of_repo(path: Path) -> str:
+    repo = hub_id_of(path)
+    return f" of `{repo}`" if repo else ""
+
+
 class CausalFamily(Family):
     """What every family converting to the hf_tiny causal LM shares: its classes, and GGUF sources (read with
     transformers' dequantization, the official side loaded with `gguf_file=`, the tokenizer rebuilt from it)."""
@@ -154,7 +159,7 @@ class CausalFamily(Family):
             f"{raw['rope_parameters']}, which reproduce every factor; transformers' GGUF loader drops the tensor, so "
             "the official side is loaded with these rope_parameters."
         ]
-        return Source(path, path.parent, "gguf", raw, state, f"the GGUF file `{path.name}` (dequantized to float32)",
+        return Source(path, path.parent, "gguf", raw, state, f"the GGUF file `{path.name}`{_of_repo(path)} (dequantized to float32)",
                       notes=notes)
 
     def official_stream(self, source: Source, plan: Plan):
@@ -221,7 +226,7 @@ class SingleTypeFamily(CausalFamily):
             gguf = f" or a {self.name} GGUF" if self.gguf_architectures else ""
             raise ConversionError(f"{src} is not {self.title} checkpoint: expected a Hugging Face folder{gguf}")
         source = self.read_hf_folder(path, allow_missing_model_type=allow_missing_model_type)
-        source.description = f"the Hugging Face {self.name} folder `{path.resolve().name}`"
+        source.description = f"the Hugging Face {self.name} folder `{source_name(path)}`"
         return source
 
     def plan_notes(self, source: Source, official) -> list[str]:

@@ -35,7 +35,7 @@ from .keymap import KeyMap, Rule
 from .llama_configs import OFFICIAL_TYPES, causal_config_from_official, official_config_from_causal, official_family
 from .meta_llama import meta_config, meta_key_map, meta_official_model, read_meta_source
 from .pipeline import Plan, ReversePlan, Source, entry_points
-from .readers import official_config
+from .readers import official_config, source_name
 from .streamed import Streamed
 from .writer import drop_tied_copies
 
@@ -178,14 +178,14 @@ class LlamaFamily(CausalFamily):
     model_types = HF_MODEL_TYPES
     gguf_architectures = GGUF_ARCHITECTURES
     card_family = ("hf_tiny_causal (Llama-style decoder: Llama, Mistral, Qwen2, Qwen3, Gemma 3, Mixtral, Qwen2-MoE, "
-                   "Qwen3-MoE, DeepSeek-V3)")
-    tags = ("llama", "causal-lm", "text-generation")
+                   "Qwen3-MoE, DeepSeek-V3, SmolLM3, OLMo 2, GPT-OSS, Llama 4 text)")
+    tags = ("causal-lm", "text-generation")  # and the source's model type (Plan.tags)
 
     def read(self, src: Path) -> Source:
         kind, path = detect_source(src)
         if kind == "hf":
             source = super().read(path)
-            source.description = f"the Hugging Face {source.raw_config['model_type']} folder `{path.resolve().name}`"
+            source.description = f"the Hugging Face {source.raw_config['model_type']} folder `{source_name(path)}`"
             if source.raw_config.get("model_type") == gpt_oss.VARIANT.model_type:
                 source.state, note = gpt_oss.dequantized_view(source.state, src=path)
                 source.notes += [note] if note else []

@@ -26,7 +26,9 @@ from .errors import ConversionError
 from .keymap import KeyMap
 from .lazy import LazyTensors
 from .parity import MODALITIES, fail_on_parity, in_memory, layer_table, measure, parity_batch
-from .readers import load_config_json, load_hf_tiny_config, open_checkpoint, require_model_type
+from .readers import (
+    hub_id_of, load_config_json, load_hf_tiny_config, open_checkpoint, require_model_type, source_name,
+)
 from .shards import parse_max_shard_size
 from .streamed import Streamed, can_stream, streamed_runner
 from .tensors import parse_dtype
@@ -116,7 +118,7 @@ class Family:
             raw = {**raw, "model_type": self.model_types[0]}
         require_model_type(raw, self.model_types, src=src)
         folder = src if src.is_dir() else src.parent
-        return Source(src, folder, "hf", raw, open_checkpoint(src), f"the official checkpoint `{src.resolve().name}`",
+        return Source(src, folder, "hf", raw, open_checkpoint(src), f"the official checkpoint `{source_name(src)}`",
                       notes=notes)
 
     def plan(self, source: Source) -> Plan:
@@ -314,7 +316,8 @@ def _write_card(family: Family, source: Source, plan: Plan, tmp: Path, dst: Path
     notes = " ".join(plan.notes)
     return write_model_card(
         tmp, model_name=dst.name, license=source_license(source.folder), model_id=str(dst),
-        base_model=base_model or source.raw_config.get("_name_or_path") or source.path.resolve().name,
+        base_model=base_model or hub_id_of(source.path, source.raw_config.get("_name_or_path")),
+        source_name=base_model or source_name(source.path),
         pipeline_tag=pipeline_tag, family=family.card_family, auto_class=auto_class,
         description=f"`{plan.our_class}` converted from {source.description}.", parity_rows=parity.rows,
         tags=list(dict.fromkeys((*family.tags, *plan.tags))),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import zipfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -212,3 +213,25 @@ def official_config(raw: Mapping, *, src):
         return AutoConfig.for_model(model_type, **fields)
     except (TypeError, ValueError, KeyError) as error:
         raise ConversionError(f"{src}: config.json is not a valid {model_type} config: {error}") from error
+
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def hub_id_of(path: str | os.PathLike, name_or_path: object = None) -> str | None:
+    """The Hub model id a source came from, where it shows: a Hugging Face cache snapshot
+    (`.../models--ORG--NAME/snapshots/<commit>/...`), else a config's `_name_or_path` of the form `org/name` that is
+    no local path; None when neither says (a local folder's own name is no model id, and the Hub refuses a card whose
+    base_model is not one)."""
+    for part in reversed(Path(path).resolve().parts):
+        if part.startswith("models--") and part.count("--") >= 2:
+            return part[len("models--"):].replace("--", "/", 1)
+    if isinstance(name_or_path, str) and _HUB_ID.fullmatch(name_or_path) and not os.path.exists(name_or_path):
+        return name_or_path
+    return None
+
+
+def source_name(path: str | os.PathLike) -> str:
+    """How a card names a source: its Hub id where the path shows one (a cache snapshot's folder is a commit hash),
+    else the file or folder name."""
+    return hub_id_of(path) or Path(path).resolve().name

@@ -18,7 +18,7 @@ from pathlib import Path
 from .errors import ConversionError
 from .keymap import KeyMap, Rule, layer_rules
 from .pipeline import Plan, ReversePlan, Source, entry_points
-from .readers import official_config
+from .readers import official_config, source_name
 from .seq2seq_common import Seq2SeqFamily, require_style, stack_depths, styled_config
 from .writer import drop_tied_copies, stores_tied_copy
 
@@ -151,7 +151,7 @@ class T5Family(Seq2SeqFamily):
             raise ConversionError(f"{src}: missing tensor shared.weight")
         config = config_from_official(official, src=src, tied_head=tied_head)
         version = "v1.1 layout (gated-GELU, untied head)" if config.mlp_gated else "v1.0 layout"
-        source.description = f"the official T5 checkpoint `{src.resolve().name}` ({version})"
+        source.description = f"the official T5 checkpoint `{source_name(src)}` ({version})"
         return Plan(config, "TinySeq2SeqForConditionalGeneration", "T5ForConditionalGeneration",
                     key_map(gated=config.mlp_gated, tied_head=tied_head), stack_depths(config), state,
                     official_config=official, notes=[RELATIVE_BIAS_NOTE])

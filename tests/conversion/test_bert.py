@@ -605,3 +605,36 @@ def test_cuda_parity_real_minilm(backend, dtype, real_minilm_dir, converted_mini
     min_cosine = {torch.float32: 0.99999, torch.float16: 0.9999, torch.bfloat16: 0.999}[dtype]
     cosine = F.cosine_similarity(mean_pool(got, batch["attention_mask"]), mean_pool(want, batch["attention_mask"]))
     assert float(cosine.min()) >= min_cosine
+
+
+def _card_front_matter(folder: Path) -> tuple[dict, str]:
+    import yaml
+
+    text = (folder / "README.md").read_text()
+    return yaml.safe_load(text.split("---\n")[1]), text
+
+
+def test_card_base_model_is_the_source_hub_id_or_left_out(tmp_path, capsys):
+    """A source in a Hugging Face cache snapshot names its repo (the folder itself is a commit hash); a local folder
+    has no model id, so the card leaves base_model out (the Hub refuses one that is no model id); --base-model names
+    it. Before, a snapshot's card said base_model: '<commit hash>'."""
+    from conversion.__main__ import main
+
+    official = official_model("BertForMaskedLM")
+    snapshot = tmp_path / "hub" / "models--some-org--tiny-bert" / "snapshots" / "3f5a0c1e9b7d"
+    official.save_pretrained(snapshot)
+    bert_conversion.convert(snapshot, tmp_path / "from_cache")
+    front, text = _card_front_matter(tmp_path / "from_cache")
+    assert front["base_model"] == "some-org/tiny-bert"
+    assert "checkpoint `some-org/tiny-bert`" in text and "3f5a0c1e9b7d" not in text
+
+    official.save_pretrained(tmp_path / "local-bert")
+    bert_conversion.convert(tmp_path / "local-bert", tmp_path / "from_folder")
+    front, text = _card_front_matter(tmp_path / "from_folder")
+    assert "base_model" not in front and "the weights of `local-bert` converted" in text
+
+    assert main([str(tmp_path / "local-bert"), str(tmp_path / "named"), "--base-model", "me/bert-tiny"]) == 0
+    front, text = _card_front_matter(tmp_path / "named")
+    assert front["base_model"] == "me/bert-tiny" and "the weights of `me/bert-tiny` converted" in text
+    assert main(["--reverse", str(tmp_path / "named"), str(tmp_path / "back"), "--base-model", "me/x"]) == 2
+    assert "--base-model names the source of an hf_tiny folder's card; not with --reverse" in capsys.readouterr().err

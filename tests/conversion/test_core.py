@@ -604,6 +604,7 @@ CARD_FIELDS = dict(
     model_name="all-MiniLM-L6-v2 (hf_tiny)",
     model_id="me/all-MiniLM-L6-v2-hf_tiny",
     base_model="sentence-transformers/all-MiniLM-L6-v2",
+    source_name="sentence-transformers/all-MiniLM-L6-v2",
     pipeline_tag="feature-extraction",
     family="bert",
     auto_class="AutoModel",
@@ -639,6 +640,14 @@ def test_model_card_front_matter_survives_yaml_special_characters():
     text = render_model_card(**{**CARD_FIELDS, "base_model": odd, "tags": ["a: b", "- c"]})
     front = yaml.safe_load(text.split("---\n")[1])
     assert front["base_model"] == odd and front["tags"][-2:] == ["a: b", "- c"]
+
+
+def test_model_card_of_a_source_without_hub_id_has_no_base_model_line():
+    """The Hub refuses a card whose base_model is no model id: a source with none (a local folder) leaves it out."""
+    text = render_model_card(**{**CARD_FIELDS, "base_model": None, "source_name": "my-local-folder"})
+    front = yaml.safe_load(text.split("---\n")[1])
+    assert "base_model" not in front and front["license"] == "apache-2.0" and front["pipeline_tag"]
+    assert "the weights of `my-local-folder` converted" in text
 
 
 def test_model_card_missing_unknown_and_malformed_fields_are_named():

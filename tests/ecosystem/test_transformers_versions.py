@@ -170,7 +170,7 @@ def test_pyproject_code_and_card_state_one_torch_range():
     from conversion import render_model_card
 
     card = render_model_card(
-        model_name="m", model_id="me/m", base_model="b/m", pipeline_tag="text-generation", family="llama",
+        model_name="m", model_id="me/m", base_model="b/m", source_name="b/m", pipeline_tag="text-generation", family="llama",
         auto_class="AutoModelForCausalLM", description="d.",
         parity_rows=[("eager", "float32", "cpu", 1e-6, 1e-4)],
     )
