@@ -4,7 +4,8 @@ A converted checkpoint holds a README.md that `python -m conversion` rendered fr
 metadata: library_name, license, base_model, pipeline_tag, tags; the parity numbers measured at conversion).
 The card is not re-rendered here: the card of the folder a model was loaded from is carried to wherever the
 model is saved or pushed, with the id in its loading snippets pointed at the new place and any extra tags
-added. A model with no such card (built from a config, say) keeps the card transformers writes.
+added, as long as it still describes the model (its class, its weights as loaded). A model with no such card
+(built from a config, fine-tuned, quantized, say) keeps the card transformers or Trainer writes.
 
 This module is shipped as remote code with the modeling files (modeling_base imports it), so it imports only
 the standard library: the same carrying works where hf_tiny is not installed.
@@ -87,12 +88,35 @@ def retarget_card(card: str, model_id: str | None, extra_tags=()) -> str:
     return card
 
 
+_CARD_CLASS = re.compile(r"^`(?P<name>\w+)` converted from ", re.MULTILINE)
+
+
+def remember_loaded_weights(model) -> None:
+    """Notes each parameter as from_pretrained left it (the object and its in-place version counter, which
+    `.to()` keeps and every optimizer step or in-place edit moves), for card_still_holds."""
+    model._hf_tiny_loaded_weights = {name: (id(p), p._version) for name, p in model.named_parameters()}
+
+
+def card_still_holds(model, card: str) -> bool:
+    """The source card describes this model: the class it names, and every parameter as loaded. After training,
+    merging an adapter, quantizing, resizing or loading into another head, its "same numbers" and parity table would
+    be claims about other weights."""
+    named = _CARD_CLASS.search(card)
+    if named is not None and named.group("name") != type(model).__name__:
+        return False
+    if getattr(getattr(model, "config", None), "quantization_config", None) is not None:
+        return False
+    loaded = getattr(model, "_hf_tiny_loaded_weights", None)
+    return loaded == {name: (id(p), p._version) for name, p in model.named_parameters()}
+
+
 def carry_model_card(model, folder, *, model_id: str | None = None) -> Path | None:
     """Writes the model's source card (see module doc) into folder/README.md; returns its path, or None when the
-    model has no hf_tiny card. Tags of a README already in `folder` (transformers puts push tags there) are kept.
+    model has no hf_tiny card or the card no longer describes it (card_still_holds). Tags of a README already in
+    `folder` (transformers puts push tags there) are kept.
     """
     found = source_card(model)
-    if found is None:
+    if found is None or not card_still_holds(model, found[1]):
         return None
     source_path, card = found
     target = Path(folder) / CARD_FILE

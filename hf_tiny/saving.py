@@ -11,7 +11,7 @@ from pathlib import Path
 
 from transformers import PreTrainedModel
 
-from .hub import CARD_FILE, carry_model_card, check_repo_id, source_card
+from .hub import CARD_FILE, carry_model_card, check_repo_id, remember_loaded_weights, source_card
 from .io_utils import atomic_directory, follow_umask, link_or_copy_tree
 
 
@@ -44,6 +44,12 @@ class AtomicSaveAndCardMixin:
             follow_umask(tmp)  # before the previous folder's entries are linked in: those keep their modes
             _carry_over_previous_folder(self, destination, tmp, os.fspath(save_directory), options.get("variant"))
         return result
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        loaded = super().from_pretrained(*args, **kwargs)
+        remember_loaded_weights(loaded[0] if isinstance(loaded, tuple) else loaded)  # output_loading_info: a tuple
+        return loaded
 
     def _name_every_auto_class(self) -> None:
         """transformers' save writes into auto_map only the saved class's own Auto class: the config's auto_map gets

@@ -226,6 +226,30 @@ def test_save_pretrained_carries_the_model_card(converted_encoder, tmp_path):
     assert (converted / "README.md").read_text() == source
 
 
+@pytest.mark.parametrize("change", ["another head", "fine-tuned", "quantized"])
+def test_a_card_that_no_longer_describes_the_model_is_not_carried(converted_encoder, tmp_path, change):
+    """The card claims the converted weights and their parity: saved from another head, after a training step or
+    quantized it would describe other numbers, so it is not carried (transformers / Trainer write theirs). Moving the
+    model (`.to()`) keeps it. Before, every save carried it."""
+    from transformers import AutoModelForMaskedLM, AutoModelForSequenceClassification, BitsAndBytesConfig
+
+    converted, _ = converted_encoder
+    if change == "another head":
+        model = AutoModelForSequenceClassification.from_pretrained(converted, num_labels=2)
+    elif change == "quantized":
+        pytest.importorskip("bitsandbytes")
+        model = AutoModelForMaskedLM.from_pretrained(converted, quantization_config=BitsAndBytesConfig(load_in_8bit=True))
+    else:
+        model = AutoModelForMaskedLM.from_pretrained(converted).to(torch.float64).to(torch.float32)
+        (tmp_path / "moved").mkdir()
+        assert carry_model_card(model, tmp_path / "moved") is not None  # moved, not changed: the card holds
+        with torch.no_grad():
+            next(model.parameters()).add_(0.01)  # an optimizer step, in place
+    model.save_pretrained(tmp_path / "saved")
+    readme = tmp_path / "saved" / "README.md"
+    assert not readme.exists() or "converted from" not in readme.read_text()
+
+
 def test_model_without_hf_tiny_card_gets_none(tmp_path):
     """A model built from a config has no measured parity: nothing is invented for it."""
     config = hf_tiny.TinyEncoderConfig(
