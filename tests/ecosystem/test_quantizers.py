@@ -134,3 +134,54 @@ def test_the_few_row_product_takes_plain_weights_only_never_quantized_ones(folde
         assert taken and all(id(weight) not in quantized and weight.dtype is torch.float32 for weight in taken)
         with hf_tiny.runtime.disabled():
             assert torch.equal(ours.generate(prompt, **settings), expected)
+
+
+# Where official leaves weights unquantized that hf_tiny holds as plain nn.Linear (T5's `wo`, kept in float32 by
+# T5's _keep_in_fp32_modules; MoE experts, 3-D parameters in official 5.24), docs/compatibility.md gives the skip
+# list that quantizes as official does. These are those lists.
+SKIP_AS_OFFICIAL = {"t5": ["down_proj", "lm_head"], "mixtral": [r".*\.experts\..*", "lm_head"]}
+
+
+def _t5_pair(root):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from conversion import t5
+
+    torch.manual_seed(0)
+    official = T5ForConditionalGeneration(T5Config(
+        vocab_size=97, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, dropout_rate=0.0,
+        decoder_start_token_id=0, feed_forward_proj="gated-gelu", tie_word_embeddings=False))
+    official.save_pretrained(root / "t5")
+    t5.convert(root / "t5", root / "t5_ours")
+    return root / "t5", root / "t5_ours"
+
+
+@pytest.mark.parametrize("family", sorted(SKIP_AS_OFFICIAL))
+def test_the_documented_skip_list_quantizes_as_official(family, tmp_path):
+    """With the skip list of docs/compatibility.md, bitsandbytes 8-bit replaces the official model's modules and the
+    outputs are equal; negative control: without it, hf_tiny quantizes more (down_proj / every expert) and the
+    outputs differ."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForSeq2SeqLM
+
+    if family == "t5":
+        official_folder, ours_folder = _t5_pair(tmp_path)
+        auto = AutoModelForSeq2SeqLM
+    else:
+        tiny_official("mixtral", hidden_size=64, intermediate_size=128).save_pretrained(tmp_path / "mixtral")
+        llama.convert(tmp_path / "mixtral", tmp_path / "mixtral_ours")
+        official_folder, ours_folder, auto = tmp_path / "mixtral", tmp_path / "mixtral_ours", AutoModelForCausalLM
+    ids = torch.randint(3, 90, (2, 9), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, **({"decoder_input_ids": ids[:, :5]} if family == "t5" else {})}
+
+    def quantized(folder, skip=None):
+        config = BitsAndBytesConfig(load_in_8bit=True, **({"llm_int8_skip_modules": skip} if skip else {}))
+        model = auto.from_pretrained(folder, quantization_config=config, device_map="cpu").eval()
+        with torch.no_grad():
+            return len(quantized_modules(model)), model(**inputs).logits
+
+    official_count, official_logits = quantized(official_folder)
+    count, logits = quantized(ours_folder, SKIP_AS_OFFICIAL[family])
+    assert count == official_count and max_diff(logits, official_logits) == 0.0
+    default_count, default_logits = quantized(ours_folder)
+    assert default_count > official_count and max_diff(default_logits, official_logits) > 1e-4
