@@ -49,7 +49,7 @@ from .step import (
     prepare_causal_step, cache_of, with_cache, PACKING_KWARGS,
 )
 from .transformers_api import check_cached_generation
-from .validation import check_labels, check_sequence_labels, is_compiling
+from .validation import check_labels, check_sequence_labels, is_compiling, logger
 
 # Keyword arguments the heads take besides the base model's: Trainer's loss normalisation and the chunked loss.
 LOSS_KWARGS = ("num_items_in_batch", "ignore_index", "shift_labels")
@@ -483,6 +483,11 @@ class TinyCausalForSequenceClassification(TinyCausalPreTrainedModel):
             raise ValueError(
                 "TinyCausalForSequenceClassification needs config.pad_token_id to find the last token of each "
                 f"sequence in a batch of {batch_size}; set pad_token_id (e.g. to the tokenizer's pad token id)"
+            )
+        if pad_token_id is not None and input_ids is None:
+            logger.warning_once(
+                f"{type(self).__name__} will not detect padding tokens in `inputs_embeds`. Results may be unexpected "
+                "if using padding tokens in conjunction with `inputs_embeds.`"  # official's words
             )
         if pad_token_id is None or input_ids is None:
             return torch.full((batch_size,), -1, device=logits.device, dtype=torch.long)

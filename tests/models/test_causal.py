@@ -3,6 +3,8 @@ num_items_in_batch), save/load, gradient checkpointing, sequence classification.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -16,7 +18,7 @@ from transformers import (
 )
 
 import hf_tiny  # noqa: F401
-from causal_helpers import BASE, left_padded_batch, max_diff, randomize, tiny_official
+from causal_helpers import BASE, left_padded_batch, max_diff, randomize, tiny_official, transformers_warnings
 from hf_tiny import TinyCausalConfig, TinyCausalForCausalLM, TinyCausalForSequenceClassification, TinyCausalModel
 from hf_tiny.transformers_api import enable_activation_checkpointing
 
@@ -259,3 +261,22 @@ def test_sequence_classification_matches_official_llama():
     no_pad = TinyCausalForSequenceClassification(TinyCausalConfig(**{**fields, "pad_token_id": None}, num_labels=3))
     with pytest.raises(ValueError, match="needs config.pad_token_id"):
         no_pad(ids)
+
+
+def test_sequence_classification_from_inputs_embeds_warns_as_official(caplog):
+    """From inputs_embeds no pad token can be found: the last position is scored, with official's warning."""
+    torch.manual_seed(0)
+    official = randomize(LlamaForSequenceClassification(LlamaConfig(**BASE, num_labels=3))).eval()
+    fields = {k: v for k, v in official.config.to_dict().items() if k in TinyCausalConfig().to_dict() and k not in ("architectures", "model_type", "transformers_version")}
+    ours = TinyCausalForSequenceClassification(TinyCausalConfig(**fields, num_labels=3)).eval()
+    ours.load_state_dict(official.state_dict())
+    embeds = official.get_input_embeddings()(torch.tensor([[5, 6, 7, 0, 0], [5, 6, 7, 8, 9]]))
+    logging.Logger.warning_once.cache_clear()  # transformers' warning_once: once per process, whichever test ran first
+    with torch.no_grad():
+        expected, official_warnings = transformers_warnings(lambda: official(inputs_embeds=embeds).logits)
+        with caplog.at_level("WARNING", logger="hf_tiny"):
+            produced = ours(inputs_embeds=embeds).logits
+    assert max_diff(produced, expected) <= TOLERANCE
+    message = "will not detect padding tokens in `inputs_embeds`"
+    assert any(message in text for text in official_warnings)
+    assert any(message in record.getMessage() for record in caplog.records)
