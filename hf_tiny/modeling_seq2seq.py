@@ -174,7 +174,8 @@ class TinySeq2SeqModel(TinySeq2SeqPreTrainedModel):
                 past_key_values: Optional[Cache] = None):
         """cache: an EncoderDecoderCache (past_key_values: its name before transformers 5.24)."""
         flags = output_flags(self.config, output_attentions, output_hidden_states, return_dict)
-        use_cache = use_cache if use_cache is not None else (self.config.use_cache and not self.training)
+        if use_cache is None:  # a training forward that records gradients builds none (docs/compatibility.md)
+            use_cache = self.config.use_cache and not (self.training and torch.is_grad_enabled())
         if decoder_input_ids is None and decoder_inputs_embeds is None:
             raise ValueError(
                 "the decoder needs an input: pass decoder_input_ids (starting with decoder_start_token_id="

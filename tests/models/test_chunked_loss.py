@@ -281,3 +281,18 @@ def test_a_seq2seq_tuple_output_keeps_the_logits_in_their_place(tmp_path):
     assert relative(loss, expected_loss) <= FP32_RELATIVE
     assert logits.shape == expected_logits.shape and relative(logits, expected_logits) <= 1e-5
     assert relative(logits, ours(**batch, labels=labels.flip(-1), return_dict=False)[1]) > 1e-2  # negative control
+
+
+def test_a_model_in_train_mode_under_no_grad_gives_official_s_tuple(tmp_path):
+    """train() with gradients off (an evaluation loop that forgot eval()) builds the cache as official does, so the
+    tuple's slots mean what official's mean: (logits, cache, encoder states) for BART; before, the cache slot was
+    missing and out[1] was the encoder's states. With gradients recorded no cache is built (the documented
+    divergence), the negative control."""
+    official, ours, batch, labels = bart_in_training(tmp_path)
+    batch["decoder_input_ids"] = labels.masked_fill(labels == -100, official.config.pad_token_id)
+    with torch.no_grad():
+        expected, got = official(**batch, return_dict=False), ours(**batch, return_dict=False)
+    kinds = [[type(slot).__name__ if not torch.is_tensor(slot) else "tensor" for slot in out] for out in (expected, got)]
+    assert kinds[0] == kinds[1] == ["tensor", "EncoderDecoderCache", "tensor"]
+    assert relative(got[0], expected[0]) <= 1e-5 and relative(got[2], expected[2]) <= 1e-5
+    assert [type(slot).__name__ for slot in ours(**batch, return_dict=False)] == ["Tensor", "Tensor"]
