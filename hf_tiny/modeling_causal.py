@@ -131,6 +131,13 @@ class TinyCausalPreTrainedModel(HfTinyPreTrainedModel):
     _can_compile_fullgraph = True
     _supports_static_cache = True  # transformers 4.x name of the same promise
 
+    def __init__(self, config: TinyCausalConfig, *inputs, **kwargs):
+        super().__init__(config, *inputs, **kwargs)
+        spec = config.moe_spec()
+        if spec is not None and spec.scoring == "sigmoid":
+            # DeepSeek-V3's router stays float32 in a bf16 / fp16 model, as official's (transformers' strict list)
+            self._keep_in_fp32_modules_strict = ["e_score_correction_bias", "gate.weight"]
+
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
         """The shared init (modeling_base.py), and the MoE router's, a module only this family has."""

@@ -250,3 +250,23 @@ def test_flash_backends_refuse_mla_value_width_clearly():
     v = torch.randn(1, 2, 3, 6)
     with pytest.raises(ValueError, match="needs one head_dim for queries, keys and values"):
         ATTENTION_BACKENDS["flash_attention_2"](q, k, v, None, scale=1.0, is_causal=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_load_keeps_the_router_in_float32_as_official(dtype, tmp_path):
+    """Official DeepSeek-V3 lists its router (gate.weight, e_score_correction_bias) as kept in float32 whatever the
+    load dtype: ours keeps the same tensors, with the checkpoint's float32 values; before, they were rounded to the
+    load dtype. Control: the other weights are in the load dtype on both sides."""
+    convert(tiny_deepseek("mla_moe"), tmp_path)
+    official = AutoModelForCausalLM.from_pretrained(tmp_path / "src", dtype=dtype)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=dtype)
+    source = load_file(tmp_path / "src" / "model.safetensors")
+    kept = {name for name, tensor in official.state_dict().items() if tensor.dtype == torch.float32 and ".gate." in name}
+    assert kept and all(name.endswith(("gate.weight", "gate.e_score_correction_bias")) for name in kept)
+    state = ours.state_dict()
+    for name in kept:
+        assert state[name].dtype == torch.float32, name
+        if name in source:
+            assert torch.equal(state[name], source[name]), name
+    assert state["model.layers.0.self_attn.q_a_proj.weight"].dtype == dtype
+    assert {t.dtype for n, t in state.items() if n not in kept and t.is_floating_point()} == {dtype}
