@@ -147,6 +147,11 @@ class TinySeq2SeqConfig(PretrainedConfig):
         check_choice(type(self).__name__, "style", style, sorted(STYLES))
         return [f"{k}={getattr(self, k)!r} (it needs {v!r})" for k, v in STYLES[style].items() if getattr(self, k) != v]
 
+    @property
+    def d_model(self) -> int:
+        """hidden_size under BART's and T5's name, which transformers' seq2seq export wrapper reads."""
+        return self.hidden_size
+
     def decoder_key_value_heads(self) -> int:
         """The decoder's key/value heads: num_key_value_heads, unless the decoder has its own head count (then it
         has no grouped-query attention)."""

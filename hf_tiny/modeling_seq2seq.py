@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.activations import ACT2FN
-from transformers.cache_utils import Cache, DynamicCache, EncoderDecoderCache
+from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput, Seq2SeqModelOutput
 
@@ -27,7 +27,8 @@ from .configuration_seq2seq import TinySeq2SeqConfig
 from .modeling_base import HfTinyPreTrainedModel
 from .runtime import runtime_decoding, runtime_products
 from .seq2seq_stack import SinusoidalPositions, TinySeq2SeqLayer, TinySeq2SeqStack  # noqa: F401 (re-exported)
-from .step import cache_arguments, cache_of, format_output, output_flags, with_cache
+from .seq2seq_stack import decoder_cache_of
+from .step import cache_of, format_output, output_flags, with_cache
 from .transformers_api import check_cached_generation
 from .validation import check_labels
 
@@ -151,23 +152,6 @@ class TinySeq2SeqModel(TinySeq2SeqPreTrainedModel):
         if self.config.share_encoder_decoder_embeddings:
             self.decoder.embed_tokens = value
 
-    def _decoder_cache(self, cache, past_key_values, use_cache: bool):
-        cache, paged_cache = cache_arguments(cache, past_key_values)
-        if paged_cache is not None or (cache is not None and not isinstance(cache, EncoderDecoderCache)):
-            raise TypeError(
-                "the cache of a seq2seq model must be an EncoderDecoderCache (self-attention + cross-attention "
-                f"caches), got {type(cache if paged_cache is None else paged_cache).__name__}"
-            )
-        if cache is not None and cache.is_compileable:
-            raise ValueError(
-                "static (compileable) caches are not supported by hf_tiny seq2seq models: their zero-padded K/V need "
-                "masks sized to the cache; use the default dynamic cache (cache_implementation=None)"
-            )
-        if cache is None and use_cache:
-            # DynamicCache(config=...) reads the decoder view of the config, so it has num_decoder_layers layers.
-            cache = EncoderDecoderCache(DynamicCache(config=self.config), DynamicCache(config=self.config))
-        return cache
-
     def forward(self, input_ids=None, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                 encoder_outputs=None, cache: Optional[Cache] = None, inputs_embeds=None, decoder_inputs_embeds=None,
                 use_cache=None, output_attentions=None, output_hidden_states=None, return_dict=None, *,
@@ -187,7 +171,7 @@ class TinySeq2SeqModel(TinySeq2SeqPreTrainedModel):
         decoder_outputs = self.decoder(
             input_ids=decoder_input_ids, attention_mask=decoder_attention_mask, inputs_embeds=decoder_inputs_embeds,
             encoder_hidden_states=encoder_outputs.last_hidden_state, encoder_attention_mask=attention_mask,
-            cache=self._decoder_cache(cache, past_key_values, use_cache), output_attentions=flags.attentions,
+            cache=decoder_cache_of(self.config, cache, past_key_values, use_cache), output_attentions=flags.attentions,
             output_hidden_states=flags.hidden_states, return_dict=True,
         )
         output = with_cache(

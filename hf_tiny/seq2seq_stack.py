@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.cache_utils import EncoderDecoderCache
+from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutput, BaseModelOutputWithPastAndCrossAttentions
 
@@ -20,8 +20,8 @@ from .layers import Attention, build_norm, feed_forward
 from .masks import AttentionMask, cross_attention_mask, self_attention_mask, with_position_bias
 from .runtime import runtime_layer
 from .step import (
-    LayerOutputs, OutputFlags, check_attention_mask, check_sequence_length, check_token_inputs, format_output,
-    with_cache,
+    LayerOutputs, OutputFlags, cache_arguments, check_attention_mask, check_sequence_length, check_token_inputs,
+    format_output, with_cache,
 )
 
 
@@ -64,6 +64,25 @@ class SinusoidalPositions(nn.Module):
 
     def forward(self, position_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(position_ids, self.weight)
+
+
+def decoder_cache_of(config, cache, past_key_values, use_cache) -> Optional[EncoderDecoderCache]:
+    """The decoder's cache from a forward's `cache` / `past_key_values` (at most one), checked; with use_cache and
+    none given, a new one (DynamicCache(config=...) reads the decoder view of the config: num_decoder_layers)."""
+    cache, paged_cache = cache_arguments(cache, past_key_values)
+    if paged_cache is not None or (cache is not None and not isinstance(cache, EncoderDecoderCache)):
+        raise TypeError(
+            "the cache of a seq2seq model must be an EncoderDecoderCache (self-attention + cross-attention "
+            f"caches), got {type(cache if paged_cache is None else paged_cache).__name__}"
+        )
+    if cache is not None and cache.is_compileable:
+        raise ValueError(
+            "static (compileable) caches are not supported by hf_tiny seq2seq models: their zero-padded K/V need "
+            "masks sized to the cache; use the default dynamic cache (cache_implementation=None)"
+        )
+    if cache is None and use_cache:
+        cache = EncoderDecoderCache(DynamicCache(config=config), DynamicCache(config=config))
+    return cache
 
 
 class TinySeq2SeqLayer(GradientCheckpointingLayer):
@@ -184,13 +203,16 @@ class TinySeq2SeqStack(nn.Module):
 
     def forward(self, input_ids=None, attention_mask=None, inputs_embeds=None, encoder_hidden_states=None,
                 encoder_attention_mask=None, cache: Optional[EncoderDecoderCache] = None, output_attentions: bool = False,
-                output_hidden_states: bool = False, return_dict: bool = True):
+                output_hidden_states: bool = False, return_dict: bool = True, use_cache: Optional[bool] = None, *,
+                past_key_values: Optional[EncoderDecoderCache] = None):
         names = ("decoder_input_ids", "decoder_inputs_embeds") if self.is_decoder else ("input_ids", "inputs_embeds")
         batch, seq_len = check_token_inputs(self.config, input_ids, inputs_embeds, names=names)
         if self.is_decoder and encoder_hidden_states is None:
             raise ValueError("the decoder needs encoder_hidden_states (the encoder's last_hidden_state)")
-        if not self.is_decoder and cache is not None:
+        if not self.is_decoder and (cache is not None or past_key_values is not None):
             raise ValueError("the encoder takes no cache")
+        # as official decoders: the cache under either name, and use_cache=True starts one
+        cache = decoder_cache_of(self.config, cache, past_key_values, use_cache and self.is_decoder)
         past_length = cache.self_attention_cache.get_seq_length() if cache is not None else 0
         hidden_states = self.embed(input_ids, inputs_embeds, past_length)
         self_mask, cross_mask = self._masks(attention_mask, encoder_hidden_states, encoder_attention_mask,

@@ -226,3 +226,32 @@ def test_sliding_window_model_exports_with_a_dynamic_length_shorter_and_longer_t
     # negative control: the window matters at 17 tokens: the full-attention model differs there
     unwindowed = tiny_official(kind, **{**SLIDING[kind], "sliding_window": 64})
     assert relative_gap(LogitsWithMask(unwindowed)(ids, mask)[mask.bool()].detach(), expected[mask.bool()]) > 1e-3
+
+
+def test_seq2seq_executorch_export_stops_on_the_static_cache_with_its_reason(tmp_path):
+    """transformers' Seq2SeqLMExportableModule decodes into a StaticCache, which hf_tiny seq2seq models do not
+    support (docs/compatibility.md): the export stops with that reason, not an attribute or binding error as before
+    (no `d_model`, no `use_cache` on the decoder). The decoder takes official's call (`use_cache=True` starts a
+    cache), the control that the refusal is the static cache's."""
+    from transformers import AutoModelForSeq2SeqLM, BartForConditionalGeneration
+    from transformers.integrations.executorch import Seq2SeqLMExportableModule
+
+    from hf_tiny.step import cache_of
+
+    from bart_models import make_official_bart
+    from conversion import bart
+
+    bart.convert(make_official_bart(tmp_path / "official"), tmp_path / "ours")
+    ours = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "ours").eval()
+    official = BartForConditionalGeneration.from_pretrained(tmp_path / "official").eval()
+    ids = batch(8)[:1] % ours.config.vocab_size
+    exporter = Seq2SeqLMExportableModule(ours, batch_size=1, max_hidden_seq_length=16, max_cache_length=16)
+    with pytest.raises(Exception, match=r"static \(compileable\) caches are not supported by hf_tiny seq2seq models"):
+        exporter.export(encoder_input_ids=ids)
+    with torch.no_grad():
+        states = ours.get_encoder()(input_ids=ids).last_hidden_state
+        start = torch.tensor([[ours.config.decoder_start_token_id]])
+        got = ours.get_decoder()(input_ids=start, encoder_hidden_states=states, use_cache=True)
+        expected = official.get_decoder()(input_ids=start, encoder_hidden_states=states, use_cache=True)
+    assert type(cache_of(got)).__name__ == type(cache_of(expected)).__name__ == "EncoderDecoderCache"
+    assert relative_gap(got.last_hidden_state, expected.last_hidden_state) <= TOLERANCE
