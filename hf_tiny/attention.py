@@ -44,6 +44,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from .engines import VLLM
 from .flash import check_flash_can_run, check_triton_can_run, flash_attention, hf_tiny_flash_attention, sink_as_first_key
 from .masks import causal_bool_mask, unhidden, visible_rows
 
@@ -312,13 +313,13 @@ def _takes_s_aux(function: Callable) -> bool:
         return False
 
 
-def sinks_for(name: str, function: Callable, sinks: torch.Tensor) -> torch.Tensor:
+def check_takes_sinks(name: str, function: Callable) -> None:
     """Attention sinks reach an attention function as transformers' `s_aux`. A foreign function without that
-    parameter (transformers' sdpa and paged ones, vLLM's: they take **kwargs) would drop them silently and compute
-    attention without sinks, so it is refused."""
-    if name not in HF_TINY_INTERFACES and not _takes_s_aux(function):
+    parameter (transformers' sdpa and paged ones: they take **kwargs) would drop them silently and compute attention
+    without sinks, so it is refused. vLLM's takes them into its attention layer from the call's `s_aux=self.sinks`
+    and fails loudly itself where it could not (its check_sinks)."""
+    if name not in HF_TINY_INTERFACES and name != VLLM and not _takes_s_aux(function):
         raise ValueError(
             f"attn_implementation={name!r} does not take attention sinks (no `s_aux` parameter), which this model's "
             f"attention needs; use one that does: {sorted(HF_TINY_INTERFACES)}, or flex_attention on CUDA"
         )
-    return sinks

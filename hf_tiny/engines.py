@@ -3,9 +3,10 @@ transformers' other attention functions (the masks they take), continuous batchi
 Transformers backend reads.
 
 - vLLM's Transformers backend finds attention modules by reading their forward's source for
-  `ALL_ATTENTION_FUNCTIONS.get_interface(...)` and one call of it, fuses q/k/v and gate/up by tracing the modules
-  (plain nn.Linear projections named q_proj ... / gate_proj, up_proj with act_fn called once), sets
-  `config._attn_implementation = "vllm"` and passes flattened sequences with `position_ids` and no mask.
+  `ALL_ATTENTION_FUNCTIONS.get_interface(...)` and one call of it (with `scaling=` and `s_aux=` written there as
+  `self.` attributes, which it reads), fuses q/k/v and gate/up by tracing the modules (plain nn.Linear projections
+  named q_proj ... / gate_proj, up_proj with act_fn called once), sets `config._attn_implementation = "vllm"` and
+  passes flattened sequences with `position_ids` counted from 0 and no mask (vllm_encoder_positions).
 - transformers' own functions (flex_attention, paged|eager, hub kernels, a user's `AttentionInterface.register`)
   take transformers' mask forms (`foreign_mask`); those without a mask builder get none. flex_attention also takes
   a BlockMask as it comes (generate builds one per layer type for a static cache, `create_masks_for_generate`).
@@ -21,6 +22,23 @@ from typing import Optional
 import torch
 
 from .masks import causal_bool_mask, visible_rows
+
+VLLM = "vllm"  # the attn_implementation vLLM's Transformers backend sets
+
+
+def vllm_encoder_positions(config, position_ids: torch.Tensor) -> torch.Tensor:
+    """An encoder's position ids under vLLM, which counts each sequence's positions from 0. RoBERTa counts from
+    pad_token_id + 1 (positions_from_padding); vLLM adds that offset itself only for model types named "roberta",
+    so here. A local-attention encoder (ModernBERT) is refused: vLLM reads `sliding_window` as a causal window of
+    that many keys, ours is the reach on either side, so its attention would be one key narrower each way."""
+    if "sliding_attention" in config.attention_types():
+        raise ValueError(
+            f"vLLM cannot serve this encoder's local attention: it reads sliding_window={config.sliding_window} as "
+            "a causal window of that many keys, where it is the reach on either side of each token (ModernBERT's "
+            "local_attention // 2); its embeddings would differ from the model's. Serve it with transformers"
+        )
+    return position_ids + config.pad_token_id + 1 if config.positions_from_padding else position_ids
+
 
 def paged_cache_update(cache, key: torch.Tensor, value: torch.Tensor, layer_idx: int, kwargs: dict):
     """Stores this step's K/V [1, Hkv, S, D] in transformers' PagedAttentionCache and returns the sequences' K/V

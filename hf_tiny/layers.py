@@ -16,7 +16,7 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache, EncoderDecoderCache
 
 from .runtime import runtime_feed_forward, runtime_layer
-from .attention import ALL_ATTENTION_FUNCTIONS, HF_TINY_BACKEND_NAMES, sinks_for
+from .attention import ALL_ATTENTION_FUNCTIONS, HF_TINY_BACKEND_NAMES, check_takes_sinks
 from .engines import foreign_mask, paged_cache_update
 from .rope import MAX_TABLE_POSITIONS, SEQUENCE_DEPENDENT_TYPES, compute_inv_freq, rotary_dim, standardize_rope_parameters
 
@@ -468,10 +468,12 @@ class Attention(nn.Module):
         mask, is_causal, visible = interface_inputs(self, implementation, attention_mask, query, key, attention_kwargs)
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(implementation, None)
         if self.sinks is not None:
-            attention_kwargs["s_aux"] = sinks_for(implementation, attention_interface, self.sinks)
+            check_takes_sinks(implementation, attention_interface)
+        # scaling and s_aux written as attributes of self: vLLM's backend reads both from this call's source
         out, weights = attention_interface(
-            self, query, key, value, mask, scaling=self.scaling, dropout=self.dropout if self.training else 0.0,
-            is_causal=is_causal, output_attentions=output_attentions, **attention_kwargs,
+            self, query, key, value, mask, scaling=self.scaling, s_aux=self.sinks,
+            dropout=self.dropout if self.training else 0.0, is_causal=is_causal, output_attentions=output_attentions,
+            **attention_kwargs,
         )
         if visible is not None:  # query rows that see no key (padding) give zeros, as in our own backends
             out = out.masked_fill(~visible[:, 0, :, 0, None, None], 0.0)

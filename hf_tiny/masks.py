@@ -306,6 +306,17 @@ def refuse_alibi(config, where: str) -> None:
         )
 
 
+def refuse_chunked_layers(config, where: str) -> None:
+    """Llama 4's chunked layers keep each token inside its chunk through the mask alone: without one they would
+    attend over everything, silently."""
+    if "chunked_attention" in config.layer_types:
+        raise ValueError(
+            f"chunked attention (attention_chunk_size={config.chunked_attention.attention_chunk_size}) keeps each "
+            f"token inside its chunk through the mask, which {where} does not take (it would attend over every "
+            "token); use attn_implementation='sdpa' or 'eager'"
+        )
+
+
 # ---- packed rows ---------------------------------------------------------------------------------------------------
 
 

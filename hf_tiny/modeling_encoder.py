@@ -42,6 +42,7 @@ from .encoder_head_layers import (
     TinyEncoderDiscriminatorHead, TinyEncoderMaskedLMHead, TinyEncoderPooler, TinyEncoderPredictionHead,
 )
 from .encoder_layers import TinyEncoderLayer, TinyEncoderPreNormLayer, norm_of
+from .engines import VLLM, vllm_encoder_positions
 from .masks import encoder_masks
 from .modeling_base import HfTinyPreTrainedModel
 from .runtime import runtime_stack
@@ -210,6 +211,8 @@ class TinyEncoderModel(TinyEncoderPreTrainedModel):
         device = (input_ids if input_ids is not None else inputs_embeds).device
         if position_ids is None:
             position_ids = self.default_position_ids(input_ids, seq_len, device)
+        elif self.config._attn_implementation == VLLM:
+            position_ids = vllm_encoder_positions(self.config, position_ids)
 
         hidden_states = self.embed(input_ids, token_type_ids, position_ids, inputs_embeds)
         masks = encoder_masks(self.config, attention_mask, batch_size=batch, length=seq_len, device=device)

@@ -243,6 +243,14 @@ class TopKRouter(nn.Module):
         return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)
 
 
+def _expert_kind(expert: nn.Module) -> str:
+    """"swiglu" for a bias-free gated SiLU feed-forward (Mixtral's, Qwen's, DeepSeek's experts), else its class."""
+    gated_silu = hasattr(expert, "gate_proj") and type(getattr(expert, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
+    if gated_silu and type(expert).__name__ == "GatedFeedForward" and expert.gate_proj.bias is None:
+        return "swiglu"
+    return f"{type(expert).__name__} experts"
+
+
 class SparseMoeFeedForward(nn.Module):
     """gate (the router), experts.0 .. experts.{E-1}, and optionally shared_experts (one MLP every token goes
     through) with Qwen2-MoE's shared_expert_gate. make_mlp(intermediate_size) builds one expert: the block's own
@@ -253,6 +261,7 @@ class SparseMoeFeedForward(nn.Module):
         self.spec = spec
         self.gate = TopKRouter(hidden_size, spec)
         self.experts = nn.ModuleList(make_mlp(spec.intermediate_size) for _ in range(spec.num_experts))
+        self.experts_kind = _expert_kind(self.experts[0])  # what an engine's expert runner must compute
         self.shared_experts = None
         self.shared_expert_gate = None
         if spec.shared_intermediate_size:
@@ -268,7 +277,9 @@ class SparseMoeFeedForward(nn.Module):
             hidden_states = hidden_states * noise
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
         _router_logits, top_k_index, top_k_weights = self.gate(tokens)
-        if torch.compiler.is_compiling() and tokens.shape[0] <= COMPILED_DENSE_MAX_TOKENS:
+        if not isinstance(self.experts, nn.ModuleList):
+            output = self._replaced_experts(tokens, top_k_index, top_k_weights)
+        elif torch.compiler.is_compiling() and tokens.shape[0] <= COMPILED_DENSE_MAX_TOKENS:
             output = self._every_expert_on_every_token(tokens, top_k_index, top_k_weights)
         else:
             output = self._each_expert_on_its_tokens(tokens, top_k_index, top_k_weights)
@@ -278,6 +289,19 @@ class SparseMoeFeedForward(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(tokens)) * shared
             output = output + shared
         return output.view_as(hidden_states)
+
+    def _replaced_experts(self, tokens, top_k_index, top_k_weights) -> torch.Tensor:
+        """An engine that replaced the experts by its own runner (vLLM's Transformers backend, where its fuser takes
+        the experts but not the block, as with shared experts) calls it as transformers' experts modules are called:
+        experts(tokens, top_k_index, top_k_weights) -> the weighted sum of the chosen experts' outputs."""
+        if self.spec.weights_on_input or self.experts_kind != "swiglu":
+            raise ValueError(
+                f"this block's experts were replaced by {type(self.experts).__name__}, which computes SwiGLU experts "
+                "without biases (silu(gate) * up) and weighs their outputs; these are "
+                f"{'weighted on their inputs (Llama 4)' if self.spec.weights_on_input else self.experts_kind}, so it "
+                "would compute other numbers. Serve the official checkpoint (python -m conversion --reverse)"
+            )
+        return self.experts(tokens, top_k_index, top_k_weights)
 
     def _each_expert_on_its_tokens(self, tokens, top_k_index, top_k_weights) -> torch.Tensor:
         """The reading: each expert takes the tokens that chose it, and adds its weighted output to theirs."""

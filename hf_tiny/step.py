@@ -22,7 +22,7 @@ from .attention import MASK_KERNEL_BACKENDS, is_hf_tiny_backend
 from .engines import check_block_mask, interface_takes_mask, is_block_mask
 from .masks import (
     AttentionMask, CausalShape, alibi_mask, causal_mask, chunked_layer_mask, packed_causal_mask, refuse_alibi,
-    with_hidden_rows,
+    refuse_chunked_layers, with_hidden_rows,
     segment_ids_from_cu_seq_lens, segment_ids_from_position_ids, segment_ids_from_seq_idx,
 )
 
@@ -442,6 +442,7 @@ def causal_masks(model, attention_mask, cache, shape: CausalShape, segment_ids) 
     layer_types = dict.fromkeys(config.layer_types)
     if not is_hf_tiny_backend(implementation) and not interface_takes_mask(implementation):
         refuse_alibi(config, f"attn_implementation={implementation!r}")
+        refuse_chunked_layers(config, f"attn_implementation={implementation!r}")
         return {layer_type: AttentionMask(None, True) for layer_type in layer_types}
     by_type = _masks_by_layer_type(config, attention_mask, shape) if isinstance(attention_mask, dict) else None
     masks = {}

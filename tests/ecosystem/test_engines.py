@@ -261,3 +261,26 @@ def test_attention_forward_shows_vllm_one_interface_call_in_its_source(module):
              and node.func.id in names]
     assert len(calls) == 1, f"{module}.forward must call the attention interface exactly once, found {len(calls)}"
     assert [kw.arg for kw in calls[0].keywords if kw.arg == "scaling"] == ["scaling"]
+
+
+def test_chunked_layers_are_refused_by_a_function_that_takes_no_mask():
+    """Llama 4's chunked layers keep each token in its chunk through the mask alone; a function without a mask
+    builder (vLLM's, TGI's) would attend over every token, silently (as official Llama 4 does there): refused, naming
+    the chunk size. Control: sdpa runs, and the chunks matter (with attention over every token the logits differ)."""
+    from llama4_models import ours_for, tiny_llama4
+
+    ours = ours_for(tiny_llama4("scout_like")).eval()
+    AttentionInterface.register("own_metadata_sdpa", lambda module, q, k, v, mask, **kw: sdpa_attention_forward(
+        module, q, k, v, None, **kw))
+    ids = torch.randint(3, ours.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        chunked = ours(ids).logits
+        ours.set_attn_implementation("own_metadata_sdpa")
+        try:
+            with pytest.raises(ValueError, match=r"chunked attention \(attention_chunk_size=5\) keeps each token "
+                               r"inside its chunk through the mask, which attn_implementation='own_metadata_sdpa'"):
+                ours(ids)
+        finally:
+            ours.set_attn_implementation("sdpa")
+        ours.config.layer_types = ["full_attention" if t == "chunked_attention" else t for t in ours.config.layer_types]
+        assert max_diff(ours(ids).logits, chunked) > 100 * TOLERANCE
