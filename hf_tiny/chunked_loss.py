@@ -18,10 +18,9 @@ from __future__ import annotations
 from typing import Optional, Union
 
 import torch
-from torch.autograd.function import once_differentiable
 
 from .memory_fit import current_plan
-from .runtime import path_on, plain_linear
+from .runtime import path_on, plain_linear, under_functorch
 from .step import check_skip_logits
 
 # Logits elements per chunk (fp32: 32 MiB): large enough that each chunk's matrix product runs at full speed.
@@ -79,8 +78,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return total / divisor
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_loss):
+        if torch.is_grad_enabled():  # create_graph=True: the gradients were computed in forward, as constants
+            raise RuntimeError(
+                "the chunked loss computes its gradients in the forward pass and has no second derivative "
+                "(backward with create_graph=True, e.g. a gradient penalty); pass skip_logits=False to the forward, "
+                "or model.set_runtime(chunked_loss=False)"
+            )
         grads = list(ctx.saved_tensors)
         # grad_loss is 1.0 unless the loss was scaled (gradient accumulation, a loss weight); multiplying by 1.0 is
         # exact, and not branching on its value keeps the backward free of a host sync (torch.compile, export)
@@ -126,7 +130,8 @@ def use_chunked_loss(skip_logits: Optional[bool], labels, *, model, head) -> boo
         if not skip_logits and not torch.compiler.is_compiling():  # dynamo cannot read the plan's ContextVar
             plan = current_plan()
             skip_logits = plan is not None and plan.chunk_loss
-    return bool(skip_logits) and plain_linear(head)  # a PEFT-wrapped, quantized or hooked head: unchunked
+    # a PEFT-wrapped, quantized or hooked head, or a torch.func transform: unchunked
+    return bool(skip_logits) and plain_linear(head) and not under_functorch()
 
 
 def labels_ahead(labels: torch.Tensor, ahead: int, ignore_index: int = -100) -> torch.Tensor:

@@ -10,6 +10,8 @@ from transformers import PreTrainedModel
 from .runtime import configure as configure_runtime
 from .attention import get_attention_interface, is_hf_tiny_backend, registered_attention_names
 from .layers import Attention, RMSNorm
+# loaded with the models, not on first use: it records the forwards as their classes define them (as_defined)
+from .runtime_forms import as_defined  # noqa: F401
 from .saving import AtomicSaveAndCardMixin
 from .transformers_api import warn_if_torch_untested, without_retired_paged_prefix
 

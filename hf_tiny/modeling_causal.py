@@ -403,6 +403,17 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
             num_items_in_batch=num_items_in_batch, softcap=self.config.final_logit_softcapping,
         )
 
+    def _head_loss(self, hidden_states, shift_labels, *, ignore_index=-100, num_items_in_batch=None):
+        """The LM loss of hidden states against aligned labels, through the head as the main loss takes it: chunked
+        where the head is a plain nn.Linear (and the runtime's path is on), else through its logits, so that a PEFT
+        adapter or a hook on lm_head takes part (MTP's depths)."""
+        if use_chunked_loss(None, shift_labels, model=self, head=self.lm_head) and not torch.compiler.is_compiling():
+            return self._chunked_loss(hidden_states, None, ignore_index=ignore_index, shift_labels=shift_labels,
+                                      num_items_in_batch=num_items_in_batch)
+        return self.loss_function(logits=self._logits(hidden_states, 0), labels=None, vocab_size=self.config.vocab_size,
+                                  shift_labels=shift_labels, ignore_index=ignore_index,
+                                  num_items_in_batch=num_items_in_batch)
+
     def _mtp_loss(self, hidden_states, input_ids, attention_mask, position_ids, labels, kwargs, loss_kwargs):
         """L_MTP = mtp_loss_weight / D * sum_k L^k (mtp.py, eq. 21-25) while training; else None."""
         if not self.training or not self.config.mtp.mtp_loss_weight:

@@ -82,8 +82,8 @@ def mtp_loss(model, hidden_states, input_ids, attention_mask, position_ids, labe
         mask = mtp_mask(None if attention_mask is None else attention_mask[:, :n], positions, batch, n)
         rotary = model.model.rotary_positions(previous, positions)
         previous = layer(previous[:, :n], model.model.embed_tokens(input_ids[:, depth:]), mask, rotary)
-        total = total + model._chunked_loss(
-            layer.norm(previous), None, ignore_index=ignore_index, shift_labels=labels_ahead(labels, depth + 1, ignore_index),
+        total = total + model._head_loss(
+            layer.norm(previous), labels_ahead(labels, depth + 1, ignore_index), ignore_index=ignore_index,
             num_items_in_batch=loss_kwargs.get("num_items_in_batch"),
         )
     return model.config.mtp.mtp_loss_weight / len(model.mtp) * total

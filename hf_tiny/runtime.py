@@ -118,6 +118,10 @@ def configure(model: nn.Module, enabled: bool = True, **paths: bool) -> nn.Modul
     they were."""
     if not isinstance(enabled, bool):
         raise TypeError(f"set_runtime: enabled must be True or False, got {enabled!r}")
+    if not enabled and any(value is True for value in paths.values()):
+        on = sorted(name for name, value in paths.items() if value is True)
+        raise ValueError(f"set_runtime(False, ...) turns every path off; it cannot also turn on {on}: call "
+                         f"set_runtime({', '.join(f'{name}=True' for name in on)}) instead")
     for name, value in paths.items():
         if name not in PATHS:
             raise ValueError(f"set_runtime: unknown runtime path {name!r}; the paths are {list(PATHS)}")
@@ -241,6 +245,12 @@ def _replayable(layer: nn.Module) -> bool:
     return True
 
 
+def under_functorch() -> bool:
+    """Inside a torch.func transform (grad, vjp, jacrev, vmap), where saved-tensor hooks (recompute, rebuild) and
+    the chunked loss's autograd.Function cannot run: those paths step aside there."""
+    return torch._C._are_functorch_transforms_active()
+
+
 def _recomputes(layer: nn.Module, hidden_states) -> bool:
     # path_on first: off its devices it answers without a call, and under compilation it says no
     return (
@@ -249,6 +259,7 @@ def _recomputes(layer: nn.Module, hidden_states) -> bool:
         and torch.is_grad_enabled()
         and not layer.gradient_checkpointing
         and _replayable(layer)
+        and not under_functorch()
     )
 
 
@@ -359,6 +370,7 @@ def rebuilds(module: nn.Module, tensor) -> bool:
         and path_on(module, "rebuild", tensor.device)
         and torch.is_grad_enabled()
         and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        and not under_functorch()
     )
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import activations
 
-from .layers import FeedForward, GatedFeedForward, RMSNorm
+from .layers import Attention, FeedForward, GatedFeedForward, RMSNorm
 from .runtime import (
     MAX_FEW_ROWS, few_rows_product, in_place_scale, plain_linear, rebuilt_in_backward, untouched, workspace_tensor,
 )
@@ -59,12 +59,13 @@ def post_norm_in_place(layer, hidden_states, attention_mask=None, position_embed
 def feed_forward_in_place(feed_forward: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """feed_forward(x), in its in-place form where it has one and may run it; otherwise called as a module."""
     form = _FEED_FORWARDS.get(type(feed_forward))
-    if form is None or not untouched(feed_forward) or not in_place_scale(feed_forward, x):
+    if form is None or not untouched(feed_forward) or not as_defined(feed_forward) or not in_place_scale(feed_forward, x):
         return feed_forward(x)
     activate_ = in_place_activation(feed_forward.act_fn)
     projections = (feed_forward.up_proj, feed_forward.down_proj, getattr(feed_forward, "gate_proj", feed_forward.up_proj))
     dropout = feed_forward.dropout
-    if activate_ is None or not all(plain_linear(p) for p in projections) or not (dropout is None or untouched(dropout)):
+    if activate_ is None or not all(plain_linear(p) and as_defined(p) for p in projections) or not (
+            dropout is None or untouched(dropout)):
         return feed_forward(x)
     hidden = form(feed_forward, x, activate_)
     return feed_forward.down_proj(hidden if dropout is None else dropout(hidden))
@@ -82,6 +83,16 @@ def _plain(feed_forward: FeedForward, x: torch.Tensor, activate_: Callable) -> t
 
 # The feed-forwards with an in-place form: what their forward computes before the down projection.
 _FEED_FORWARDS = {GatedFeedForward: _gated, FeedForward: _plain}
+
+# The forwards the in-place forms stand in for or rely on, as their classes defined them at import: a class whose
+# forward was patched since (a kernel library, activation patching) is called as it is, never stood in for.
+_DEFINED_FORWARDS = {cls: cls.forward for cls in (GatedFeedForward, FeedForward, Attention, RMSNorm, nn.LayerNorm,
+                                                  nn.Linear, nn.Dropout)}
+
+
+def as_defined(module: nn.Module) -> bool:
+    cls = type(module)
+    return cls.forward is _DEFINED_FORWARDS.get(cls, cls.forward)
 # The layers' in-place forms, by the name their declarations give (`@runtime_layer(in_place=...)`).
 IN_PLACE_LAYERS = {"pre_norm_in_place": pre_norm_in_place, "post_norm_in_place": post_norm_in_place}
 
@@ -124,8 +135,8 @@ def _fresh_output(last: Optional[nn.Module], *wrappers: Optional[nn.Module]) -> 
     has seen: no hook on any of them (an eval-mode dropout returns its input)."""
     if last is None:
         return False
-    plain = plain_linear(last) or (type(last) in (nn.LayerNorm, RMSNorm) and untouched(last))
-    return plain and all(module is None or untouched(module) for module in wrappers)
+    plain = (plain_linear(last) or (type(last) in (nn.LayerNorm, RMSNorm) and untouched(last))) and as_defined(last)
+    return plain and all(module is None or (untouched(module) and as_defined(module)) for module in wrappers)
 
 
 def _output_is_fresh(layer: nn.Module, output_norm: Optional[nn.Module], sublayer: nn.Module, last: str) -> bool:
