@@ -92,6 +92,30 @@ def mtp_loss(model, hidden_states, input_ids, attention_mask, position_ids, labe
 _UNSET = object()  # an argument not given (None is a value: "no eos token")
 
 
+# generation_config fields that change which token greedy decoding picks (sampling, beams, penalties, constraints)
+TOKEN_CHOOSING_FIELDS = (
+    "do_sample", "num_beams", "repetition_penalty", "encoder_repetition_penalty", "no_repeat_ngram_size",
+    "min_length", "min_new_tokens", "bad_words_ids", "suppress_tokens", "begin_suppress_tokens", "forced_bos_token_id",
+    "forced_eos_token_id", "sequence_bias", "exponential_decay_length_penalty", "force_words_ids", "constraints",
+)
+
+
+def _refuse_settings_it_cannot_honour(generation) -> None:
+    """The model's generation_config may set what plain generate() would apply (a published generation_config.json
+    often sets repetition_penalty or do_sample); the MTP loop is plain greedy decoding, so it refuses them."""
+    from transformers import GenerationConfig
+
+    neutral = GenerationConfig()
+    changed = {name: getattr(generation, name, None) for name in TOKEN_CHOOSING_FIELDS
+               if getattr(generation, name, None) != getattr(neutral, name, None)}
+    if changed:
+        raise ValueError(
+            f"generate(use_mtp=True) is plain greedy decoding, and the model's generation_config sets {changed}, "
+            "which generate() would apply: reset them (model.generation_config.<field> = its default) or decode "
+            "with generate() without use_mtp"
+        )
+
+
 def generate_with_mtp(model, input_ids=None, attention_mask=None, *, max_new_tokens=None, eos_token_id=_UNSET,
                       pad_token_id=_UNSET, do_sample=False, num_beams=1, **unsupported):
     """generate(use_mtp=True): greedy decoding with the MTP modules drafting, one sequence at a time (left-padded
@@ -109,6 +133,7 @@ def generate_with_mtp(model, input_ids=None, attention_mask=None, *, max_new_tok
     if input_ids is None or input_ids.dim() != 2:
         raise ValueError(f"input_ids must be a [batch, length] tensor, got {None if input_ids is None else tuple(input_ids.shape)}")
     generation = model.generation_config
+    _refuse_settings_it_cannot_honour(generation)
     max_new_tokens = generation.max_new_tokens if max_new_tokens is None else max_new_tokens
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")

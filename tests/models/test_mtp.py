@@ -190,6 +190,23 @@ def test_bad_mtp_generate_arguments(kwargs, message):
     assert message in str(error.value)
 
 
+@pytest.mark.parametrize("setting", [{"repetition_penalty": 1.3}, {"do_sample": True, "top_k": 5},
+                                     {"no_repeat_ngram_size": 2}], ids=["repetition_penalty", "do_sample", "no_repeat"])
+def test_mtp_generate_refuses_what_the_generation_config_sets_and_it_cannot_honour(setting):
+    """A generation_config.json may set what plain generate() applies: before, generate(use_mtp=True) dropped it and
+    returned other tokens than generate() (repetition_penalty 1.3: two of eight differed). Control: generate() itself
+    applies the setting, so its tokens differ from plain greedy's."""
+    m = model(seed=3).eval()
+    ids = torch.randint(1, 40, (1, 10), generator=torch.Generator().manual_seed(4))
+    greedy = m.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    for name, value in setting.items():
+        setattr(m.generation_config, name, value)
+    with pytest.raises(ValueError, match=rf"the model's generation_config sets \{{'{next(iter(setting))}': "):
+        m.generate(ids, use_mtp=True, max_new_tokens=12, pad_token_id=0)
+    if "do_sample" not in setting:
+        assert not torch.equal(m.generate(ids, max_new_tokens=12, pad_token_id=0), greedy)
+
+
 def test_mtp_generate_without_modules_and_right_padding_are_errors():
     with pytest.raises(ValueError, match="num_nextn_predict_layers=0"):
         model(num_nextn_predict_layers=0).generate(torch.tensor([[1, 2]]), use_mtp=True, max_new_tokens=2)
