@@ -35,8 +35,8 @@ class Transform:
 class Rule:
     """Maps source key(s) to target key(s); templates may use placeholders like {i} (a layer index).
 
-    Without a transform, one side may hold several keys: they are tied copies of one tensor (one source ->
-    several targets copies it; several sources -> one target requires them bit-equal and keeps one).
+    Without a transform, either side may hold several keys: they are tied copies of one tensor (several sources
+    must be bit-equal; every target gets the tensor).
     optional=True: the rule is skipped when none of its input keys is present in any layer (e.g. a bias some
     checkpoints lack); present in some layers only, the missing ones are an error.
     """
@@ -55,8 +55,6 @@ class Rule:
             object.__setattr__(self, side, keys)
         if self.transform is not None and not isinstance(self.transform, Transform):
             raise TypeError(f"Rule.transform must be a Transform, got {type(self.transform).__name__}")
-        if self.transform is None and len(self.source) > 1 and len(self.target) > 1:
-            raise ValueError(f"a rule without transform cannot map several keys to several keys: {self!r}")
         placeholders = _placeholders(self.source + self.target)
         for side in (self.source, self.target):
             for key in side:

@@ -168,13 +168,17 @@ def add_mtp_layer(folder, source_layer: int, mtp_index: int, seed: int = 0):
     added[prefix + "eh_proj.weight"] = 0.3 * torch.randn(hidden, 2 * hidden, generator=generator)
     added[prefix + "shared_head.norm.weight"] = 1 + 0.3 * torch.randn(hidden, generator=generator)
     added[prefix + "embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
-    added[prefix + "shared_head.head.weight"] = state["lm_head.weight"].clone()
+    head = state.get("lm_head.weight", state["model.embed_tokens.weight"])  # a tied head is not stored
+    added[prefix + "shared_head.head.weight"] = head.clone()
     save_file({**state, **added}, path, metadata={"format": "pt"})
     return added
 
 
-def test_mtp_module_survives_conversion_both_ways_and_drafts(tmp_path):
-    official = tiny_deepseek("mla_moe")
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_mtp_module_survives_conversion_both_ways_and_drafts(tied, tmp_path):
+    """Tied embeddings too: the MTP modules' copies of the embedding and the head are then all one tensor (before,
+    the converter stopped on its own rule: 'cannot map several keys to several keys')."""
+    official = tiny_deepseek("mla_moe", tie_word_embeddings=tied)
     official.save_pretrained(tmp_path / "src")
     added = add_mtp_layer(tmp_path / "src", source_layer=2, mtp_index=3)
     result = llama.convert(tmp_path / "src", tmp_path / "ours")
