@@ -191,7 +191,7 @@ def test_mtp_module_survives_conversion_both_ways_and_drafts(tied, tmp_path):
     assert torch.equal(ours.mtp[0].eh_proj.weight, added["model.layers.3.eh_proj.weight"])
     assert torch.equal(ours.mtp[0].norm.weight, added["model.layers.3.shared_head.norm.weight"])
     card = (tmp_path / "ours" / "README.md").read_text()
-    assert "Multi-Token Prediction module" in card
+    assert "Multi-Token Prediction module" in card and "weight mtp_loss_weight=0.3" in card  # the loss official lacks
     batch = left_padded_batch(97, lengths=(8, 5), seed=2)
     settings = dict(attention_mask=batch["attention_mask"], max_new_tokens=8, pad_token_id=0, eos_token_id=None)
     assert torch.equal(ours.generate(batch["input_ids"], use_mtp=True, **settings),
