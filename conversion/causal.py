@@ -159,8 +159,8 @@ class CausalFamily(Family):
             f"{raw['rope_parameters']}, which reproduce every factor; transformers' GGUF loader drops the tensor, so "
             "the official side is loaded with these rope_parameters."
         ]
-        return Source(path, path.parent, "gguf", raw, state, f"the GGUF file `{path.name}`{_of_repo(path)} (dequantized to float32)",
-                      notes=notes)
+        description = f"the GGUF file `{path.name}`{_of_repo(path)} (dequantized to float32)"
+        return Source(path, path.parent, "gguf", raw, state, description, notes=notes)
 
     def official_stream(self, source: Source, plan: Plan):
         """A GGUF's official side: the class and config `from_pretrained(dir, gguf_file=...)` builds, over the same
@@ -174,7 +174,8 @@ class CausalFamily(Family):
         if source.kind == "gguf":
             import transformers
 
-            scaling = {"rope_parameters": source.raw_config["rope_parameters"]} if "rope_parameters" in source.raw_config else {}
+            raw = source.raw_config
+            scaling = {"rope_parameters": raw["rope_parameters"]} if "rope_parameters" in raw else {}
             return transformers.AutoModelForCausalLM.from_pretrained(
                 str(source.folder), gguf_file=source.path.name, dtype=torch.float32, **scaling
             )

@@ -191,10 +191,12 @@ def mtp_layers_held(config, state: dict, class_name: str, *, src):
     first = config.num_hidden_layers
     held = [k for k in range(depth) if f"model.layers.{first + k}.eh_proj.weight" in state]
     if held == list(range(depth)) and class_name == "TinyCausalForCausalLM":
-        return config, (f"The checkpoint's {depth} Multi-Token Prediction module(s) (layers {first}..{first + depth - 1}) "
-                        "are kept as `mtp.*`; official transformers ignores them, so the parity rows cover the main model. "
-                        f"Training with labels adds their loss with weight mtp_loss_weight={config.mtp.mtp_loss_weight} "
-                        "(DeepSeek-V3's lambda), which official's loss does not have: set it to 0 for official's loss.")
+        return config, (
+            f"The checkpoint's {depth} Multi-Token Prediction module(s) (layers {first}..{first + depth - 1}) are kept "
+            "as `mtp.*`; official transformers ignores them, so the parity rows cover the main model. Training with "
+            f"labels adds their loss with weight mtp_loss_weight={config.mtp.mtp_loss_weight} (DeepSeek-V3's lambda), "
+            "which official's loss does not have: set it to 0 for official's loss."
+        )
     if held and class_name == "TinyCausalForCausalLM":
         missing = sorted(set(range(depth)) - set(held))
         raise ConversionError(

@@ -245,7 +245,8 @@ class TopKRouter(nn.Module):
 
 def _expert_kind(expert: nn.Module) -> str:
     """"swiglu" for a bias-free gated SiLU feed-forward (Mixtral's, Qwen's, DeepSeek's experts), else its class."""
-    gated_silu = hasattr(expert, "gate_proj") and type(getattr(expert, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
+    activation = type(getattr(expert, "act_fn", None)).__name__
+    gated_silu = hasattr(expert, "gate_proj") and activation in ("SiLU", "SiLUActivation")
     if gated_silu and type(expert).__name__ == "GatedFeedForward" and expert.gate_proj.bias is None:
         return "swiglu"
     return f"{type(expert).__name__} experts"

@@ -59,7 +59,8 @@ def post_norm_in_place(layer, hidden_states, attention_mask=None, position_embed
 def feed_forward_in_place(feed_forward: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """feed_forward(x), in its in-place form where it has one and may run it; otherwise called as a module."""
     form = _FEED_FORWARDS.get(type(feed_forward))
-    if form is None or not untouched(feed_forward) or not as_defined(feed_forward) or not in_place_scale(feed_forward, x):
+    stands_in = form is not None and untouched(feed_forward) and as_defined(feed_forward)
+    if not stands_in or not in_place_scale(feed_forward, x):
         return feed_forward(x)
     activate_ = in_place_activation(feed_forward.act_fn)
     projections = (feed_forward.up_proj, feed_forward.down_proj, getattr(feed_forward, "gate_proj", feed_forward.up_proj))
