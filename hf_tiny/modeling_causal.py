@@ -135,8 +135,11 @@ class TinyCausalPreTrainedModel(HfTinyPreTrainedModel):
         super().__init__(config, *inputs, **kwargs)
         spec = config.moe_spec()
         if spec is not None and spec.scoring == "sigmoid":
-            # DeepSeek-V3's router stays float32 in a bf16 / fp16 model, as official's (transformers' strict list)
-            self._keep_in_fp32_modules_strict = ["e_score_correction_bias", "gate.weight"]
+            # DeepSeek-V3's router stays float32 in a bf16 / fp16 model as the installed transformers keeps official's
+            # (its list grew: 5.16 keeps the correction bias, 5.24 the router's weight too); our names are official's
+            from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3PreTrainedModel
+
+            self._keep_in_fp32_modules_strict = list(DeepseekV3PreTrainedModel._keep_in_fp32_modules_strict or ())
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
