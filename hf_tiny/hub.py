@@ -94,7 +94,11 @@ _CARD_CLASS = re.compile(r"^`(?P<name>\w+)` converted from ", re.MULTILINE)
 def remember_loaded_weights(model) -> None:
     """Notes each parameter as from_pretrained left it (the object and its in-place version counter, which
     `.to()` keeps and every optimizer step or in-place edit moves), for card_still_holds."""
-    model._hf_tiny_loaded_weights = {name: (id(p), p._version) for name, p in model.named_parameters()}
+    model._hf_tiny_loaded_weights = _parameter_states(model)
+
+
+def _parameter_states(model) -> dict:
+    return {name: (id(p), p._version) for name, p in model.named_parameters()}
 
 
 def card_still_holds(model, card: str) -> bool:
@@ -107,7 +111,7 @@ def card_still_holds(model, card: str) -> bool:
     if getattr(getattr(model, "config", None), "quantization_config", None) is not None:
         return False
     loaded = getattr(model, "_hf_tiny_loaded_weights", None)
-    return loaded == {name: (id(p), p._version) for name, p in model.named_parameters()}
+    return loaded == _parameter_states(model)
 
 
 def carry_model_card(model, folder, *, model_id: str | None = None) -> Path | None:

@@ -163,9 +163,8 @@ def _self_attention(attention_mask, batch_size: int, query_length: int, key_leng
     # under torch.compile / export the padding mask and the window are always applied: no branch on the data or
     # on a length that may be symbolic (a window wider than the keys restricts nothing)
     padded = attention_mask is not None and (is_compiling() or not bool(attention_mask.all()))
-    window = None if not causal or sliding_window is None else sliding_window
-    if window is not None and not is_compiling() and key_length <= window:
-        window = None
+    windowed = causal and sliding_window is not None and (is_compiling() or key_length > sliding_window)
+    window = sliding_window if windowed else None
     if not padded and window is None and (not causal or query_length in (1, key_length)):
         return AttentionMask(None, causal and query_length > 1)
     if causal:

@@ -27,7 +27,6 @@ from .configuration_seq2seq import TinySeq2SeqConfig
 from .modeling_base import HfTinyPreTrainedModel
 from .runtime import runtime_decoding, runtime_products
 from .seq2seq_stack import SinusoidalPositions, TinySeq2SeqLayer, TinySeq2SeqStack  # noqa: F401 (re-exported)
-from .seq2seq_stack import decoder_cache_of
 from .step import cache_of, format_output, output_flags, with_cache
 from .transformers_api import check_cached_generation
 from .validation import check_labels
@@ -171,7 +170,7 @@ class TinySeq2SeqModel(TinySeq2SeqPreTrainedModel):
         decoder_outputs = self.decoder(
             input_ids=decoder_input_ids, attention_mask=decoder_attention_mask, inputs_embeds=decoder_inputs_embeds,
             encoder_hidden_states=encoder_outputs.last_hidden_state, encoder_attention_mask=attention_mask,
-            cache=decoder_cache_of(self.config, cache, past_key_values, use_cache), output_attentions=flags.attentions,
+            cache=cache, past_key_values=past_key_values, use_cache=use_cache, output_attentions=flags.attentions,
             output_hidden_states=flags.hidden_states, return_dict=True,
         )
         output = with_cache(

@@ -59,7 +59,7 @@ def post_norm_in_place(layer, hidden_states, attention_mask=None, position_embed
 def feed_forward_in_place(feed_forward: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """feed_forward(x), in its in-place form where it has one and may run it; otherwise called as a module."""
     form = _FEED_FORWARDS.get(type(feed_forward))
-    stands_in = form is not None and untouched(feed_forward) and as_defined(feed_forward)
+    stands_in = form is not None and unchanged(feed_forward)
     if not stands_in or not in_place_scale(feed_forward, x):
         return feed_forward(x)
     activate_ = in_place_activation(feed_forward.act_fn)
@@ -94,6 +94,13 @@ _DEFINED_FORWARDS = {cls: cls.forward for cls in (GatedFeedForward, FeedForward,
 def as_defined(module: nn.Module) -> bool:
     cls = type(module)
     return cls.forward is _DEFINED_FORWARDS.get(cls, cls.forward)
+
+
+def unchanged(module: nn.Module) -> bool:
+    """untouched (no hook, no forward set on the instance) and its class's forward as defined."""
+    return untouched(module) and as_defined(module)
+
+
 # The layers' in-place forms, by the name their declarations give (`@runtime_layer(in_place=...)`).
 IN_PLACE_LAYERS = {"pre_norm_in_place": pre_norm_in_place, "post_norm_in_place": post_norm_in_place}
 
@@ -137,7 +144,7 @@ def _fresh_output(last: Optional[nn.Module], *wrappers: Optional[nn.Module]) -> 
     if last is None:
         return False
     plain = (plain_linear(last) or (type(last) in (nn.LayerNorm, RMSNorm) and untouched(last))) and as_defined(last)
-    return plain and all(module is None or (untouched(module) and as_defined(module)) for module in wrappers)
+    return plain and all(module is None or unchanged(module) for module in wrappers)
 
 
 def _output_is_fresh(layer: nn.Module, output_norm: Optional[nn.Module], sublayer: nn.Module, last: str) -> bool:
