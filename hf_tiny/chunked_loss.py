@@ -44,10 +44,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_tokens):
             rows = slice(start, start + chunk_tokens)
             chunk = hidden[rows]
-            logits = torch.nn.functional.linear(chunk, weight, bias).float()
-            if softcap is not None:  # Gemma: c * tanh(z / c)
+            logits = torch.nn.functional.linear(chunk, weight, bias)
+            if softcap is not None:  # Gemma: c * tanh(z / c), in the head's dtype as the unchunked logits are
                 capped = torch.tanh(logits / softcap)
                 logits = capped * softcap
+                capped = capped.float()
+            logits = logits.float()
             target = targets[rows]
             valid = target != ignore_index
             safe_target = target.masked_fill(~valid, 0)[:, None]
@@ -103,7 +105,7 @@ def linear_cross_entropy(
     softcap: Optional[float] = None,
     chunk_tokens: Optional[int] = None,
 ) -> torch.Tensor:
-    """F.cross_entropy(F.linear(hidden, weight, bias).float() [softcapped], targets, ignore_index=...) without the
+    """F.cross_entropy(F.linear(hidden, weight, bias) [softcapped].float(), targets, ignore_index=...) without the
     full logits. hidden: [..., H], targets: [...] (already aligned with hidden: shift them first for a causal LM).
     Reduction as transformers' LM losses: the mean over non-ignored targets, or the sum divided by
     num_items_in_batch when given (Trainer's gradient-accumulation-exact normalisation)."""

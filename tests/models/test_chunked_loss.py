@@ -23,9 +23,10 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def unchunked(hidden, weight, targets, *, bias=None, ignore_index=-100, num_items_in_batch=None, softcap=None):
-    logits = F.linear(hidden, weight, bias).float()
-    if softcap is not None:
+    logits = F.linear(hidden, weight, bias)
+    if softcap is not None:  # in the head's dtype, as Gemma's LM head does before its loss upcasts
         logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.float()
     if num_items_in_batch is None:
         return F.cross_entropy(logits, targets, ignore_index=ignore_index)
     return F.cross_entropy(logits, targets, ignore_index=ignore_index, reduction="sum") / num_items_in_batch
@@ -80,6 +81,20 @@ def test_bfloat16_head_accumulates_in_float32_and_stays_within_bf16_rounding():
     for mine, theirs in zip(produced_grads, expected_grads):
         assert mine.dtype == torch.bfloat16
         assert relative(mine, theirs) <= 2e-2  # a few bf16 ulps: the unchunked side rounds its sum once
+
+
+def test_bfloat16_softcap_is_applied_in_the_head_dtype_as_gemma_s_unchunked_logits():
+    """Gemma caps its logits in the model's dtype and its loss upcasts them after; capping in fp32 instead moved a
+    bf16 loss by ~1e-4 (negative control below)."""
+    generator = torch.Generator().manual_seed(3)
+    hidden = torch.randn(300, 32, generator=generator).bfloat16()
+    weight = torch.randn(90, 32, generator=generator).bfloat16()
+    targets = torch.randint(0, 90, (300,), generator=generator)
+    expected = unchunked(hidden, weight, targets, softcap=3.0)
+    produced = linear_cross_entropy(hidden, weight, targets, softcap=3.0, chunk_tokens=16)
+    capped_in_fp32 = F.cross_entropy(torch.tanh(F.linear(hidden, weight).float() / 3.0) * 3.0, targets)
+    assert relative(produced, expected) <= 1e-6
+    assert relative(capped_in_fp32, expected) > 1e-5
 
 
 @pytest.mark.parametrize("num_items_in_batch", [None, 0])
