@@ -8,6 +8,7 @@ import string
 from collections.abc import Mapping
 from pathlib import Path
 
+from hf_tiny.attention import ATTENTION_BACKENDS
 from hf_tiny.transformers_api import tested_range_text, tested_torch_text
 
 from .errors import list_names
@@ -19,7 +20,7 @@ ALWAYS_TAGS = ("hf_tiny", "custom_code")
 CARD_DEFAULTS = {
     "license": "apache-2.0",
     "tags": (),
-    "attention_backends": ("eager", "sdpa", "flash_attention_2"),
+    "attention_backends": tuple(ATTENTION_BACKENDS),  # every backend the models take, ours included
     "extra": "",
 }
 

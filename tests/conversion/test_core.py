@@ -633,6 +633,7 @@ def test_model_card_front_matter_and_parity_table(tmp_path):
     assert "| sdpa | float32 | cpu | 0.00025 | 0.0001 | NO |" in text
     assert 'AutoModel.from_pretrained("me/all-MiniLM-L6-v2-hf_tiny", trust_remote_code=True)' in text
     assert "import hf_tiny" in text and "`flash_attention_2`" in text
+    assert "`hf_tiny_flash`" in text  # every backend the models take (hf_tiny.attention.ATTENTION_BACKENDS)
 
 
 def test_model_card_front_matter_survives_yaml_special_characters():
