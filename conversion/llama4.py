@@ -52,8 +52,8 @@ def check_holds(config) -> None:
 
 
 def fields_from_official(official, *, src) -> dict:
-    """The Llama 4 fields; the MoE ones only where the config has experts (num_local_experts=0 builds dense layers
-    only)."""
+    """The Llama 4 fields; the MoE ones only where the config has MoE layers (official builds dense layers only where
+    moe_layers is empty: with num_local_experts=0 alone it still builds MoE layers, of no experts)."""
     layers = official.num_hidden_layers
     nope = [i for i, rotates in enumerate(official.no_rope_layers[:layers]) if not rotates]
     chunked = "chunked_attention" in official.layer_types
@@ -62,7 +62,10 @@ def fields_from_official(official, *, src) -> dict:
         attention_chunk_size=official.attention_chunk_size if chunked else None, nope_layers=nope,
         qk_norm=official.use_qk_norm, qk_norm_type="l2" if official.use_qk_norm else "head",
     )
-    if official.num_local_experts:
+    if official.moe_layers and not official.num_local_experts:
+        raise ConversionError(f"Llama 4 config has moe_layers={official.moe_layers} but num_local_experts=0: MoE "
+                              "layers without experts (give moe_layers=[] for a dense model)")
+    if official.moe_layers:
         values.update(
             mlp_layer_types=["sparse" if i in official.moe_layers else "dense" for i in range(layers)],
             moe_intermediate_size=official.intermediate_size, shared_expert_intermediate_size=official.intermediate_size,
@@ -83,7 +86,7 @@ def official_fields(config) -> dict:
         no_rope_layers=[0 if i in nope else 1 for i in range(config.num_hidden_layers)], use_qk_norm=config.qk_norm,
         attn_temperature_tuning=bool(field_value(config, "attn_temperature_tuning")),
         floor_scale=field_value(config, "floor_scale"), attn_scale=field_value(config, "attn_scale"),
-        moe_layers=[i for i, kind in enumerate(config.mlp_layer_types or ()) if kind == "sparse"],
+        moe_layers=[i for i, kind in enumerate(field_value(config, "mlp_layer_types") or ()) if kind == "sparse"],
         **{name: field_value(config, name) for name in MOE_FIELDS},
     )
     if not moe:

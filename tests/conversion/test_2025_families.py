@@ -30,6 +30,8 @@ CASES = {  # case -> (official model maker, its variant, official model_type)
     "olmo2_biases_tied": (tiny_olmo2, "mha_biases_tied_theta", "olmo2"),
     "llama4_scout_like": (tiny_llama4, "scout_like", "llama4_text"),
     "llama4_maverick_like": (tiny_llama4, "maverick_like_biases_top2", "llama4_text"),
+    # no MoE layer (moe_layers=[]): a dense config, and back to moe_layers=[]
+    "llama4_dense": (lambda variant: tiny_llama4(variant, moe_layers=[]), "scout_like", "llama4_text"),
 }
 
 
@@ -70,6 +72,15 @@ def test_olmo2_norms_swapped_fail_parity(tmp_path, monkeypatch):
     monkeypatch.setitem(llama_configs.OFFICIAL_TYPES, "olmo2", dataclasses.replace(olmo2.VARIANT, layer_norms=swapped))
     with pytest.raises(ConversionError, match="does not match the official"):
         convert("olmo2_gqa", tmp_path)
+
+
+def test_llama4_moe_layers_without_experts_are_refused_by_name(tmp_path):
+    """Official builds MoE layers of no experts where num_local_experts=0 keeps the default moe_layers."""
+    official = tiny_llama4("scout_like", num_local_experts=0)
+    official.save_pretrained(tmp_path / "src")
+    with pytest.raises(ConversionError, match=r"moe_layers=\[0, 1, 2, 3\] but num_local_experts=0"):
+        llama.convert(tmp_path / "src", tmp_path / "ours")
+    assert not (tmp_path / "ours").exists()
 
 
 @pytest.mark.parametrize("case, change, message", [

@@ -28,9 +28,10 @@ RENAMES = {".feed_forward.router.": ".mlp.gate.", ".feed_forward.shared_expert."
            ".feed_forward.": ".mlp."}
 
 
-def tiny_llama4(variant: str, seed: int = 0):
+def tiny_llama4(variant: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
-    official = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(**{**SHAPES, **VARIANTS[variant]}))
+    fields = {**SHAPES, **VARIANTS[variant], **overrides}
+    official = transformers.Llama4ForCausalLM(transformers.Llama4TextConfig(**fields))
     return randomize(official, seed).eval()
 
 
