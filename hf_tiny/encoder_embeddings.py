@@ -9,6 +9,7 @@ from typing import Optional
 
 import torch
 from torch import nn
+from transformers import initialization as init
 
 from .configuration_encoder import TinyEncoderConfig
 from .layers import RotaryEmbedding
@@ -48,7 +49,7 @@ class SinusoidalPositionTable(nn.Embedding):
         angles = positions / torch.pow(10000.0, pairs / self.embedding_dim)
         table = torch.empty(self.num_embeddings, self.embedding_dim, dtype=torch.float64)
         table[:, 0::2], table[:, 1::2] = torch.sin(angles), torch.cos(angles)
-        self.weight.copy_(table.to(self.weight.dtype))
+        init.copy_(self.weight, table.to(self.weight.dtype))  # a loaded table stays
 
 
 def rotary_embeddings_of(config: TinyEncoderConfig) -> tuple[Optional[RotaryEmbedding], Optional[RotaryEmbedding]]:

@@ -55,10 +55,6 @@ class RMSNorm(nn.Module):
             return (hidden_states * (1.0 + weight.float())).to(input_dtype)
         return weight * hidden_states.to(input_dtype)
 
-    def reset_weight(self) -> None:
-        if self.weight is not None:
-            self.weight.data.fill_(0.0 if self.unit_offset else 1.0)
-
     def extra_repr(self) -> str:
         offset = ", unit_offset=True" if self.unit_offset else ""
         weight = "" if self.weight is not None else ", elementwise_affine=False"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import PreTrainedModel
+from transformers import initialization as init
 
 from .runtime import configure as configure_runtime
 from .attention import get_attention_interface, is_hf_tiny_backend, registered_attention_names
@@ -80,24 +81,28 @@ class HfTinyPreTrainedModel(AtomicSaveAndCardMixin, PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
+        """Initializes a module that from_pretrained found a tensor missing for, or a new model's. Through
+        transformers.initialization, as official models: it leaves the tensors that were loaded as they are (a
+        tensor method such as .normal_() would overwrite the loaded siblings of a missing bias)."""
         std = self.config.initializer_range
         if isinstance(module, nn.Linear):
-            module.weight.normal_(mean=0.0, std=std)
+            init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
-                module.bias.zero_()
+                init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            module.weight.normal_(mean=0.0, std=std)
-            if module.padding_idx is not None:
-                module.weight[module.padding_idx].zero_()
+            init.normal_(module.weight, mean=0.0, std=std)
+            # a row of the weight does not carry the weight's "loaded" flag: checked here
+            if module.padding_idx is not None and not getattr(module.weight, "_is_hf_initialized", False):
+                init.zeros_(module.weight[module.padding_idx])
         elif isinstance(module, nn.LayerNorm):
             if module.weight is not None:
-                module.weight.fill_(1.0)
+                init.ones_(module.weight)
             if module.bias is not None:
-                module.bias.zero_()
-        elif isinstance(module, RMSNorm):
-            module.reset_weight()
+                init.zeros_(module.bias)
+        elif isinstance(module, RMSNorm) and module.weight is not None:
+            init.constant_(module.weight, 0.0 if module.unit_offset else 1.0)
         elif isinstance(module, Attention) and module.sinks is not None:
-            module.sinks.normal_(mean=0.0, std=std)  # as official GPT-OSS
+            init.normal_(module.sinks, mean=0.0, std=std)  # as official GPT-OSS
         # from_pretrained fills non-persistent buffers with garbage (empty_like on meta): modules that own such
         # buffers (RoPE inv_freq, position ids) rebuild them here.
         init_buffers = getattr(module, "_init_buffers", None)

@@ -23,6 +23,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 from transformers import GenerationMixin
+from transformers import initialization as init
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
@@ -147,11 +148,11 @@ class TinyCausalPreTrainedModel(HfTinyPreTrainedModel):
         super()._init_weights(module)
         if isinstance(module, TopKRouter):
             std = self.config.initializer_range
-            module.weight.normal_(mean=0.0, std=std)
+            init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
-                module.bias.normal_(mean=0.0, std=std)  # as official GPT-OSS's router
+                init.normal_(module.bias, mean=0.0, std=std)  # as official GPT-OSS's router
             if module.e_score_correction_bias is not None:
-                module.e_score_correction_bias.zero_()
+                init.zeros_(module.e_score_correction_bias)
 
 
 class TinyCausalModel(TinyCausalPreTrainedModel):

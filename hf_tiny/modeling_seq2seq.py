@@ -17,6 +17,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
@@ -108,7 +109,7 @@ class TinySeq2SeqPreTrainedModel(HfTinyPreTrainedModel):
     def _init_weights(self, module: nn.Module) -> None:
         super()._init_weights(module)
         if isinstance(module, TinySeq2SeqForConditionalGeneration) and module.final_logits_bias is not None:
-            module.final_logits_bias.zero_()
+            init.zeros_(module.final_logits_bias)
 
 
 def _check_encoder_outputs(encoder_states: torch.Tensor, config: TinySeq2SeqConfig, attention_mask, batch: Optional[int]):
