@@ -260,7 +260,17 @@ def _recomputes(layer: nn.Module, hidden_states) -> bool:
         and not layer.gradient_checkpointing
         and _replayable(layer)
         and not under_functorch()
+        and not _autocast_caches(hidden_states.device.type)
     )
+
+
+def _autocast_caches(device_type: str) -> bool:
+    """Inside torch.autocast with its cast cache (the default), recompute steps aside: a weight used twice in one
+    autocast block (two forwards before one backward, ALBERT's shared layers) is cast once and its gradients summed
+    in the low precision before the cast's backward. A replay after the cache is gone casts again: its ops did not
+    line up with the recorded ones (backward failed), and without the cache the gradients would be summed otherwise
+    than official's."""
+    return torch.is_autocast_enabled(device_type) and torch.is_autocast_cache_enabled()
 
 
 def in_place_scale(module: nn.Module, tensor) -> bool:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+import hf_tiny
 from hf_tiny.layers import Attention, GatedFeedForward
-from runtime_models import causal_model
+from runtime_models import SIZES, causal_model
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -100,3 +101,33 @@ def test_set_runtime_off_with_a_path_on_is_an_error():
     with pytest.raises(ValueError, match=r"set_runtime\(False, \.\.\.\) turns every path off; it cannot also turn "
                                          r"on \['recompute'\]: call set_runtime\(recompute=True\) instead"):
         model.set_runtime(False, recompute=True)
+
+
+def _shared_layers_encoder():
+    """ALBERT's sharing: three passes through one layer's weights."""
+    torch.manual_seed(0)
+    config = hf_tiny.TinyEncoderConfig(**{**SIZES, "num_hidden_layers": 3}, num_hidden_groups=1, hidden_dropout=0.0,
+                                       attention_dropout=0.0)
+    return hf_tiny.TinyEncoderForMaskedLM(config)
+
+
+@pytest.mark.parametrize("case", ["two forwards, one backward", "shared layers"])
+def test_recompute_under_autocast_with_a_weight_used_twice_equals_keeping_everything(case):
+    """Under autocast a weight used twice in one block is cast once, then read from autocast's cache; the replay in
+    backward cast it again, and backward failed ('aten._to_copy ... not found in storage'): a contrastive or a
+    chosen/rejected pass under AMP, and every ALBERT step of Trainer(bf16=True) on the CPU. Now replayed without
+    the cache: the gradients equal those of the step that keeps everything (recompute off)."""
+    model = (causal_model() if case.startswith("two") else _shared_layers_encoder()).train()
+    ids = batch()
+    passes = 2 if case.startswith("two") else 1
+    grads = []
+    for recompute in (True, False):
+        model.set_runtime(recompute=recompute)
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = sum(model(input_ids=ids, labels=ids).loss for _ in range(passes))
+        loss.backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+    with_recompute, kept = grads
+    assert all(torch.equal(with_recompute[name], kept[name]) for name in kept)
+    assert kept["lm_head.weight" if passes == 2 else "lm_head.dense.weight"].abs().max() > 0
