@@ -49,7 +49,7 @@ from .step import (
     LayerOutputs, check_extra_kwargs, check_skip_logits, format_output, masks_for_generate, output_flags,
     prepare_causal_step, cache_of, with_cache, PACKING_KWARGS,
 )
-from .transformers_api import check_cached_generation
+from .transformers_api import check_cached_generation, deepseek_router_float32
 from .validation import check_labels, check_sequence_labels, is_compiling, logger
 
 # Keyword arguments the heads take besides the base model's: Trainer's loss normalisation and the chunked loss.
@@ -137,10 +137,7 @@ class TinyCausalPreTrainedModel(HfTinyPreTrainedModel):
         spec = config.moe_spec()
         if spec is not None and spec.scoring == "sigmoid":
             # DeepSeek-V3's router stays float32 in a bf16 / fp16 model as the installed transformers keeps official's
-            # (its list grew: 5.16 keeps the correction bias, 5.24 the router's weight too); our names are official's
-            from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3PreTrainedModel
-
-            self._keep_in_fp32_modules_strict = list(DeepseekV3PreTrainedModel._keep_in_fp32_modules_strict or ())
+            self._keep_in_fp32_modules_strict = deepseek_router_float32()
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:

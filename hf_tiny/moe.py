@@ -32,6 +32,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from .causal_mechanisms import Mechanism
+from .transformers_api import deepseek_router_float32
 from .validation import check_bool, check_choice, check_divisible, check_non_negative, check_non_negative_number
 from .validation import check_positive, check_positive_number, check_probability
 
@@ -195,10 +196,12 @@ class TopKRouter(nn.Module):
     def __init__(self, hidden_size: int, spec: MoeSpec):
         super().__init__()
         self.spec = spec
-        self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size))
+        # created float32 where official's DeepSeek-V3 router is (transformers_api.deepseek_router_float32)
+        dtype = torch.float32 if spec.scoring == "sigmoid" and "gate.weight" in deepseek_router_float32() else None
+        self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(spec.num_experts)) if spec.router_bias else None
         if spec.scoring == "sigmoid":
-            self.register_buffer("e_score_correction_bias", torch.zeros(spec.num_experts))
+            self.register_buffer("e_score_correction_bias", torch.zeros(spec.num_experts, dtype=dtype))
         else:
             self.e_score_correction_bias = None
 

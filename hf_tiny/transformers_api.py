@@ -174,6 +174,16 @@ def _cached_generation_error(model) -> Optional[RuntimeError]:
 # TrainingArguments field); the old names warn there and the new ones do not exist before.
 
 
+def deepseek_router_float32() -> list[str]:
+    """What DeepSeek-V3's official router keeps float32 in a bf16 / fp16 model (DeepseekV3PreTrainedModel's
+    _keep_in_fp32_modules_strict; our names are official's). The list grew: 5.16 keeps the correction bias, 5.24 the
+    router's weight too, and from then on official's router also creates both in float32, which disk offload reads
+    (it restores an offloaded tensor in the dtype its parameter was created in)."""
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3PreTrainedModel
+
+    return list(DeepseekV3PreTrainedModel._keep_in_fp32_modules_strict or ())
+
+
 def enable_activation_checkpointing(model, checkpointing_kwargs: Optional[dict] = None) -> None:
     enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
     enable(checkpointing_kwargs)

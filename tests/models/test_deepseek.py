@@ -13,6 +13,7 @@ import hf_tiny  # noqa: F401  (registers the Auto classes)
 from causal_helpers import left_padded_batch, max_diff, real_logits
 from conversion import ConversionError, llama
 from hf_tiny import TinyCausalConfig
+from hf_tiny.transformers_api import deepseek_router_float32
 from deepseek_models import MLA, VARIANTS, tiny_deepseek
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
@@ -274,3 +275,25 @@ def test_a_half_precision_load_keeps_the_router_in_float32_as_official(dtype, tm
             assert torch.equal(state[name], source[name]), name
     assert state["model.layers.0.self_attn.q_a_proj.weight"].dtype == dtype
     assert {t.dtype for n, t in state.items() if n not in kept and t.is_floating_point()} == {dtype}
+
+
+def test_a_bf16_load_with_a_moe_layer_offloaded_to_disk_equals_the_plain_load_as_official(tmp_path):
+    """Disk offload restores a tensor in the dtype its parameter was created in: official's router is created in
+    float32 (transformers >= 5.24), ours was created in the load dtype and came back bf16 from the disk (logits 0.047
+    off its own plain load). Official's offloaded logits equal its plain ones: ours now too."""
+    convert(tiny_deepseek("mla_moe"), tmp_path)
+    ids = torch.randint(3, 60, (2, 7), generator=torch.Generator().manual_seed(0))
+    router_dtype = torch.float32 if "gate.weight" in deepseek_router_float32() else torch.bfloat16  # 5.16: bf16
+    differences = []
+    for folder in ("src", "ours"):
+        plain = AutoModelForCausalLM.from_pretrained(tmp_path / folder, dtype=torch.bfloat16)
+        layers = {f"model.layers.{i}": "disk" if i == 1 else "cpu" for i in range(plain.config.num_hidden_layers)}
+        rest = {name: "cpu" for name, _ in plain.named_children() if name != "model"}
+        rest.update({f"model.{name}": "cpu" for name, _ in plain.model.named_children() if name != "layers"})
+        offloaded = AutoModelForCausalLM.from_pretrained(
+            tmp_path / folder, dtype=torch.bfloat16, device_map={**layers, **rest}, offload_folder=tmp_path / folder / "offload"
+        )
+        assert plain.model.layers[1].mlp.gate.weight.dtype == router_dtype
+        with torch.no_grad():
+            differences.append(max_diff(plain(ids).logits.float(), offloaded(ids).logits.float()))
+    assert differences == [0.0, 0.0]
