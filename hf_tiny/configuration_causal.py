@@ -84,7 +84,10 @@ def _check_parts(owner: str, config, kwargs: dict) -> None:
         check_positive(owner, sliding_window=config.sliding_window)
     check_bool(owner, qk_norm=config.qk_norm, rms_norm_unit_offset=config.rms_norm_unit_offset,
                scale_embeddings=config.scale_embeddings, sandwich_norms=config.sandwich_norms,
-               mlp_gated=config.mlp_gated, norm_bias=config.norm_bias)
+               mlp_gated=config.mlp_gated, norm_bias=config.norm_bias, attention_bias=config.attention_bias,
+               mlp_bias=config.mlp_bias, tie_word_embeddings=config.tie_word_embeddings, use_cache=config.use_cache)
+    if config.attention_output_bias is not None:
+        check_bool(owner, attention_output_bias=config.attention_output_bias)
     if config.rms_norm_unit_offset and config.norm_type != "rmsnorm":
         raise ValueError(f"{owner}: rms_norm_unit_offset=True needs norm_type='rmsnorm', got {config.norm_type!r}")
     for name in ("query_pre_attn_scalar", "final_logit_softcapping"):
@@ -253,10 +256,10 @@ class TinyCausalConfig(PretrainedConfig):
             setattr(fields, name, tables[name])
         fields.head_dim = _head_dim(owner, fields)
         if pad_token_id == -1:  # old LLaMA configs: official warns and loads (nn.Embedding reads -1 as the last row)
-            warn_on_token_ids_outside(vocab_size, pad_token_id=pad_token_id)
+            warn_on_token_ids_outside(owner, vocab_size, pad_token_id=pad_token_id)
         else:
             check_token_ids(owner, vocab_size, pad_token_id=pad_token_id)
-        warn_on_token_ids_outside(vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
+        warn_on_token_ids_outside(owner, vocab_size, bos_token_id=bos_token_id, eos_token_id=eos_token_id)
         standardized = _rope_parameters(owner, fields, kwargs.pop("rope_scaling", None), kwargs.pop("rope_theta", None))
         store_init_fields(self, TinyCausalConfig.__init__, vars(fields), skip=("rope_parameters",))
         for table in tables.values():

@@ -116,6 +116,9 @@ class TinyEncoderConfig(PretrainedConfig):
         check_divisible(owner, "hidden_size", hidden_size, "num_attention_heads", num_attention_heads)
         check_choice(owner, "hidden_act", hidden_act, sorted(ACT2FN))
         check_unsupported_field(owner, kwargs, "rope_scaling", (None,), "give rope_parameters with position_embedding_type='rope'")
+        for field in ("is_decoder", "add_cross_attention"):  # official BERT's causal / cross-attention decoder
+            check_unsupported_field(owner, kwargs, field, (False,), "the encoder attends both ways and has no "
+                                    "cross-attention; for a decoder use TinyCausalConfig or TinySeq2SeqConfig")
         _check_dropouts_and_norms(owner, values)
         _check_optional_fields(owner, values)
         values.update(_embedding_fields(owner, values))
@@ -160,7 +163,8 @@ def _check_dropouts_and_norms(owner: str, values: dict) -> None:
     check_choice(owner, "pooler_act", values["pooler_act"], sorted(ACT2FN))
     check_bool(owner, add_pooling_layer=values["add_pooling_layer"], sinusoidal_positions=values["sinusoidal_positions"],
                positions_from_padding=values["positions_from_padding"],
-               dropout_before_pooler=values["dropout_before_pooler"])
+               dropout_before_pooler=values["dropout_before_pooler"], attention_bias=values["attention_bias"],
+               tie_word_embeddings=values["tie_word_embeddings"])
 
 
 def _embedding_fields(owner: str, values: dict) -> dict:

@@ -84,17 +84,17 @@ def check_token_ids(owner: str, vocab_size: int, **token_ids) -> None:
             raise ValueError(f"{owner}: {name} must be None or a token id in [0, {vocab_size}), got {value!r}")
 
 
-def warn_on_token_ids_outside(vocab_size: int, **token_ids) -> None:
+def warn_on_token_ids_outside(owner: str, vocab_size: int, **token_ids) -> None:
     """Special token ids the model never looks up (bos, eos): accepted outside the vocabulary with official
     transformers' warning (GPT-2 configs keep 50256 with any vocabulary), refused when they are not integers
     (or lists of integers, eos)."""
     for name, value in token_ids.items():
-        values = value if isinstance(value, (list, tuple)) else [value]
+        values = value if name == "eos_token_id" and isinstance(value, (list, tuple)) else [value]
         for item in values:
             if item is None:
                 continue
             if isinstance(item, bool) or not isinstance(item, int):
-                raise ValueError(f"{name} must be None or an integer token id, got {value!r}")
+                raise ValueError(f"{owner}: {name} must be None or an integer token id, got {value!r}")
             if not 0 <= item < vocab_size:
                 logger.warning_once(
                     f"Model config: {name} must be `None` or an integer within the vocabulary (between 0 and "

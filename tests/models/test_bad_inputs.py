@@ -171,6 +171,18 @@ def config_cases():
                            id=f"{family}-unknown-float-field-nan")
     yield pytest.param("causal", {"rope_parameters": {"rope_type": "linear", "factor": float("nan")}}, ValueError,
                        ["rope_parameters['factor']", "nan"], id="causal-rope-factor-nan")
+    # a hand-edited config.json's "false" is truthy: it built biases and tied the head (official refuses it)
+    bool_fields = {"encoder": ["attention_bias", "tie_word_embeddings"],
+                   "causal": ["attention_bias", "attention_output_bias", "mlp_bias", "tie_word_embeddings", "use_cache"]}
+    for family, fields in bool_fields.items():
+        for field in fields:
+            yield pytest.param(family, {field: "false"}, TypeError, [field, "'false'"], id=f"{family}-{field}-string")
+    for field in ("is_decoder", "add_cross_attention"):  # official BERT's decoder: ours would stay bidirectional
+        yield pytest.param("encoder", {field: True}, ValueError, [f"{field}=True"], id=f"encoder-{field}")
+    yield pytest.param("causal", {"mlp_layer_types": 0}, TypeError, ["mlp_layer_types", "got 0"],
+                       id="causal-mlp-layer-types-not-a-list")
+    yield pytest.param("causal", {"bos_token_id": [1, 2]}, ValueError, ["bos_token_id", "[1, 2]"],
+                       id="causal-bos-token-id-list")  # a list is for eos_token_id only
 
 
 @pytest.mark.parametrize("family, changes, error, fragments", list(config_cases()))
