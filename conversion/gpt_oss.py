@@ -117,7 +117,10 @@ def fields_from_official(official, *, src) -> dict:
     """TinyCausalConfig's fields for an official GptOssConfig beyond the Llama ones; a SwiGLU clamp the installed
     transformers ignores is an error naming that cause (parity could only fail)."""
     values = {name: getattr(official, name) for name in MOE_FIELDS}
-    values.update(FIXED, attention_bias=official.attention_bias, moe_intermediate_size=official.intermediate_size,
+    # norm_product_float32: GptOssRMSNorm multiplies its weight in float32 (bf16 / fp16 rounding; the way back does
+    # not require it of a config)
+    values.update(FIXED, norm_product_float32=True, attention_bias=official.attention_bias,
+                  moe_intermediate_size=official.intermediate_size,
                   mlp_layer_types=["sparse"] * official.num_hidden_layers)
     swiglu = {name: getattr(official, name, default) for name, default in DEFAULT_SWIGLU.items()}
     if swiglu != DEFAULT_SWIGLU and not official_reads_swiglu():

@@ -36,8 +36,13 @@ def check_holds(config) -> None:
                               f"config has {differ}")
 
 
+# OLMo 2 rounds a bf16 / fp16 model as Olmo2RMSNorm and its float32 RoPE do (in float32 they change nothing, so the
+# way back does not require them of a config)
+ROUNDING = dict(norm_product_float32=True, rope_float32=True)
+
+
 def fields_from_official(official, *, src) -> dict:
-    return dict(LAYOUT, attention_bias=official.attention_bias, mlp_bias=False)
+    return dict(LAYOUT, **ROUNDING, attention_bias=official.attention_bias, mlp_bias=False)
 
 
 def official_fields(config) -> dict:

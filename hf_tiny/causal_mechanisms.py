@@ -221,6 +221,26 @@ class NormLayout(Mechanism):
 
 
 @dataclass(frozen=True)
+class HalfPrecisionRounding(Mechanism):
+    """Where a bf16 / fp16 model rounds (in float32 these change nothing). norm_product_float32: the RMSNorm
+    multiplies its weight into the float32 normalized states and casts after (OLMo 2, GPT-OSS), where Llama casts
+    first. rope_float32: queries and keys are rotated with float32 cos / sin and cast back (OLMo 2), where Llama's
+    cos / sin are in the model's dtype."""
+
+    norm_product_float32: bool = False
+    rope_float32: bool = False
+
+    def in_use(self, config) -> bool:
+        return self.norm_product_float32 is not False or self.rope_float32 is not False
+
+    def checked(self, owner: str, config) -> "HalfPrecisionRounding":
+        check_bool(owner, norm_product_float32=self.norm_product_float32, rope_float32=self.rope_float32)
+        if self.norm_product_float32:
+            _needs(owner, "norm_product_float32", True, "norm_type='rmsnorm'", config.norm_type == "rmsnorm")
+        return self
+
+
+@dataclass(frozen=True)
 class PaddingRow(Mechanism):
     """use_padding_idx=False: the token embedding has no padding row (pad_token_id's row trains like any other),
     as official GPT-2 and MPT; True (Llama and most others; the seq2seq config's field of the same name):

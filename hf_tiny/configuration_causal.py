@@ -10,7 +10,8 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from .causal_mechanisms import Alibi, AttentionSinks, AttnTemperature, ChunkedAttention, ClampedSwiglu, MechanismView
-from .causal_mechanisms import Mla, MoeBiases, Mtp, NormLayout, Nope, PaddingRow, QkNormPlacement, RouterInputWeights
+from .causal_mechanisms import HalfPrecisionRounding, Mla, MoeBiases, Mtp, NormLayout, Nope, PaddingRow
+from .causal_mechanisms import QkNormPlacement, RouterInputWeights
 from .causal_mechanisms import mechanism_views
 from .layer_types import LAYER_TYPES, check_layer_types
 from .moe import Moe, MoeSpec
@@ -215,6 +216,7 @@ class TinyCausalConfig(PretrainedConfig):
     qk_norm_placement = MechanismView(QkNormPlacement)
     norm_layout = MechanismView(NormLayout)
     padding_row = MechanismView(PaddingRow)
+    rounding = MechanismView(HalfPrecisionRounding)
     attn_temperature = MechanismView(AttnTemperature)
     chunked_attention = MechanismView(ChunkedAttention)
     moe = MechanismView(Moe)

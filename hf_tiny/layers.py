@@ -29,13 +29,15 @@ class RMSNorm(nn.Module):
     Llama / T5: weight * x, the product in the input dtype (weights initialized to 1).
     unit_offset=True (Gemma): (1 + weight) * x, the product in fp32 and then cast (weights initialized to 0). The
     offset is applied here rather than folded into the stored weight, so checkpoints convert bit for bit.
+    float32_product=True (OLMo 2, GPT-OSS): weight * x with x still in fp32, then cast.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, *, unit_offset: bool = False,
-                 elementwise_affine: bool = True):
+                 elementwise_affine: bool = True, float32_product: bool = False):
         """elementwise_affine=False: no weight, the normalized x itself (Llama 4's q/k norm, `Llama4TextL2Norm`)."""
         super().__init__()
         self.unit_offset = unit_offset
+        self.float32_product = float32_product
         self.hidden_size = hidden_size
         if elementwise_affine:
             self.weight = nn.Parameter(torch.zeros(hidden_size) if unit_offset else torch.ones(hidden_size))
@@ -53,6 +55,8 @@ class RMSNorm(nn.Module):
             return hidden_states.to(input_dtype)
         if self.unit_offset:
             return (hidden_states * (1.0 + weight.float())).to(input_dtype)
+        if self.float32_product:
+            return (weight * hidden_states).to(input_dtype)
         return weight * hidden_states.to(input_dtype)
 
     def extra_repr(self) -> str:
@@ -79,12 +83,13 @@ class ScaledEmbedding(nn.Embedding):
         return f"{super().extra_repr()}, embed_scale={self.embed_scale}"
 
 
-def build_norm(norm_type: str, hidden_size: int, eps: float, *, unit_offset: bool = False, bias: bool = True) -> nn.Module:
+def build_norm(norm_type: str, hidden_size: int, eps: float, *, unit_offset: bool = False, bias: bool = True,
+               float32_product: bool = False) -> nn.Module:
     """bias: the LayerNorm's additive bias (MPT's have none); RMSNorm has none anyway."""
     if norm_type == "layernorm":
         return nn.LayerNorm(hidden_size, eps=eps, bias=bias)
     if norm_type == "rmsnorm":
-        return RMSNorm(hidden_size, eps=eps, unit_offset=unit_offset)
+        return RMSNorm(hidden_size, eps=eps, unit_offset=unit_offset, float32_product=float32_product)
     raise ValueError(f"unknown norm_type {norm_type!r}; choose one of {list(NORM_TYPES)}")
 
 
@@ -226,10 +231,13 @@ class RotaryEmbedding(nn.Module):
     call, exactly like transformers' `dynamic_rope_update` / `longrope_frequency_update`.
     """
 
-    def __init__(self, config, rope_parameters: Optional[dict] = None, head_dim: Optional[int] = None):
+    def __init__(self, config, rope_parameters: Optional[dict] = None, head_dim: Optional[int] = None,
+                 float32: bool = False):
         """rope_parameters: this module's own (one layer type's); by default config.rope_parameters. head_dim: the
-        dimensions the rotation covers when they are not config.head_dim (MLA's qk_rope_head_dim)."""
+        dimensions the rotation covers when they are not config.head_dim (MLA's qk_rope_head_dim). float32: cos/sin
+        stay float32 whatever x's dtype (OLMo 2: q and k are rotated in float32, then cast back)."""
         super().__init__()
+        self.float32 = float32
         self.rope_parameters = standardize_rope_parameters(
             rope_parameters if rope_parameters is not None else getattr(config, "rope_parameters", None),
             max_position_embeddings=config.max_position_embeddings,
@@ -313,6 +321,8 @@ class RotaryEmbedding(nn.Module):
             cos, sin = cos_table[position_ids], sin_table[position_ids]
         else:
             cos, sin = self._cos_sin(position_ids, x.device)
+        if self.float32:
+            return cos, sin
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
     def extra_repr(self) -> str:

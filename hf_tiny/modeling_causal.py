@@ -63,7 +63,8 @@ GENERATE_ONLY_KWARGS = ("tokenizer", "assistant_tokenizer")
 
 def norm_of(config: TinyCausalConfig) -> nn.Module:
     return build_norm(config.norm_type, config.hidden_size, config.norm_type_eps(),
-                      unit_offset=config.rms_norm_unit_offset, bias=config.norm_bias)
+                      unit_offset=config.rms_norm_unit_offset, bias=config.norm_bias,
+                      float32_product=config.rounding.norm_product_float32)
 
 
 def qk_norm_of(config: TinyCausalConfig, layer_idx: int) -> tuple[Optional[dict], str]:
@@ -74,7 +75,8 @@ def qk_norm_of(config: TinyCausalConfig, layer_idx: int) -> tuple[Optional[dict]
         return None, "head"
     if kind == "l2":
         return dict(eps=config.rms_norm_eps, elementwise_affine=False), "rotated"
-    return dict(eps=config.rms_norm_eps, unit_offset=config.rms_norm_unit_offset), kind
+    return dict(eps=config.rms_norm_eps, unit_offset=config.rms_norm_unit_offset,
+                float32_product=config.rounding.norm_product_float32), kind
 
 
 def attention_of(config: TinyCausalConfig, layer_idx: int) -> nn.Module:
@@ -173,9 +175,11 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         # the parameters are not keyed by layer type), `sliding_rotary_emb` for sliding layers with their own.
         rope = config.position_embedding_type == "rope"
         full, sliding = config.rope_parameters_for("full_attention"), config.rope_parameters_for("sliding_attention")
-        self.rotary_emb = RotaryEmbedding(config, full, head_dim=config.rotary_head_dim()) if rope else None
+        float32 = config.rounding.rope_float32
+        self.rotary_emb = RotaryEmbedding(config, full, head_dim=config.rotary_head_dim(), float32=float32) if rope else None
         own_sliding = rope and sliding != full
-        self.sliding_rotary_emb = RotaryEmbedding(config, sliding, head_dim=config.rotary_head_dim()) if own_sliding else None
+        self.sliding_rotary_emb = (RotaryEmbedding(config, sliding, head_dim=config.rotary_head_dim(), float32=float32)
+                                   if own_sliding else None)
         self.nope_layers = frozenset(config.nope.nope_layers)
         self.is_moe = config.moe_spec() is not None
         self.cache_layout = config.cache_layout()  # (heads, key dimension) of what the KV cache holds per token

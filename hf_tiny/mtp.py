@@ -36,7 +36,7 @@ class MtpLayer(nn.Module):
 
         def norm():
             return build_norm(config.norm_type, hidden, config.norm_type_eps(), unit_offset=config.rms_norm_unit_offset,
-                              bias=config.norm_bias)
+                              bias=config.norm_bias, float32_product=config.rounding.norm_product_float32)
 
         self.enorm, self.hnorm = norm(), norm()
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)

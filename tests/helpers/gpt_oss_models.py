@@ -45,7 +45,7 @@ def ours_config(official, **overrides) -> TinyCausalConfig:
     fields = {name: getattr(c, name) for name in same}
     fields.update(
         layer_types=list(c.layer_types), rope_parameters=dict(c.rope_parameters), moe_intermediate_size=c.intermediate_size,
-        router_scoring="topk_softmax", router_bias=True, expert_bias=True, attention_sinks=True,
+        router_scoring="topk_softmax", router_bias=True, expert_bias=True, attention_sinks=True, norm_product_float32=True,
         # fields from transformers 5.24 on; 5.16.1 hard-codes these values in GptOssExperts
         swiglu_limit=getattr(c, "swiglu_limit", 7.0), swiglu_alpha=getattr(c, "swiglu_alpha", 1.702),
     )

@@ -24,7 +24,8 @@ RENAMES = {".post_attention_layernorm.": ".attn_output_layernorm.",
            ".post_feedforward_layernorm.": ".mlp_output_layernorm."}
 
 
-OLMO2_LAYOUT = dict(pre_norms=False, sandwich_norms=True, qk_norm=True, qk_norm_type="projection")
+OLMO2_LAYOUT = dict(pre_norms=False, sandwich_norms=True, qk_norm=True, qk_norm_type="projection",
+                    norm_product_float32=True, rope_float32=True)  # OLMo 2's bf16 / fp16 rounding
 
 
 def tiny_olmo2(variant: str, seed: int = 0):

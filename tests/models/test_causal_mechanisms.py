@@ -8,7 +8,8 @@ import json
 
 import pytest
 import torch
-from causal_config_snapshots import FIXTURE, OPTIONAL_FIELDS, comparable, loaded_fields, optional_readings, without_version
+from causal_config_snapshots import FIXTURE, NEWER_OPTIONAL_FIELDS, OPTIONAL_FIELDS, comparable, loaded_fields
+from causal_config_snapshots import optional_readings, without_version
 
 from hf_tiny import TinyCausalConfig
 from hf_tiny.causal_mechanisms import mechanism_views
@@ -58,14 +59,14 @@ def typed_value(config: TinyCausalConfig, name: str):
 def test_a_config_holds_a_mechanism_fields_exactly_while_it_uses_it(mechanism):
     fields, expected = IN_USE[mechanism]
     dense = set(TinyCausalConfig(**SHAPES).to_dict())
-    assert not dense & set(OPTIONAL_FIELDS)
+    assert not dense & {*OPTIONAL_FIELDS, *NEWER_OPTIONAL_FIELDS}
     held = set(TinyCausalConfig(**{**SHAPES, **fields}).to_dict()) - dense
     assert held == expected
 
 
 def test_a_dense_config_reads_every_table_with_its_off_values():
     config = TinyCausalConfig(**SHAPES)
-    assert not any(hasattr(config, name) for name in OPTIONAL_FIELDS)  # nothing a tool could take for MoE
+    assert not any(hasattr(config, name) for name in (*OPTIONAL_FIELDS, *NEWER_OPTIONAL_FIELDS))  # nothing a tool could take for MoE
     assert config.moe == Moe() and config.moe.num_local_experts == 0 and not config.moe.in_use(config)
     assert config.mla.kv_lora_rank is None and config.mtp.num_nextn_predict_layers == 0
     assert config.sinks.attention_sinks is False and config.clamped_swiglu.swiglu_limit is None

@@ -274,3 +274,21 @@ def test_mxfp4_bad_inputs_are_clear_errors():
         dequantize_mxfp4(blocks[..., :8], scales)
     with pytest.raises(ValueError, match="floating-point dtype, got torch.int32"):
         dequantize_mxfp4(blocks, scales, dtype=torch.int32)
+
+
+
+def test_bf16_norm_rounds_as_official_s():
+    """GptOssRMSNorm multiplies its weight into the float32 states and casts after (norm_product_float32, which
+    the converter and ours_config set); Llama's order (cast first) rounds otherwise: the negative control."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+
+    from hf_tiny.layers import RMSNorm
+
+    torch.manual_seed(0)
+    states, weight = torch.randn(64, 44).bfloat16(), (1 + 0.3 * torch.randn(44)).bfloat16()
+    norms = [GptOssRMSNorm(44, eps=1e-5), RMSNorm(44, 1e-5, float32_product=True), RMSNorm(44, 1e-5)]
+    for norm in norms:
+        norm.weight.data = weight.clone()
+    expected, ours, llama_order = (norm(states) for norm in norms)
+    assert torch.equal(ours, expected) and not torch.equal(llama_order, expected)
+    assert ours_config(tiny_official()).rounding.norm_product_float32

@@ -10,6 +10,8 @@ import torch
 
 from family_parity import (BACKENDS, TOLERANCE, assert_runtime_bit_identical, assert_same_greedy_tokens,
                            gradient_errors, load_ours, logits_error)
+from causal_helpers import left_padded_batch, real_logits
+from family_parity import LENGTHS
 from hf_tiny import TinyCausalConfig
 from olmo2_models import OLMO2_LAYOUT, RENAMES, SHAPES, VARIANTS, olmo2_fields, olmo2_rename, ours_for, tiny_olmo2
 
@@ -83,3 +85,22 @@ def test_layout_fields_exist_in_config_json_only_when_used():
 
 def test_runtime_on_and_off_bit_identical(monkeypatch):
     assert_runtime_bit_identical(ours_for(tiny_olmo2("mha_biases_tied_theta")), monkeypatch)
+
+
+def _bf16_logits(model, backend="sdpa"):
+    model = model.to(torch.bfloat16)
+    model.set_attn_implementation(backend)
+    batch = left_padded_batch(model.config.vocab_size, LENGTHS)
+    return real_logits(model, batch).float()
+
+
+def test_bf16_logits_equal_official_bit_for_bit_with_its_rounding():
+    """OLMo 2 multiplies its norm weights into float32 states and rotates q/k in float32 (norm_product_float32,
+    rope_float32). With Llama's rounding instead (both off: the negative control) bf16 logits were 0.156 off
+    official's (official's own distance from float32 0.136)."""
+    official = tiny_olmo2("gqa")
+    ours = ours_for(official)
+    llama_rounding = ours_for(official, norm_product_float32=False, rope_float32=False)
+    expected = _bf16_logits(official)
+    assert torch.equal(_bf16_logits(ours), expected)
+    assert not torch.equal(_bf16_logits(llama_rounding), expected)
