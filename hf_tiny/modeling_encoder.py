@@ -26,6 +26,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
+from torch.nn import functional as F
 from transformers.modeling_outputs import (
     BaseModelOutputWithPooling,
     MaskedLMOutput,
@@ -252,6 +253,18 @@ def _masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return CrossEntropyLoss()(logits.view(-1, logits.shape[-1]), labels.view(-1).to(logits.device))
 
 
+def _masked_lm_loss_per_item(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch) -> torch.Tensor:
+    """transformers' ForMaskedLMLoss (ModernBERT's): the cross-entropy of the float32 logits, its mean over the
+    masked positions, or its sum divided by num_items_in_batch when given (Trainer's gradient-accumulation-exact
+    normalisation)."""
+    check_labels(labels, num_classes=logits.shape[-1], expected_shape=tuple(logits.shape[:2]))
+    logits, labels = logits.float().view(-1, logits.shape[-1]), labels.view(-1).to(logits.device)
+    if num_items_in_batch is None:
+        return F.cross_entropy(logits, labels, ignore_index=-100)
+    total = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
+    return total / torch.as_tensor(num_items_in_batch, device=total.device)
+
+
 class _WithMaskedLMHead:
     """The output embeddings of a model whose `lm_head` is a TinyEncoderMaskedLMHead."""
 
@@ -267,17 +280,29 @@ class _WithMaskedLMHead:
         self.lm_head.decoder = new_embeddings
 
 
-class TinyEncoderForMaskedLM(_WithMaskedLMHead, TinyEncoderWithLabelsHead):
+class TinyEncoderForMaskedLM(_WithMaskedLMHead, TinyEncoderPreTrainedModel):
+    # forward takes num_items_in_batch (Trainer's gradient-accumulation-exact loss normalisation), as ModernBERT's
+    accepts_loss_kwargs = True
+
     def __init__(self, config: TinyEncoderConfig):
         super().__init__(config)
         self.model = TinyEncoderModel(config, add_pooling_layer=False)
         self.lm_head = TinyEncoderMaskedLMHead(config)
         self.post_init()
 
-    def _head(self, outputs, labels, attention_mask) -> MaskedLMOutput:
+    def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
+                labels: Optional[torch.Tensor] = None, output_attentions=None, output_hidden_states=None,
+                return_dict=None, num_items_in_batch=None) -> Union[MaskedLMOutput, tuple]:
+        """labels: [batch, seq] masked-LM targets (-100 = not masked). The loss is transformers' ForMaskedLMLoss
+        (ModernBERT's): from float32 logits, and per item of num_items_in_batch when given."""
+        outputs = self._encode(
+            input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions, output_hidden_states
+        )
         logits = self.lm_head(outputs.last_hidden_state)
-        loss = _masked_lm_loss(logits, labels) if labels is not None else None
-        return MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions)
+        loss = _masked_lm_loss_per_item(logits, labels, num_items_in_batch) if labels is not None else None
+        output = MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
+                                attentions=outputs.attentions)
+        return self._format_output(output, return_dict)
 
 
 @dataclass

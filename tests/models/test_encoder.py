@@ -319,8 +319,34 @@ def test_dropout_is_active_in_training_only():
 
 
 def test_heads_do_not_take_loss_kwargs_from_trainer():
+    """The classification heads average their loss themselves (Trainer divides it under gradient accumulation);
+    the masked LM takes num_items_in_batch (test below)."""
     for cls in HEADS:
-        assert cls.accepts_loss_kwargs is False
+        assert cls.accepts_loss_kwargs is (cls is TinyEncoderForMaskedLM)
+
+
+def test_masked_lm_loss_is_transformers_for_masked_lm_loss_with_num_items_in_batch():
+    """As ModernBERT's (transformers' ForMaskedLMLoss): float32 logits, and per item of num_items_in_batch, so two
+    micro-batches of unequal label counts add up to the whole batch's mean (a mean of their means does not: the
+    control). Before, the head averaged each micro-batch, and a bf16 model's loss was computed in bf16."""
+    from transformers.loss.loss_utils import ForMaskedLMLoss
+
+    model = build(TinyEncoderForMaskedLM).to(torch.bfloat16)
+    input_ids, attention_mask = padded_batch(batch=4)
+    labels = input_ids.masked_fill(torch.rand(input_ids.shape, generator=torch.Generator().manual_seed(2)) < 0.5, -100)
+    labels[:2, 0] = input_ids[:2, 0]  # the first micro-batch holds more labels than the second
+    count = int((labels != -100).sum())
+    whole = model(input_ids, attention_mask=attention_mask, labels=labels)
+    assert whole.loss.dtype == torch.float32
+    assert torch.equal(whole.loss, ForMaskedLMLoss(whole.logits, labels, VOCAB))
+    parts = [model(input_ids[rows], attention_mask=attention_mask[rows], labels=labels[rows], num_items_in_batch=count)
+             for rows in (slice(0, 2), slice(2, 4))]
+    for rows, part in zip((slice(0, 2), slice(2, 4)), parts):
+        assert torch.equal(part.loss, ForMaskedLMLoss(part.logits, labels[rows], VOCAB, num_items_in_batch=count))
+    torch.testing.assert_close(parts[0].loss + parts[1].loss, whole.loss, rtol=1e-6, atol=0)
+    means = [model(input_ids[rows], attention_mask=attention_mask[rows], labels=labels[rows]).loss
+             for rows in (slice(0, 2), slice(2, 4))]
+    assert abs(float(sum(means) / 2 - whole.loss)) > 1e-3
 
 
 # ---------------------------------------------------------------------------------------------------------------
