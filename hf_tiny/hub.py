@@ -18,6 +18,8 @@ import os
 import re
 from pathlib import Path
 
+import torch
+
 CARD_FILE = "README.md"
 CARD_TAG = "hf_tiny"  # every card rendered from model_cards/hf_tiny.md carries it
 
@@ -98,7 +100,22 @@ def remember_loaded_weights(model) -> None:
 
 
 def _parameter_states(model) -> dict:
-    return {name: (id(p), p._version) for name, p in model.named_parameters()}
+    return {name: (id(p), p._version, _sampled_bytes(p)) for name, p in model.named_parameters()}
+
+
+SAMPLED_ELEMENTS = 16
+
+
+def _sampled_bytes(parameter: torch.Tensor) -> tuple:
+    """A few of the tensor's elements, as bytes. An in-place edit bumps _version, but fused optimizers
+    (torch._fused_adamw_, Trainer's default on transformers 5.24) write without bumping it; their step moves
+    (nearly) every element of a trained tensor, these among them."""
+    data = parameter.detach()
+    if type(data) is not torch.Tensor or data.device.type == "meta" or data.numel() == 0:
+        return ()
+    flat = data.reshape(-1)
+    index = torch.linspace(0, flat.numel() - 1, min(SAMPLED_ELEMENTS, flat.numel()), device=flat.device).long()
+    return tuple(flat[index].contiguous().view(torch.uint8).tolist())
 
 
 def card_still_holds(model, card: str) -> bool:
