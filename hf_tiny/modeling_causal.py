@@ -521,6 +521,19 @@ class TinyCausalForSequenceClassification(TinyCausalPreTrainedModel):
 
 register_liger_kernels()  # TrainingArguments(use_liger_kernel=True) finds this family in Liger-Kernel's table
 
+
+def _register_with_trainers_causal_lms() -> None:
+    """Trainer's label smoother (label_smoothing_factor) shifts the labels only for a model whose class name is among
+    transformers' causal LMs (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), where AutoModelForCausalLM.register does not add a
+    custom class: each position was smoothed against its own token. Here, with the code a saved folder carries, so
+    trust_remote_code loads register too. The Auto mappings read only model types that have a config class."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault(TinyCausalConfig.model_type, TinyCausalForCausalLM.__name__)
+
+
+_register_with_trainers_causal_lms()
+
 __all__ = [
     "TinyCausalPreTrainedModel",
     "TinyCausalModel",

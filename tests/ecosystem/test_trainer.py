@@ -131,6 +131,22 @@ def test_models_declare_how_trainer_must_scale_their_loss(tmp_path):
     assert type(trainer.model) is TinyEncoderForSequenceClassification and not trainer.model_accepts_loss_kwargs
 
 
+def test_label_smoothing_shifts_the_causal_labels_as_for_official_causal_lms(tmp_path):
+    """Trainer's label smoother shifts the labels of the models named among transformers' causal LMs; ours was not
+    among them, and each position was smoothed against its own token (first loss 5.17 against official's 4.56)."""
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    trainer = runs.make_trainer("causal", tmp_path)
+    trainer.label_smoother = LabelSmoother(epsilon=0.1)  # what label_smoothing_factor=0.1 sets up
+    batch = trainer.data_collator([trainer.train_dataset[i] for i in range(3)])
+    model = trainer.model.eval()
+    with torch.no_grad():
+        loss = trainer.compute_loss(model, dict(batch))
+        outputs = model(**{k: v for k, v in batch.items() if k != "labels"})
+    shifted, unshifted = (LabelSmoother(0.1)(outputs, batch["labels"], shift_labels=shift) for shift in (True, False))
+    assert torch.allclose(loss, shifted, rtol=1e-6) and not torch.allclose(loss, unshifted, rtol=1e-3)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # determinism and resume_from_checkpoint (dropout on, so the restored RNG state matters)
 # ------------------------------------------------------------------------------------------------------------------
