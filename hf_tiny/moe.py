@@ -315,7 +315,10 @@ class SparseMoeFeedForward(nn.Module):
         for expert_index, expert in enumerate(self.experts):
             # the tokens that chose this expert, and in which of their k slots (a token picks an expert once)
             token_index, slot = torch.where(top_k_index == expert_index)
-            if token_index.numel() == 0:
+            # While training, an expert no token chose still runs (on no rows): its gradient is then zero, as the
+            # slice of official's 3-D expert parameter is, not None. With None, AdamW skipped its momentum and weight
+            # decay, and DDP / FSDP, which reduce every parameter's gradient, stopped.
+            if token_index.numel() == 0 and not torch.is_grad_enabled():
                 continue
             weights = top_k_weights[token_index, slot, None]
             if self.spec.weights_on_input:  # Llama 4: the weight (in the model's dtype) scales the expert's input

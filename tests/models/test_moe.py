@@ -379,3 +379,26 @@ def test_lora_reaches_the_experts_by_their_llama_names():
     # the experts some token was routed to train their adapters (lora_B starts at zero; its gradient does not)
     trained = [name for name, p in peft_model.named_parameters() if "lora_B" in name and p.grad is not None and p.grad.abs().sum() > 0]
     assert len(trained) >= 2 * 2 * 3, trained
+
+
+def test_an_expert_no_token_chose_gets_a_zero_gradient_as_official_s_slice(tmp_path):
+    """Official keeps the experts in one 3-D parameter, so an expert no token chose still has a (zero) gradient.
+    Ours skipped it: its gradient was None, AdamW then skipped its momentum and weight decay (6.9e-3 off official
+    after one step), and DDP / FSDP, which reduce every parameter's gradient, stopped. Two tokens, top-1 of 3."""
+    official, _ = convert("mixtral_top1_of_3_sliding_mha", tmp_path)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "ours").train()
+    official.train()
+    ids = torch.tensor([[5, 9]])
+    for model in (official, ours):
+        model.zero_grad()
+        model(input_ids=ids, labels=ids).loss.backward()
+    layer = ours.config.mlp_layer_types.index("sparse")
+    with torch.no_grad():
+        chosen = ours(input_ids=ids, output_router_logits=True).router_logits[layer].topk(ours.config.num_experts_per_tok)
+    idle = sorted(set(range(ours.config.num_local_experts)) - set(chosen.indices.flatten().tolist()))
+    assert idle
+    official_experts = official.model.layers[layer].mlp.experts
+    for expert in idle:
+        grads = [p.grad for p in ours.model.layers[layer].mlp.experts[expert].parameters()]
+        assert all(g is not None and torch.count_nonzero(g) == 0 for g in grads)
+        assert torch.count_nonzero(official_experts.down_proj.grad[expert]) == 0  # official's slice, the reference
