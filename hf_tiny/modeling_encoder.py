@@ -338,10 +338,15 @@ class TinyEncoderForPreTraining(_WithMaskedLMHead, TinyEncoderPreTrainedModel):
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
                 labels: Optional[torch.Tensor] = None, next_sentence_label: Optional[torch.Tensor] = None,
-                output_attentions=None, output_hidden_states=None, return_dict=None,
-                sentence_order_label: Optional[torch.Tensor] = None):
+                output_attentions=None, output_hidden_states=None, return_dict=None, **other_names):
         """labels: [batch, seq] masked-LM targets (-100 = not masked); next_sentence_label: [batch], 0 = the second
-        segment follows the first, 1 = random (ALBERT: sentence_order_label, 0 = in order, 1 = swapped)."""
+        segment follows the first, 1 = random (ALBERT: sentence_order_label, 0 = in order, 1 = swapped).
+        sentence_order_label arrives as a keyword outside the signature: Trainer computes an evaluation loss only
+        when a batch holds every label its model's signature names, and a batch holds one of the two names (an
+        ALBERT batch needs TrainingArguments(label_names=["labels", "sentence_order_label"]), docs/compatibility.md)."""
+        sentence_order_label = other_names.pop("sentence_order_label", None)
+        if other_names:
+            raise TypeError(f"{type(self).__name__}.forward() got unexpected keyword arguments {sorted(other_names)}")
         if sentence_order_label is not None:
             if next_sentence_label is not None:
                 raise ValueError("pass next_sentence_label or sentence_order_label (ALBERT's name for it), not both")

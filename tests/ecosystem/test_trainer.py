@@ -131,6 +131,17 @@ def test_models_declare_how_trainer_must_scale_their_loss(tmp_path):
     assert type(trainer.model) is TinyEncoderForSequenceClassification and not trainer.model_accepts_loss_kwargs
 
 
+def test_the_pretraining_head_names_the_labels_trainer_looks_for_as_official_bert():
+    """Trainer computes an evaluation loss only when a batch holds every label the forward's signature names; ours
+    also named ALBERT's sentence_order_label, which no BERT batch holds: evaluate() gave no eval_loss."""
+    from transformers import BertForPreTraining
+    from transformers.utils import find_labels
+
+    from hf_tiny import TinyEncoderForPreTraining
+
+    assert find_labels(TinyEncoderForPreTraining) == find_labels(BertForPreTraining) == ["labels", "next_sentence_label"]
+
+
 def test_label_smoothing_shifts_the_causal_labels_as_for_official_causal_lms(tmp_path):
     """Trainer's label smoother shifts the labels of the models named among transformers' causal LMs; ours was not
     among them, and each position was smoothed against its own token (first loss 5.17 against official's 4.56)."""
