@@ -52,8 +52,9 @@ def check_holds(config) -> None:
 
 
 def fields_from_official(official, *, src) -> dict:
-    """The Llama 4 fields; the MoE ones only where the config has MoE layers (official builds dense layers only where
-    moe_layers is empty: with num_local_experts=0 alone it still builds MoE layers, of no experts)."""
+    """The Llama 4 fields; the MoE ones where the config has experts (with moe_layers empty, every layer dense: the
+    experts' fields still name Llama 4 on the way back). num_local_experts=0 alone does not make official's layers
+    dense: it builds its moe_layers as MoE layers of no experts, refused here."""
     layers = official.num_hidden_layers
     nope = [i for i, rotates in enumerate(official.no_rope_layers[:layers]) if not rotates]
     chunked = "chunked_attention" in official.layer_types
@@ -65,7 +66,7 @@ def fields_from_official(official, *, src) -> dict:
     if official.moe_layers and not official.num_local_experts:
         raise ConversionError(f"Llama 4 config has moe_layers={official.moe_layers} but num_local_experts=0: MoE "
                               "layers without experts (give moe_layers=[] for a dense model)")
-    if official.moe_layers:
+    if official.num_local_experts:
         values.update(
             mlp_layer_types=["sparse" if i in official.moe_layers else "dense" for i in range(layers)],
             moe_intermediate_size=official.intermediate_size, shared_expert_intermediate_size=official.intermediate_size,

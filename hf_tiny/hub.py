@@ -114,7 +114,9 @@ def _sampled_bytes(parameter: torch.Tensor) -> tuple:
     if type(data) is not torch.Tensor or data.device.type == "meta" or data.numel() == 0:
         return ()
     flat = data.reshape(-1)
-    index = torch.linspace(0, flat.numel() - 1, min(SAMPLED_ELEMENTS, flat.numel()), device=flat.device).long()
+    count = min(SAMPLED_ELEMENTS, flat.numel())
+    # integer steps (a float32 linspace rounds the last index past the end of a 10^8-element tensor)
+    index = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(count - 1, 1)
     return tuple(flat[index].contiguous().view(torch.uint8).tolist())
 
 

@@ -270,7 +270,10 @@ def _autocast_caches(device_type: str) -> bool:
     in the low precision before the cast's backward. A replay after the cache is gone casts again: its ops did not
     line up with the recorded ones (backward failed), and without the cache the gradients would be summed otherwise
     than official's."""
-    return torch.is_autocast_enabled(device_type) and torch.is_autocast_cache_enabled()
+    try:
+        return torch.is_autocast_enabled(device_type) and torch.is_autocast_cache_enabled()
+    except RuntimeError:  # a device type autocast does not know (meta): no autocast there
+        return False
 
 
 def in_place_scale(module: nn.Module, tensor) -> bool:

@@ -30,7 +30,7 @@ CASES = {  # case -> (official model maker, its variant, official model_type)
     "olmo2_biases_tied": (tiny_olmo2, "mha_biases_tied_theta", "olmo2"),
     "llama4_scout_like": (tiny_llama4, "scout_like", "llama4_text"),
     "llama4_maverick_like": (tiny_llama4, "maverick_like_biases_top2", "llama4_text"),
-    # no MoE layer (moe_layers=[]): a dense config, and back to moe_layers=[]
+    # no MoE layer (moe_layers=[]): every layer dense, and back to moe_layers=[]
     "llama4_dense": (lambda variant: tiny_llama4(variant, moe_layers=[]), "scout_like", "llama4_text"),
 }
 

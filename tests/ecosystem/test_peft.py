@@ -301,7 +301,10 @@ def test_seq2seq_lora_with_reentrant_checkpointing_trains_as_official_bart(tmp_p
     assert len(got) == len(expected) == 2 * 2 * (2 + 2 * 3)  # A and B of q/v: encoder self, decoder self + cross
     for name, grad in got.items():
         assert grad is not None and grad.abs().max() > 0, name
-        torch.testing.assert_close(grad, expected[name], rtol=1e-4, atol=1e-6)
+        # relative to the tensor's largest gradient: an Intel Xeon (family 6 model 167) rounded one element of 64
+        # 3.6e-6 away (1.9e-4 of it), also at the commit CI passed with
+        scale = float(expected[name].abs().max())
+        torch.testing.assert_close(grad, expected[name], rtol=0, atol=1e-4 * scale)
 
     monkeypatch.setattr(hf_tiny.TinySeq2SeqPreTrainedModel, "enable_input_require_grads",
                         transformers.PreTrainedModel.enable_input_require_grads)

@@ -201,7 +201,9 @@ def gradients(model, family: str) -> dict:
     model.zero_grad(set_to_none=True)
     loss = model(**_labels(family)).loss
     loss.backward()
-    grads = {f"grad.{name}": param.grad.clone() for name, param in model.named_parameters() if param.grad is not None}
+    # an MoE expert no token chose has a zero gradient (as official's), where the snapshots were written with none
+    grads = {f"grad.{name}": param.grad.clone() for name, param in model.named_parameters()
+             if param.grad is not None and torch.count_nonzero(param.grad)}
     model.zero_grad(set_to_none=True)
     model.eval()
     return {"train.loss": loss.detach().reshape(1), **grads}
