@@ -176,7 +176,8 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
         rope = config.position_embedding_type == "rope"
         full, sliding = config.rope_parameters_for("full_attention"), config.rope_parameters_for("sliding_attention")
         float32 = config.rounding.rope_float32
-        self.rotary_emb = RotaryEmbedding(config, full, head_dim=config.rotary_head_dim(), float32=float32) if rope else None
+        self.rotary_emb = (RotaryEmbedding(config, full, head_dim=config.rotary_head_dim(), float32=float32)
+                           if rope else None)
         own_sliding = rope and sliding != full
         self.sliding_rotary_emb = (RotaryEmbedding(config, sliding, head_dim=config.rotary_head_dim(), float32=float32)
                                    if own_sliding else None)

@@ -89,7 +89,9 @@ class Moe(Mechanism):
         a keyword the config takes but does not hold)."""
         experts, dense_first = self.num_local_experts, config.first_k_dense_replace
         if self.mlp_layer_types is not None and not isinstance(self.mlp_layer_types, (list, tuple)):
-            raise TypeError(f"{owner}: mlp_layer_types must be a list of 'dense' / 'sparse', got {self.mlp_layer_types!r}")
+            raise TypeError(
+                f"{owner}: mlp_layer_types must be a list of 'dense' / 'sparse', got {self.mlp_layer_types!r}"
+            )
         check_non_negative(owner, "0: every layer has a dense feed-forward", num_local_experts=experts)
         if experts == 0:
             if dense_first is not None or (self.mlp_layer_types is not None and "sparse" in self.mlp_layer_types):
