@@ -94,8 +94,8 @@ _CARD_CLASS = re.compile(r"^`(?P<name>\w+)` converted from ", re.MULTILINE)
 
 
 def remember_loaded_weights(model) -> None:
-    """Notes each parameter as from_pretrained left it (the object and its in-place version counter, which
-    `.to()` keeps and every optimizer step or in-place edit moves), for card_still_holds."""
+    """Notes each parameter as from_pretrained left it (the object, its in-place version counter and a sample of
+    its elements, which `.to()` keeps and every optimizer step or in-place edit moves), for card_still_holds."""
     model._hf_tiny_loaded_weights = _parameter_states(model)
 
 

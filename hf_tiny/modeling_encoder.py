@@ -26,7 +26,6 @@ from typing import Optional, Union
 import torch
 from torch import nn
 from torch.nn import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss
-from torch.nn import functional as F
 from transformers.modeling_outputs import (
     BaseModelOutputWithPooling,
     MaskedLMOutput,
@@ -253,18 +252,6 @@ def _masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return CrossEntropyLoss()(logits.view(-1, logits.shape[-1]), labels.view(-1).to(logits.device))
 
 
-def _masked_lm_loss_per_item(logits: torch.Tensor, labels: torch.Tensor, num_items_in_batch) -> torch.Tensor:
-    """transformers' ForMaskedLMLoss (ModernBERT's): the cross-entropy of the float32 logits, its mean over the
-    masked positions, or its sum divided by num_items_in_batch when given (Trainer's gradient-accumulation-exact
-    normalisation)."""
-    check_labels(labels, num_classes=logits.shape[-1], expected_shape=tuple(logits.shape[:2]))
-    logits, labels = logits.float().view(-1, logits.shape[-1]), labels.view(-1).to(logits.device)
-    if num_items_in_batch is None:
-        return F.cross_entropy(logits, labels, ignore_index=-100)
-    total = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")
-    return total / torch.as_tensor(num_items_in_batch, device=total.device)
-
-
 class _WithMaskedLMHead:
     """The output embeddings of a model whose `lm_head` is a TinyEncoderMaskedLMHead."""
 
@@ -299,7 +286,11 @@ class TinyEncoderForMaskedLM(_WithMaskedLMHead, TinyEncoderPreTrainedModel):
             input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions, output_hidden_states
         )
         logits = self.lm_head(outputs.last_hidden_state)
-        loss = _masked_lm_loss_per_item(logits, labels, num_items_in_batch) if labels is not None else None
+        loss = None
+        if labels is not None:  # self.loss_function: transformers' ForMaskedLMLoss, by the class name
+            check_labels(labels, num_classes=logits.shape[-1], expected_shape=tuple(logits.shape[:2]))
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size,
+                                      num_items_in_batch=num_items_in_batch)
         output = MaskedLMOutput(loss=loss, logits=logits, hidden_states=outputs.hidden_states,
                                 attentions=outputs.attentions)
         return self._format_output(output, return_dict)
