@@ -114,6 +114,8 @@ class EncoderVariant:
     class_parts: dict[str, tuple[str, ...]]  # official class suffix -> parts it holds besides the encoder
     base_prefix: str = ""  # the encoder's tensor prefix in head checkpoints (default: model_type)
     fixed_config: dict = field(default_factory=dict)  # hf_tiny config fields the variant implies
+    # hf_tiny config fields that only name tensors (the key map reads them): any value converts back
+    layout_fields: tuple[str, ...] = ()
     # the encoder's own names (BERT's unless a variant renames them)
     config_fields: dict[str, str] = field(default_factory=lambda: CONFIG_FIELDS)
     layer_path: str = "encoder.layer.{i}"
@@ -328,6 +330,7 @@ def official_config_from_encoder(variant: EncoderVariant, config, official_class
     except ConversionError as error:
         raise ConversionError(f"this hf_tiny encoder is not {_an(variant.model_type)} model ({error})") from error
     fields = [name for name in inspect.signature(type(config).__init__).parameters if name not in ("self", "kwargs")]
+    fields = [name for name in fields if name not in variant.layout_fields]
     lost = [f"{name}={getattr(config, name)!r}" for name in fields if getattr(config, name) != getattr(again, name)]
     if lost:
         raise ConversionError(

@@ -13,9 +13,12 @@ What differs from BERT, each a field of the hf_tiny encoder (FIXED / CONFIG_FIEL
   * `attn.Wqkv` stacks q, k and v on the output dimension and `mlp.Wi` the GeGLU's activated half, then its gate:
     split into q/k/v_proj and gate_proj/up_proj (GatedFeedForward: down(act(gate) * up)) and joined back, bit for bit;
   * biases only where the config turns them on (attention_bias, mlp_bias, norm_bias, classifier_bias, decoder_bias);
-  * every task head starts with `head` (dense -> act -> norm, `head_transform`): the MLM head's transform, the
-    pooler of sequence classification (which pools the first token or the mean, `classifier_pooling`), the
-    transform before token classification and QA (whose `classifier` is hf_tiny's `qa_outputs`).
+  * every task head starts with `head` (dense -> act -> norm, `head_transform`), one module under one name in every
+    class (`shared_head`), so that a classifier loaded from a masked-LM folder starts from the trained transform:
+    the MLM head's transform before its decoder, sequence classification's after its pooling (of the first token or
+    the mean, `classifier_pooling`), the transform before token classification and QA (whose `classifier` is
+    hf_tiny's `qa_outputs`). Folders converted before shared_head name the MLM's transform `lm_head.dense` /
+    `lm_head.layer_norm` and sequence classification's `model.pooler.*`; they convert back as they are.
 Refused, with the field named: sparse_prediction (logits at the masked tokens only) and attention_dropout != 0
 (ModernBERT drops the attention output at that rate but not the feed-forward's; hf_tiny's pre-norm layer drops
 both at hidden_dropout). ModernBertForMultipleChoice has no hf_tiny class.
@@ -67,7 +70,7 @@ CONFIG_FIELDS = {
 # QA dropout are ModernBERT's classifier ones; the residual dropout is the attention output's (0: refused otherwise)
 DERIVED = {"pooler_act": "classifier_activation", "qa_dropout": "classifier_dropout", "hidden_dropout": "attention_dropout"}
 FIXED = dict(position_embedding_type="rope", norm_placement="pre", mlp_gated=True, head_transform=True,
-             type_vocab_size=0, add_pooling_layer=False)
+             shared_head=True, type_vocab_size=0, add_pooling_layer=False)
 
 WORD_EMBEDDINGS = "embeddings.tok_embeddings.weight"
 STACK_MODULES = {"embeddings.norm": "embed_norm", "final_norm": "norm"}
@@ -116,17 +119,27 @@ def key_map(variant: EncoderVariant, suffix: str, config) -> KeyMap:
     rules += fused_rules(official_layer, our_layer, config) + modules_rules(official_layer, our_layer, LAYER_MODULES, config)
     for i in range(1, config.num_hidden_layers):  # layer 0 has no attn_norm
         rules += modules_rules(official_layer.format(i=i), our_layer.format(i=i), {"attn_norm": "input_layernorm"}, config)
+    task_parts = SHARED_HEAD_PARTS if config.shared_head else variant.parts
     for part in parts:
         if part == "masked_lm":
             names = variant.masked_lm
-            rules += modules_rules("", "", names.modules, config)
+            rules += modules_rules("", "", head("head") if config.shared_head else names.modules, config)
             if not tied_decoder:
                 rules += modules_rules("", "", {names.decoder: "lm_head.decoder"}, config)
             elif config.decoder_bias:  # the tied weight is the word embeddings' rule
                 rules.append((f"{names.decoder}.bias", "lm_head.decoder.bias"))
         else:
-            rules += modules_rules("", "", variant.parts[part], config)
+            rules += modules_rules("", "", task_parts[part], config)
     return KeyMap(rules)
+
+
+# The task heads' modules with shared_head (every class's transform is `head`); MODERNBERT.parts below are those of
+# folders converted before it.
+SHARED_HEAD_PARTS = {
+    "classification_head": {**head("head"), "classifier": "classifier"},
+    "token_head": {**head("head"), "classifier": "classifier"},
+    "qa_head": {**head("head"), "classifier": "qa_outputs"},
+}
 
 
 MODERNBERT = EncoderVariant(
@@ -144,6 +157,7 @@ MODERNBERT = EncoderVariant(
     fixed_config=FIXED,
     config_fields=CONFIG_FIELDS,
     derived_config=DERIVED,
+    layout_fields=("shared_head",),
     layer_path="layers.{i}",
     word_embeddings=WORD_EMBEDDINGS,
     own_key_map=key_map,

@@ -18,7 +18,7 @@ from .validation import store_init_fields
 OPTIONAL_FIELDS = dict(
     position_embedding_type="absolute", layer_types=None, sliding_window=None, norm_placement="post", norm_bias=True,
     mlp_gated=False, mlp_bias=True, activation_dropout=0.0, embedding_dropout=None, head_transform=False,
-    classifier_pooling="cls", classifier_bias=True, classifier_activation=None, decoder_bias=True,
+    classifier_pooling="cls", classifier_bias=True, classifier_activation=None, decoder_bias=True, shared_head=False,
 )
 POSITION_EMBEDDING_TYPES = ("absolute", "rope")
 NORM_PLACEMENTS = ("post", "pre")
@@ -78,6 +78,11 @@ class TinyEncoderConfig(PretrainedConfig):
             real tokens ("mean"). classifier_bias: the bias of those dense layers (pooler, MLM transform);
             classifier_activation: the activation of the MLM and token / QA transforms (None: hidden_act; the
             pooler's is pooler_act). decoder_bias: the MLM decoder's bias.
+        shared_head (with head_transform): that transform is one module, `head`, in every task model (the MLM's
+            before its decoder, the sequence classifier's after its pooling instead of a pooler), as ModernBERT
+            names it, so that a classifier loaded from a masked-LM folder starts from the trained transform. Set by
+            the ModernBERT converter; without it (folders converted before) the MLM's transform is
+            `lm_head.dense` / `lm_head.layer_norm` and the sequence classifier's is the pooler's.
     """
 
     model_type = "hf_tiny_encoder"
@@ -201,7 +206,8 @@ def _check_optional_fields(owner: str, values: dict) -> None:
                           ("classifier_pooling", CLASSIFIER_POOLINGS)):
         check_choice(owner, name, values[name], choices)
     check_bool(owner, **{name: values[name] for name in ("norm_bias", "mlp_gated", "mlp_bias", "head_transform",
-                                                         "classifier_bias", "decoder_bias")})
+                                                         "classifier_bias", "decoder_bias", "shared_head")})
+    _check_shared_head(owner, values)
     check_probability(owner, activation_dropout=values["activation_dropout"])
     if values["embedding_dropout"] is not None:
         check_probability(owner, embedding_dropout=values["embedding_dropout"])
@@ -220,6 +226,22 @@ def _check_optional_fields(owner: str, values: dict) -> None:
             f"{owner}: position_embedding_type='rope' has no position table, so positions_from_padding="
             f"{values['positions_from_padding']} / sinusoidal_positions={values['sinusoidal_positions']} must be False"
         )
+
+
+def _check_shared_head(owner: str, values: dict) -> None:
+    """shared_head names the head_transform's module: it needs one, of one width in every task model."""
+    if not values["shared_head"]:
+        return
+    if not values["head_transform"]:
+        raise ValueError(f"{owner}: shared_head=True shares the head transform, which needs head_transform=True "
+                         f"(got head_transform={values['head_transform']})")
+    if values["embedding_size"] not in (None, values["hidden_size"]):
+        raise ValueError(f"{owner}: shared_head=True needs one transform width, but embedding_size="
+                         f"{values['embedding_size']} differs from hidden_size={values['hidden_size']} (the MLM's "
+                         "transform maps back to embedding_size)")
+    if values["dropout_before_pooler"]:
+        raise ValueError(f"{owner}: shared_head=True has no pooler, so dropout_before_pooler=True (RoBERTa's pooler "
+                         "dropout) has nothing to act on; set it False")
 
 
 def _rope_parameters(owner: str, values: dict) -> dict | None:

@@ -17,8 +17,8 @@ from .encoder_layers import norm_of
 
 class TinyEncoderPooler(nn.Module):
     """BERT's pooler: activation(dense(hidden state of the first token)); tanh in BERT (config.pooler_act). With
-    head_transform (ModernBERT) a LayerNorm follows; classifier_pooling "mean" pools the mean of the real tokens'
-    hidden states instead of the first token's."""
+    head_transform (ModernBERT folders converted without shared_head) a LayerNorm follows; classifier_pooling
+    "mean" pools the mean of the real tokens' hidden states instead of the first token's."""
 
     def __init__(self, config: TinyEncoderConfig):
         super().__init__()
@@ -28,9 +28,13 @@ class TinyEncoderPooler(nn.Module):
         self.layer_norm = norm_of(config) if config.head_transform else None
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        pooled = hidden_states[:, 0] if self.pooling == "cls" else mean_of_real_tokens(hidden_states, attention_mask)
-        pooled = self.activation(self.dense(pooled))
+        pooled = self.activation(self.dense(pooled_states(hidden_states, attention_mask, self.pooling)))
         return pooled if self.layer_norm is None else self.layer_norm(pooled)
+
+
+def pooled_states(hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor], pooling: str) -> torch.Tensor:
+    """[B, H]: what a sequence head reads, the first token's hidden states ("cls") or the real tokens' mean ("mean")."""
+    return hidden_states[:, 0] if pooling == "cls" else mean_of_real_tokens(hidden_states, attention_mask)
 
 
 def mean_of_real_tokens(hidden_states: torch.Tensor, attention_mask: Optional[torch.Tensor]) -> torch.Tensor:
@@ -70,6 +74,25 @@ class TinyEncoderMaskedLMHead(TinyEncoderPredictionHead):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.decoder(super().forward(hidden_states))
+
+
+class TinyEncoderMaskedLMDecoder(nn.Module):
+    """The MLM head of a shared_head model: the decoder alone, as TinyEncoderMaskedLMHead names it (its transform is
+    the task model's `head`)."""
+
+    def __init__(self, config: TinyEncoderConfig):
+        super().__init__()
+        self.decoder = nn.Linear(config.hidden_size, config.vocab_size, bias=config.decoder_bias)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.decoder(hidden_states)
+
+
+def masked_lm_heads(config: TinyEncoderConfig) -> tuple[Optional[TinyEncoderPredictionHead], nn.Module]:
+    """(head, lm_head) of a masked-LM model: with shared_head the transform is `head`, else inside `lm_head`."""
+    if config.shared_head:
+        return TinyEncoderPredictionHead(config), TinyEncoderMaskedLMDecoder(config)
+    return None, TinyEncoderMaskedLMHead(config)
 
 
 class TinyEncoderDiscriminatorHead(nn.Module):

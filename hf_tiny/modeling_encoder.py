@@ -39,7 +39,7 @@ from .configuration_encoder import TinyEncoderConfig
 from .encoder_embeddings import SinusoidalPositionTable  # noqa: F401 (re-exported)
 from .encoder_embeddings import check_index_tensor, position_table_of, rotary_embeddings_of
 from .encoder_head_layers import (
-    TinyEncoderDiscriminatorHead, TinyEncoderMaskedLMHead, TinyEncoderPooler, TinyEncoderPredictionHead,
+    TinyEncoderDiscriminatorHead, TinyEncoderPooler, TinyEncoderPredictionHead, masked_lm_heads, pooled_states,
 )
 from .encoder_layers import TinyEncoderLayer, TinyEncoderPreNormLayer, norm_of
 from .engines import VLLM, vllm_encoder_positions
@@ -253,7 +253,7 @@ def _masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 class _WithMaskedLMHead:
-    """The output embeddings of a model whose `lm_head` is a TinyEncoderMaskedLMHead."""
+    """The output embeddings of a model whose `lm_head` ends with the decoder (masked_lm_heads)."""
 
     _tied_weights_keys = {"lm_head.decoder.weight": "model.embed_tokens.weight"}
     # Tensor parallelism splits the (tied) word embeddings by vocabulary row; the decoder must then be split the same
@@ -274,7 +274,7 @@ class TinyEncoderForMaskedLM(_WithMaskedLMHead, TinyEncoderPreTrainedModel):
     def __init__(self, config: TinyEncoderConfig):
         super().__init__(config)
         self.model = TinyEncoderModel(config, add_pooling_layer=False)
-        self.lm_head = TinyEncoderMaskedLMHead(config)
+        self.head, self.lm_head = masked_lm_heads(config)
         self.post_init()
 
     def forward(self, input_ids=None, attention_mask=None, token_type_ids=None, position_ids=None, inputs_embeds=None,
@@ -285,7 +285,7 @@ class TinyEncoderForMaskedLM(_WithMaskedLMHead, TinyEncoderPreTrainedModel):
         outputs = self._encode(
             input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions, output_hidden_states
         )
-        logits = self.lm_head(outputs.last_hidden_state)
+        logits = self.lm_head(_transformed(self.head, outputs.last_hidden_state))
         loss = None
         if labels is not None:  # self.loss_function: transformers' ForMaskedLMLoss, by the class name
             check_labels(labels, num_classes=logits.shape[-1], expected_shape=tuple(logits.shape[:2]))
@@ -322,7 +322,7 @@ class TinyEncoderForPreTraining(_WithMaskedLMHead, TinyEncoderPreTrainedModel):
     def __init__(self, config: TinyEncoderConfig):
         super().__init__(config)
         self.model = TinyEncoderModel(config, add_pooling_layer=True)
-        self.lm_head = TinyEncoderMaskedLMHead(config)
+        self.head, self.lm_head = masked_lm_heads(config)
         self.next_sentence_dropout = nn.Dropout(config.next_sentence_dropout)
         self.next_sentence = nn.Linear(config.hidden_size, 2)
         self.post_init()
@@ -345,7 +345,7 @@ class TinyEncoderForPreTraining(_WithMaskedLMHead, TinyEncoderPreTrainedModel):
         outputs = self._encode(
             input_ids, attention_mask, token_type_ids, position_ids, inputs_embeds, output_attentions, output_hidden_states
         )
-        prediction_logits = self.lm_head(outputs.last_hidden_state)
+        prediction_logits = self.lm_head(_transformed(self.head, outputs.last_hidden_state))
         seq_relationship_logits = self.next_sentence(self.next_sentence_dropout(outputs.pooler_output))
         loss = None
         if labels is not None and next_sentence_label is not None:
@@ -387,7 +387,7 @@ class TinyEncoderForReplacedTokenDetection(TinyEncoderWithLabelsHead):
 
 
 def _transformed(head: Optional[TinyEncoderPredictionHead], hidden_states: torch.Tensor) -> torch.Tensor:
-    """The hidden states through the prediction head a token-level head starts with (head_transform), if any."""
+    """The hidden states through the head transform a head starts with (head_transform, shared_head), if any."""
     return hidden_states if head is None else head(hidden_states)
 
 
@@ -397,14 +397,16 @@ def _classifier_dropout(config: TinyEncoderConfig) -> nn.Dropout:
 
 
 class TinyEncoderForSequenceClassification(TinyEncoderWithLabelsHead):
-    """Pooled output -> dropout -> linear. The loss follows config.problem_type as in BERT: "regression" (MSE),
+    """Pooled output -> dropout -> linear; with shared_head the pooled states go through the shared `head` instead of
+    a pooler (ModernBERT's). The loss follows config.problem_type as in BERT: "regression" (MSE),
     "single_label_classification" (cross-entropy) or "multi_label_classification" (BCE with logits); when unset
     it is inferred from num_labels and the labels' dtype on the first call, and stored in the config."""
 
     def __init__(self, config: TinyEncoderConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.model = TinyEncoderModel(config, add_pooling_layer=True)
+        self.model = TinyEncoderModel(config, add_pooling_layer=not config.shared_head)
+        self.head = TinyEncoderPredictionHead(config) if config.shared_head else None
         rate = config.sequence_classifier_dropout
         self.dropout = nn.Dropout(rate) if rate is not None else _classifier_dropout(config)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
@@ -433,7 +435,9 @@ class TinyEncoderForSequenceClassification(TinyEncoderWithLabelsHead):
 
     def _head(self, outputs, labels, attention_mask) -> SequenceClassifierOutput:
         pooled = outputs.pooler_output
-        if self.config.dropout_before_pooler:  # RoBERTa: dropout(h[:, 0]) -> dense -> tanh, then as below
+        if self.head is not None:
+            pooled = self.head(pooled_states(outputs.last_hidden_state, attention_mask, self.config.classifier_pooling))
+        elif self.config.dropout_before_pooler:  # RoBERTa: dropout(h[:, 0]) -> dense -> tanh, then as below
             pooled = self.model.pooler(self.dropout(outputs.last_hidden_state[:, :1]))
         logits = self.classifier(self.dropout(pooled))
         loss = self._loss(logits, labels) if labels is not None else None

@@ -245,6 +245,68 @@ def test_reverse_refuses_residual_dropout_modernbert_has_no_place_for(converted,
         modernbert.convert_back(tmp_path / "ours", tmp_path / "back")
 
 
+HEADS_FROM_THE_MASKED_LM = {"ModernBertForSequenceClassification": "TinyEncoderForSequenceClassification",
+                             "ModernBertForTokenClassification": "TinyEncoderForTokenClassification",
+                             "ModernBertForQuestionAnswering": "TinyEncoderForQuestionAnswering"}
+
+
+def classifier_from_masked_lm(folder, our_class: str, official):
+    """An hf_tiny classifier loaded from a converted masked-LM folder, its new classifier copied from `official`
+    (the same class loaded from the official masked-LM folder), and the load report."""
+    ours, info = getattr(hf_tiny, our_class).from_pretrained(
+        folder, num_labels=official.config.num_labels, attn_implementation="eager", output_loading_info=True)
+    ours_new = ours.qa_outputs if our_class.endswith("QuestionAnswering") else ours.classifier
+    ours_new.load_state_dict(official.classifier.state_dict())
+    return ours.eval(), info
+
+
+def pre_shared_head_layout(folder, destination):
+    """A copy of a converted ModernBERT masked-LM folder as converters wrote it before shared_head: the transform
+    under lm_head.dense / lm_head.layer_norm, no shared_head in config.json."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(folder, destination)
+    config = json.loads((destination / "config.json").read_text())
+    assert config.pop("shared_head") is True
+    (destination / "config.json").write_text(json.dumps(config))
+    state = load_file(destination / "model.safetensors")
+    save_file({("lm_head." + k[len("head."):]) if k.startswith("head.") else k: v for k, v in state.items()},
+              destination / "model.safetensors", metadata={"format": "pt"})
+    return destination
+
+
+@pytest.mark.parametrize("official_class, our_class", HEADS_FROM_THE_MASKED_LM.items())
+def test_a_classifier_loaded_from_a_masked_lm_folder_starts_from_its_trained_head_as_official(
+        official_class, our_class, converted, tmp_path):
+    """Fine-tuning starts from a masked-LM checkpoint: official's classifiers reuse its trained `head` (dense, act,
+    norm) and only the classifier is new. Negative control: a folder converted before shared_head still loads as a
+    masked LM, but its classifiers start the transform from the init, and their logits differ."""
+    official_mlm, folder = converted("ModernBertForMaskedLM")
+    labels = 2 if official_class.endswith("QuestionAnswering") else 3
+    torch.manual_seed(3)
+    official = getattr(transformers, official_class).from_pretrained(
+        folder / "src", num_labels=labels, attn_implementation="eager").eval()
+    ours, info = classifier_from_masked_lm(folder / "ours", our_class, official)
+    assert {key.split(".")[0] for key in info["missing_keys"]} == {"qa_outputs" if labels == 2 else "classifier"}
+    batch = padded_batch()
+    assert worst_error(official, ours, batch) <= PARITY
+    older = pre_shared_head_layout(folder / "ours", tmp_path / "older")
+    older_mlm = hf_tiny.TinyEncoderForMaskedLM.from_pretrained(older, attn_implementation="eager").eval()
+    assert worst_error(official_mlm, older_mlm, labelled("ModernBertForMaskedLM", batch)) <= PARITY
+    fresh, info = classifier_from_masked_lm(older, our_class, official)
+    assert [key for key in info["missing_keys"] if key.endswith("dense.weight")]  # the pooler's or the head's
+    assert worst_error(official, fresh, batch) > 1e-3
+
+
+def test_a_folder_converted_before_shared_head_converts_back_bit_for_bit(converted, tmp_path):
+    official, folder = converted("ModernBertForMaskedLM")
+    older = pre_shared_head_layout(folder / "ours", tmp_path / "older")
+    modernbert.convert_back(older, tmp_path / "back")
+    reloaded = transformers.ModernBertForMaskedLM.from_pretrained(tmp_path / "back")
+    state = reloaded.state_dict()
+    assert all(torch.equal(tensor, state[name]) for name, tensor in official.state_dict().items())
+
+
 # ---- the model on its own --------------------------------------------------------------------------------------------
 
 
@@ -312,6 +374,11 @@ def test_config_holds_modernbert_fields_only_when_used_and_names_bad_values():
         (dict(position_embedding_type="absolute"), "rope_parameters=.*position_embedding_type='rope'"),
         (dict(sliding_window=None), "sliding_window is None"),
         (dict(classifier_pooling="max"), "classifier_pooling 'max'"),
+        (dict(shared_head=True, head_transform=False), "shared_head=True .*head_transform=False"),
+        (dict(shared_head=True, embedding_size=24), "shared_head=True .*embedding_size=24"),
+        (dict(shared_head=True, dropout_before_pooler=True), "dropout_before_pooler=True"),
     ):
         with pytest.raises(ValueError, match=message):
             modernbert_config(**fields)
+    with pytest.raises(TypeError, match="shared_head must be True or False, got 'yes'"):
+        modernbert_config(shared_head="yes")
