@@ -33,6 +33,7 @@ from .shards import parse_max_shard_size
 from .streamed import Streamed, can_stream, streamed_runner
 from .tensors import parse_dtype
 from .writer import atomic_output_dir, copy_tokenizer_files, first_floating, stream_official_folder, with_tied_copies
+from .writer import write_generation_config_of_config_json
 
 
 @dataclass
@@ -159,8 +160,12 @@ class Family:
         )
 
     def write_side_files(self, source: Source, plan: Plan, tmp: Path) -> str:
-        """Tokenizer and the other files that travel with the weights; returns a phrase for the card."""
+        """Tokenizer and the other files that travel with the weights, and the generation config official takes
+        from a Hugging Face folder that has none (its config.json's); returns a phrase for the card."""
         copied = copy_tokenizer_files(source.folder, tmp)
+        generates = (tmp / "generation_config.json").is_file()  # written with the model's files
+        if generates and source.kind == "hf" and "generation_config.json" not in copied:
+            write_generation_config_of_config_json(tmp, source.folder)
         return f"copied from the source ({', '.join(copied)})" if copied else "none in the source folder"
 
     # --- reverse ---

@@ -270,10 +270,23 @@ def load_cleanly(model_class, path: Path, what: str, *, dropped: tuple = (), **k
     return model
 
 
+def write_generation_config_of_config_json(tmp: Path, source_folder: Path) -> None:
+    """generation_config.json for a source folder without one: what official from_pretrained generates with then
+    (GenerationMixin.adjust_generation_fn), the generation fields of the folder's config.json. Checkpoints saved
+    before transformers 4.26 keep num_beams, no_repeat_ngram_size, forced_bos_token_id, ... there, and the parsed
+    config drops them."""
+    from transformers import GenerationConfig
+
+    generation = GenerationConfig.from_pretrained(str(source_folder), config_file_name="config.json",
+                                                  _from_model_config=True)
+    _without_negative_pad(generation).save_pretrained(tmp)
+
+
 def write_generation_config(tmp: Path, config, official_config=None) -> None:
-    """generation_config.json: the source's (copied with the tokenizer files) or one derived from the official
-    config, as transformers derives it; special ids it leaves unset are filled from the hf_tiny config (T5
-    configs often omit decoder_start_token_id, which is the pad token there)."""
+    """generation_config.json: the one written with the side files (the source's, or official's reading of its
+    config.json) or, where there is none, one derived from the official config, as transformers derives it;
+    special ids it leaves unset are filled from the hf_tiny config (T5 configs often omit
+    decoder_start_token_id, which is the pad token there)."""
     from transformers import GenerationConfig
 
     if (tmp / "generation_config.json").is_file():

@@ -17,6 +17,14 @@ from .saving import AtomicSaveAndCardMixin
 from .transformers_api import warn_if_torch_untested, without_retired_paged_prefix
 
 
+def check_generation_kwargs(kwargs: dict) -> None:
+    """generate() sets forward's return_dict itself: one passed to generate would reach forward twice (official
+    forwards do not name it, so official generate refuses it as unused)."""
+    if "return_dict" in kwargs:
+        raise ValueError(f"generate() got return_dict={kwargs['return_dict']!r}, which generate sets itself; for a "
+                         "ModelOutput from generate pass return_dict_in_generate=True")
+
+
 def resolve_attn_implementation(requested) -> str:
     """None -> 'sdpa' (the Hugging Face default); otherwise one of our backends or a name registered in
     transformers' AttentionInterface (flex_attention, paged|eager, a user's function), or a clear error."""

@@ -42,7 +42,7 @@ from .layers import (
 )
 from .liger import register_liger_kernels
 from .mla import LatentAttention
-from .modeling_base import HfTinyPreTrainedModel
+from .modeling_base import HfTinyPreTrainedModel, check_generation_kwargs
 from .moe import SparseMoeFeedForward, TopKRouter, load_balancing_loss
 from .mtp import MtpLayer, generate_with_mtp, mtp_loss
 from .step import (
@@ -441,6 +441,7 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         """generate(..., use_mtp=True): greedy decoding with the Multi-Token Prediction modules drafting (mtp.py's
         generate_with_mtp), one sequence at a time; anything else is GenerationMixin.generate."""
         check_cached_generation(self)
+        check_generation_kwargs(kwargs)
         if not use_mtp:
             return super().generate(*args, **kwargs)
         return generate_with_mtp(self, *args, **kwargs)

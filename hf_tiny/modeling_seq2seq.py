@@ -22,10 +22,11 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput, Seq2SeqModelOutput
+from transformers.utils import ModelOutput
 
 from .chunked_loss import linear_cross_entropy, use_chunked_loss
 from .configuration_seq2seq import TinySeq2SeqConfig
-from .modeling_base import HfTinyPreTrainedModel
+from .modeling_base import HfTinyPreTrainedModel, check_generation_kwargs
 from .runtime import runtime_decoding, runtime_products
 from .seq2seq_stack import SinusoidalPositions, TinySeq2SeqLayer, TinySeq2SeqStack  # noqa: F401 (re-exported)
 from .step import cache_of, format_output, output_flags, with_cache
@@ -184,17 +185,23 @@ class TinySeq2SeqModel(TinySeq2SeqPreTrainedModel):
         return format_output(output, flags.return_dict)
 
     def _encoded(self, encoder_outputs, input_ids, attention_mask, inputs_embeds, flags) -> BaseModelOutput:
-        """The encoder's output: computed now, or given (generate encodes once) as a BaseModelOutput or a tuple."""
+        """The encoder's output: computed now, or given (generate encodes once) as a ModelOutput whose first item is
+        the last hidden state (any of transformers' encoder outputs) or a tuple (last_hidden_state, hidden_states,
+        attentions)."""
         if encoder_outputs is None:
             return self.encoder(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
                                 output_attentions=flags.attentions, output_hidden_states=flags.hidden_states,
                                 return_dict=True)
         if isinstance(encoder_outputs, BaseModelOutput):
             return encoder_outputs
+        if isinstance(encoder_outputs, ModelOutput) and encoder_outputs.get("last_hidden_state") is not None:
+            return BaseModelOutput(last_hidden_state=encoder_outputs.last_hidden_state,
+                                   hidden_states=encoder_outputs.get("hidden_states"),
+                                   attentions=encoder_outputs.get("attentions"))
         if isinstance(encoder_outputs, torch.Tensor) or not isinstance(encoder_outputs, (tuple, list)) or not encoder_outputs:
             raise TypeError(
-                "encoder_outputs must be a BaseModelOutput or a tuple whose first item is the encoder's "
-                f"last_hidden_state, got {type(encoder_outputs).__name__}"
+                "encoder_outputs must be a ModelOutput with a last_hidden_state or a tuple whose first item is the "
+                f"encoder's last_hidden_state, got {type(encoder_outputs).__name__}"
             )
         return BaseModelOutput(
             last_hidden_state=encoder_outputs[0],
@@ -247,6 +254,7 @@ class TinySeq2SeqForConditionalGeneration(TinySeq2SeqPreTrainedModel, Generation
         """GenerationMixin.generate, after the one-time check of cached generation outside the tested transformers
         range (transformers_api.check_cached_generation)."""
         check_cached_generation(self)
+        check_generation_kwargs(kwargs)
         return super().generate(*args, **kwargs)
 
     def get_encoder(self, modality=None):

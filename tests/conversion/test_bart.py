@@ -152,6 +152,28 @@ def test_bart_folder_and_model_card(bart_pair):
     assert all(row["max_abs_diff"] <= row["tolerance"] for row in result["parity"])
 
 
+# Generation fields checkpoints saved before transformers 4.26 keep in config.json (and no generation_config.json)
+LEGACY_GENERATION = {"num_beams": 3, "no_repeat_ngram_size": 2, "length_penalty": 2.0, "min_length": 3,
+                     "forced_bos_token_id": 5, "max_length": 12}
+
+
+def test_a_folder_without_generation_config_generates_as_official_reads_its_config_json(tmp_path):
+    """Official from_pretrained takes such a folder's generation fields from config.json; the converted folder's
+    generation_config.json carries them (before: BART's forced_eos_token_id and every legacy field were lost, and
+    default generate() decoded otherwise)."""
+    src = make_official_bart(tmp_path / "official")
+    (src / "generation_config.json").unlink()
+    config = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**config, **LEGACY_GENERATION}))
+    bart.convert(src, tmp_path / "ours")
+    official = BartForConditionalGeneration.from_pretrained(src).eval()
+    ours = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "ours").eval()
+    for field in (*LEGACY_GENERATION, "forced_eos_token_id", "decoder_start_token_id"):
+        assert getattr(ours.generation_config, field) == getattr(official.generation_config, field), field
+    input_ids = torch.randint(3, 60, (2, 7), generator=torch.Generator().manual_seed(0))
+    assert ours.generate(input_ids).tolist() == official.generate(input_ids).tolist()
+
+
 def test_bart_untied_head_parity(tmp_path):
     src = make_official_bart(tmp_path / "official", seed=3)
     state = load_file(src / "model.safetensors")

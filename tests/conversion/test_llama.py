@@ -244,6 +244,19 @@ def test_converted_folder_carries_card_auto_map_and_generation_config(tmp_path):
     assert "left-padded" in card
 
 
+def test_a_folder_without_generation_config_keeps_the_generation_fields_of_its_config_json(tmp_path):
+    """What official from_pretrained generates with then (checkpoints saved before transformers 4.26)."""
+    official = tiny_official("llama")
+    official.save_pretrained(tmp_path / "src")
+    (tmp_path / "src" / "generation_config.json").unlink()
+    legacy = {"num_beams": 2, "no_repeat_ngram_size": 2, "max_length": 14, "min_length": 9}
+    config = json.loads((tmp_path / "src" / "config.json").read_text())
+    (tmp_path / "src" / "config.json").write_text(json.dumps({**config, **legacy}))
+    llama.convert(tmp_path / "src", tmp_path / "ours")
+    generation = json.loads((tmp_path / "ours" / "generation_config.json").read_text())
+    assert {field: generation.get(field) for field in legacy} == legacy
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Meta's consolidated layout
 # ------------------------------------------------------------------------------------------------------------

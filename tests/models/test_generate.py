@@ -280,6 +280,17 @@ def test_static_cache_generate_builds_no_transformers_masks_on_the_host():
     assert frames["ours"]["sdpa_mask"] == 0 and frames["ours"]["create_causal_mask"] == 0
 
 
+def test_generate_refuses_return_dict_by_name_as_official_refuses_it(pair):
+    """Official forwards do not name return_dict, so official generate refuses it as an unused model kwarg; ours
+    name it, and generate passes its own: refused by name (before: a TypeError printing the whole model)."""
+    official, ours = pair
+    ids = torch.tensor([[5, 6, 7]])
+    with pytest.raises(ValueError, match="return_dict"):
+        official.generate(ids, max_new_tokens=2, return_dict=True)
+    with pytest.raises(ValueError, match="generate\\(\\) got return_dict=True.*return_dict_in_generate=True"):
+        ours.generate(ids, max_new_tokens=2, return_dict=True)
+
+
 def test_a_static_cache_too_small_for_the_input_is_refused_naming_the_sizes():
     """An input that would write past a static cache's full-attention layers: official Llama fails inside the cache's
     write (IndexError; on CUDA a device-side assert), hf_tiny refuses it first, naming max_cache_len, the filled

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForSeq2SeqLM, DynamicCache, EncoderDecoderCache
-from transformers.modeling_outputs import BaseModelOutput
+from transformers.modeling_outputs import BaseModelOutput, BaseModelOutputWithPastAndCrossAttentions, BaseModelOutputWithPooling
 
 from hf_tiny import TinySeq2SeqConfig, TinySeq2SeqForConditionalGeneration, TinySeq2SeqModel
 from hf_tiny.transformers_api import enable_activation_checkpointing
@@ -158,10 +158,21 @@ def test_encoder_outputs_reuse(variant):
         full = model(input_ids=input_ids, attention_mask=attention_mask, decoder_input_ids=dec)
         encoded = model.get_encoder()(input_ids=input_ids, attention_mask=attention_mask)
         assert isinstance(encoded, BaseModelOutput)
-        for reused in (encoded, (encoded.last_hidden_state,), [encoded.last_hidden_state]):
+        # any of transformers' encoder outputs (official T5's encoder returns one with past and cross-attentions)
+        other_outputs = (BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=encoded.last_hidden_state),
+                         BaseModelOutputWithPooling(last_hidden_state=encoded.last_hidden_state))
+        for reused in (encoded, (encoded.last_hidden_state,), [encoded.last_hidden_state], *other_outputs):
             again = model(encoder_outputs=reused, attention_mask=attention_mask, decoder_input_ids=dec)
             assert torch.equal(again.logits, full.logits)
     assert torch.equal(full.encoder_last_hidden_state, encoded.last_hidden_state)
+
+
+def test_generate_refuses_return_dict_by_name():
+    """generate passes return_dict itself (official generate refuses it as an unused model kwarg)."""
+    model = make_model(sorted(VARIANTS)[0])
+    input_ids, attention_mask = encoder_batch(model.config)
+    with pytest.raises(ValueError, match="generate\\(\\) got return_dict=False"):
+        model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=2, return_dict=False)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
