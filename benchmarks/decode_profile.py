@@ -8,7 +8,9 @@ product; the weights are read here), the attention kernel (with whatever runs in
 (the KV cache's cat / index_copy, contiguous), the other aten operators (norms, RoPE, activations, sampling), and
 the rest of the step's wall time outside any aten operator (Python: modules, generate()'s loop, the cache's
 bookkeeping). The weight bytes a step must read divided by the time in the matrix products is the bandwidth those
-products reach, against the read bandwidth measured in the same run. Writes decode-profile-<device>-<date>.md.
+products reach, against the read bandwidth measured in the same run; a step's product time holds 1/N of the
+prefill's (N new tokens), which reads the weights once more, so that rate is understated by about 1/N. The two
+sides run one after the other, not interleaved. Writes decode-profile-<device>-<date>.md.
 """
 
 from __future__ import annotations

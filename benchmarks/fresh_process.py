@@ -44,6 +44,8 @@ def child(spec: dict) -> dict:
     model_spec = MODELS[spec["model"]]
     model = load_model(model_spec, spec["impl"], Path(spec["folder"]), dtype=torch.float32,
                        device=torch.device("cpu"), attn=spec.get("attn", "sdpa"))
+    if spec.get("drop_pooler"):  # as run.py's align_work: hf_tiny's encoder has none to match it
+        model.pooler = None
     shape = Shape(spec["batch"], spec["seq"])
     prefill = build_prefill(model, model_spec.family, shape, torch.device("cpu"), prefill_kwargs({"model": model}))
     prefill()
@@ -69,16 +71,23 @@ def measure_folders(model: str, folders: dict, shape: Shape, *, repeats: int, ca
     """Per side (folders: {"official": ..., "hf_tiny": ...}): median over `repeats` fresh processes of each one's
     median prefill time (ms, with the min and max of those) and minor page faults per call."""
     per_side = {side: {"times": [], "faults": []} for side in SIDES}
+    drop_pooler = MODELS[model].family == "encoder" and not _has_pooler(folders["hf_tiny"])
     for _ in range(repeats):
         for side in SIDES:
             result = run_child(dict(model=model, impl=side, folder=str(folders[side]), calls=calls, threads=threads,
-                                    attn=attn, batch=shape.batch, seq=shape.seq))
+                                    attn=attn, batch=shape.batch, seq=shape.seq,
+                                    drop_pooler=drop_pooler and side == OFFICIAL))
             per_side[side]["times"].append(statistics.median(result["seconds"]))
             per_side[side]["faults"].append(statistics.median(result["faults"]))
     summary = {side: {"ms": 1000 * statistics.median(v["times"]), "ms_min": 1000 * min(v["times"]),
                       "ms_max": 1000 * max(v["times"]), "faults": statistics.median(v["faults"])}
                for side, v in per_side.items()}
     return {"model": model, "shape": shape.label(), "repeats": repeats, "calls": calls, **summary}
+
+
+def _has_pooler(folder) -> bool:
+    """Whether an hf_tiny encoder folder's base model has a pooler (TinyEncoderConfig.add_pooling_layer)."""
+    return json.loads((Path(folder) / "config.json").read_text()).get("add_pooling_layer", True)
 
 
 def measure(model: str, repeats: int, calls: int, threads) -> dict:

@@ -50,7 +50,7 @@ class GpuPlan:
     warmup: int = 1
     # 5: the H200's Liger steps spread 132-152 ms over 3 calls (2026-11-28); a prefill or training call costs < 0.2 s
     repeats: int = 5
-    decode_repeats: int = 2  # a 128-token eager generate takes seconds
+    decode_repeats: int = 3  # a 128-token eager generate takes 1-2 s warm (after the full-length warm-up)
     longest_start: int = 2048
     longest_cap: int = 262144
     longest_resolution: int = 1024
@@ -88,7 +88,8 @@ ESTIMATES = {
     "build": (150, 35, "measured 28.0-35.4 s on the H200 (three calls): 1.1B random init on the GPU, a 2.2 GB save "
                        "and the production conversion"),
     "main": (130, 75, "measured 51.7 s (hf_tiny) and 73.3 s (official) on the H200: eager decode is host-bound there "
-                      "(17-27 tok/s at batch 1, 2-12 s a 128-token call) and is most of it"),
+                      "(17-27 tok/s at batch 1, 2-12 s a 128-token call) and is most of it; a whole-call warm-up and a third "
+                      "timed call since add ~2 s per decode row and side"),
     "captured": (110, 55, "measured 38.6-51.5 s on the H200 (four stages): dynamo, inductor and the CUDA graph "
                           "capture of the 22-layer decode step, then 4 calls of ~0.4 s"),
     "longest": (90, 40, "measured 35.7-36.4 s on the H200: 11 probes up to 64K tokens, stopped by OOM at 61,440"),

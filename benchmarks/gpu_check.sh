@@ -49,7 +49,6 @@ PYTEST=($PYTHON -m pytest -q -p no:cacheprovider -rfEs)
 if $PYTHON -c "import pytest_timeout" 2>/dev/null; then PYTEST+=(--timeout 200); fi
 if $PYTHON -c "import xdist" 2>/dev/null; then PARALLEL=(-n 8); else PARALLEL=(); fi
 export HF_TINY_FAILURE_LOG="$OUT/failures.log"  # tests/conftest.py appends each failure there as it happens
-rm -f "$HF_TINY_FAILURE_LOG"
 
 # every file with cuda-marked tests; captured decoding first: its two tests (Llama, Mixtral) compile with inductor and
 # record CUDA graphs in fresh processes, ours then official's, the longest tests here (hence the per-test timeout)
@@ -57,14 +56,19 @@ CUDA_MARKED=(tests/ecosystem/test_captured_decoding.py tests/models/test_cuda_fa
   tests/models/test_gpt_oss.py tests/models/test_numerics.py tests/models/test_attention.py tests/models/test_seq2seq.py
   tests/conversion/test_bart.py tests/conversion/test_bert.py tests/conversion/test_t5.py tests/runtime/test_memory_fit.py
   tests/ecosystem/test_liger.py tests/models/test_flash_attn_package.py tests/ecosystem/test_distributed.py)
+# the logs this call's page quotes: its own tests' only (a second call on the same $OUT keeps the first call's logs
+# for the first call's page, and the merged page quotes them once)
+TEST_LOGS=()
 if [ "${GPU_CHECK_SKIP_TESTS:-0}" != 1 ]; then  # 1: a later session that only finishes benchmark stages
+  rm -f "$HF_TINY_FAILURE_LOG"
+  TEST_LOGS=(--tests-log "$OUT/cuda_tests.log" --tests-log "$OUT/flash_kernel_tests.log" --failures-log "$HF_TINY_FAILURE_LOG")
   timeout 220 "${PYTEST[@]}" "${PARALLEL[@]}" -m cuda "${CUDA_MARKED[@]}" 2>&1 | tee "$OUT/cuda_tests.log" | tail -30
   timeout 120 "${PYTEST[@]}" "${PARALLEL[@]}" tests/models/test_flash_triton.py 2>&1 | tee "$OUT/flash_kernel_tests.log" | tail -15
 fi
 
 BENCH_S=$(( $(left) - 15 ))
 timeout $(( BENCH_S + 10 )) $PYTHON -m benchmarks.gpu_check --out "$OUT" --budget-s "$BENCH_S" \
-  --tests-log "$OUT/cuda_tests.log" --tests-log "$OUT/flash_kernel_tests.log" --failures-log "$OUT/failures.log" --device-file "$OUT/device.txt" \
+  "${TEST_LOGS[@]}" --device-file "$OUT/device.txt" \
   ${GPU_CHECK_ARGS:-} > "$OUT/gpu_check.log" 2>&1
 grep '^\[gpu_check' "$OUT/gpu_check.log"
 if [ "$(left)" -gt 150 ]; then  # time left after the stages (a second call's): captured decoding of an MoE model

@@ -180,18 +180,18 @@ def ceilings(job: dict, device: torch.device) -> dict:
 
 
 def decode_row(model, shape: Shape, device: torch.device, job: dict, side: str, *, captured: bool = False):
-    """generate() of shape.new_tokens tokens: eager (DynamicCache; warm-up: a 4-token generate) or captured
-    (static cache, generate's auto-compile; the warm-up is one full call, which compiles and records; how the CUDA
-    graph trees ran the step over the warm-up and timed calls: cuda_graph_runs)."""
+    """generate() of shape.new_tokens tokens: eager (DynamicCache) or captured (static cache, generate's
+    auto-compile, which the warm-up compiles and records; how the CUDA graph trees ran the step over the warm-up and
+    timed calls: cuda_graph_runs). The warm-up is one full call on both: on the H200 (2026-11-28) the first
+    128-token eager call after a 4-token one took 3-4x the next, on both sides."""
     label = f"decode {shape.label()} {'captured' if captured else 'eager'}"
     config = captured_decoding_config(device) if captured else None
     fn = build_generate(model, shape, device, static_cache=captured, compile_config=config)
-    warm = None if captured else build_generate(model, shape, device, new_tokens=4)
     graphs_before = compiled_graphs()
     start = time.perf_counter()
     repeats = job["repeats"] if captured else job["decode_repeats"]
     with cuda_graph_runs.counting() as graph_runs:
-        result = measured(fn, device, warmup=job["warmup"], repeats=repeats, warm=warm)
+        result = measured(fn, device, warmup=job["warmup"], repeats=repeats)
     tokens = result["output"][:, shape.seq:]
     extra = {"tokens_per_s": shape.batch * shape.new_tokens / result["seconds"], "tokens": tokens.tolist(),
              "wall_seconds": time.perf_counter() - start}

@@ -13,7 +13,9 @@ reports a passage that is gone, a results file that is missing or no longer link
 states differently from its results file (exit status 1).
 
 Each rerun writes its results page into benchmarks/results/ under today's date (commands that only print are
-sent to the file named in the list). Run the timed ones on a quiet machine: their figures are times and ratios.
+sent to the file named in the list). An entry whose command needs something the rerun cannot set up (another
+transformers, another checkout) names it and is skipped by --run with that reason. Run the timed ones on a quiet
+machine: their figures are times and ratios.
 Figures that no command reproduces (ad-hoc A/Bs that were not committed, sums over several runs, states of the
 code before a change) are listed under HISTORICAL with the reason.
 """
@@ -63,11 +65,15 @@ class Figure:
     minutes: float  # on the 2-core development machine
     kind: str  # "cheap" (seconds, load-independent), "cpu" (timed: a quiet machine) or "cuda"
     stdout_to: Optional[str] = None  # results file for a command that only prints ({date} = today)
+    needs: str = ""  # what the command needs that --run cannot set up (it is skipped, with this reason)
     results: tuple[str, ...] = ()  # files in benchmarks/results/ the page links to and quotes
     quotes: tuple[Quote, ...] = ()
 
 
 RUN = "python -m benchmarks.run --device cpu"
+GPU_CHECK_CALLS = ("an H100 / H200, and a second call with --stages on it, then python -m benchmarks.gpu_report "
+                   "--merge (benchmarks/gpu_check.sh's header)")
+VENV_5_17 = "transformers==5.17.0 (the GPU image's) installed instead of the tested newest"
 FIGURES = [
     Figure("kv-cache", FAMILIES, "python -m benchmarks.kv_cache", "KV-cache bytes per token and layer, MHA / GQA / "
            "MQA / MLA", "python -m benchmarks.kv_cache --tokens 256 --layers 2 --dtype bfloat16", 0.2, "cheap",
@@ -119,11 +125,13 @@ FIGURES = [
            quotes=quotes(README, ("0.58× again", "0.58"), ("0.87× the time", "0.87"))),
     Figure("host-work-smollm2", SPEED, "host-work-cpu-2026-11-27-smollm2-forms.md", "Python calls of a prefill and a "
            "decoding step on SmolLM2's shapes, where the few-row products act", "python -m benchmarks.host_work --models "
-           "smollm2 --prompt 16 --repeats 3", 2, "cheap", results=("host-work-cpu-2026-11-27-smollm2-forms.md",),
+           "smollm2 --prompt 16 --repeats 3", 2, "cheap", "host-work-cpu-{date}-smollm2.md",
+           results=("host-work-cpu-2026-11-27-smollm2-forms.md",),
            quotes=quotes(SPEED, "7,164", "6,646", "6,166", "5,719", ("0.89x", "0.89"), ("0.87x", "0.87"))),
     Figure("decode-ffform-ab", SPEED, "--tag decode-ffform-ab", "A/B of the feed-forwards' few-rows forms against "
            "d42b68f (calls and time per decode step)", "python -m benchmarks.side_by_side --before <d42b68f checkout> "
            "--after . --models smollm2 --cases generate --repeats 5 --tag decode-ffform-ab", 19, "cpu",
+           needs="a checkout of d42b68f, named in place of <d42b68f checkout>",
            results=("side-by-side-cpu-2026-11-27-decode-ffform-ab.md",),
            quotes=quotes(SPEED, ("0.96x the time at batch 1", "0.963"), ("1.05x at batch 8", "1.054"), "8,632")),
     Figure("conversion-avx2", CONVERSION, "conversion-memory-2026-11-27-avx2.md", "the 8B conversion on a second host "
@@ -138,29 +146,32 @@ FIGURES = [
            + quotes(README, "28.2 s", "12.3 s", "2.95 GiB", ("2.3×", "2.3x"))),
     Figure("host-work-5.17", SPEED, "host-work-cpu-2026-11-28-transformers-5.17.md", "Python calls of a prefill and "
            "a decoding step with the GPU image's transformers (5.17)", "python -m benchmarks.host_work --models "
-           "overhead --prompt 16 --repeats 3 (in a venv with transformers==5.17.0)", 0.2, "cheap",
+           "overhead --prompt 16 --repeats 3", 0.2, "cheap", "host-work-cpu-{date}-transformers-5.17.md",
+           needs=VENV_5_17,
            results=("host-work-cpu-2026-11-28-transformers-5.17.md",),
            quotes=quotes(SPEED, "5,364", "5,422", "5,232", "5,294", "5,121", "5,441", "5,503")),
     Figure("host-work-gpu-rows", SPEED, "host-work-gpu-rows-cpu-2026-11-28-transformers-5.17.md", "the GPU page's "
            "host-work rows counted on a CPU with transformers 5.17, and against the H200's counts",
-           "python -m benchmarks.host_work --gpu-check-rows (in a venv with transformers==5.17.0)", 0.3, "cheap",
+           "python -m benchmarks.host_work --gpu-check-rows", 0.3, "cheap",
+           "host-work-gpu-rows-cpu-{date}-transformers-5.17.md", needs=VENV_5_17,
            results=("host-work-gpu-rows-cpu-2026-11-28-transformers-5.17.md",),
            quotes=quotes(SPEED, "3,705", "4,173", "3,631", "4,117", ("(0.980x", "0.980"), ("0.987x)", "0.987"), "3,778",
                          "4,264", "3,780", "4,257", ("0.985x", "0.985x"), ("0.993x", "0.993x"))),
     Figure("host-work-gpu-rows-captured", SPEED, "host-work-gpu-rows-cpu-2026-11-28-transformers-5.17-captured.md",
            "the GPU page's host-work rows and its captured decoding steps around the compiled graph, with "
-           "transformers 5.17 (and 5.24)", "python -m benchmarks.host_work --gpu-check-rows (in a venv with "
-           "transformers==5.17.0)", 0.7, "cheap",
+           "transformers 5.17 (and 5.24)", "python -m benchmarks.host_work --gpu-check-rows", 0.7, "cheap",
+           "host-work-gpu-rows-cpu-{date}-transformers-5.17-captured.md", needs=VENV_5_17,
            results=("host-work-gpu-rows-cpu-2026-11-28-transformers-5.17-captured.md",),
            quotes=quotes(SPEED, "778", "850", ("753 / 825", "| 753 |"), "832", "904", "863 / 935", ("(1.003x)", "1.003"))),
     Figure("host-work-captured-masks", SPEED, "host-work-gpu-rows-cpu-2026-11-28-transformers-5.17-masks.md",
            "captured decoding's host work around the graph once eager / sdpa build generate's static-cache masks "
-           "inside the step, transformers 5.17", "python -m benchmarks.host_work --gpu-check-rows (in a venv with "
-           "transformers==5.17.0)", 0.7, "cheap",
+           "inside the step, transformers 5.17", "python -m benchmarks.host_work --gpu-check-rows", 0.7, "cheap",
+           "host-work-gpu-rows-cpu-{date}-transformers-5.17-masks.md", needs=VENV_5_17,
            results=("host-work-gpu-rows-cpu-2026-11-28-transformers-5.17-masks.md",),
            quotes=quotes(SPEED, "778", "850", "580", "652", ("(0.746x", "0.746"), ("0.767x)", "0.767"))),
     Figure("host-work-captured-masks-5.24", SPEED, "host-work-gpu-rows-cpu-2026-11-28-transformers-5.24-masks.md",
            "the same with transformers 5.24", "python -m benchmarks.host_work --gpu-check-rows", 0.7, "cheap",
+           "host-work-gpu-rows-cpu-{date}-transformers-5.24-masks.md",
            results=("host-work-gpu-rows-cpu-2026-11-28-transformers-5.24-masks.md",),
            quotes=quotes(SPEED, ("860 / 932", "| 860 |"), ("645 / 716", "| 645 |"), ("(0.750x", "0.750"), ("0.768x)", "0.768"))
            + quotes(README, ("645 against 860", "| 860 | 645 |"), ("(0.75×", "0.750"))),
@@ -173,7 +184,8 @@ FIGURES = [
                          ("0.80x official's", "0.80x"))),
     Figure("fit-memory-host", SPEED, "python -m benchmarks.fit_memory_host", "fit_memory's host work where a step "
            "fits: a counter read and a 22-layer training step's Python calls, the option off and on",
-           "python -m benchmarks.fit_memory_host", 0.3, "cheap", results=("fit-memory-host-cpu-2026-11-28.md",),
+           "python -m benchmarks.fit_memory_host", 0.3, "cheap", "fit-memory-host-cpu-{date}.md",
+           results=("fit-memory-host-cpu-2026-11-28.md",),
            quotes=quotes(SPEED, ("849 calls", "| 849 |"), ("51 µs", "50.6"), "51,369", "14,667", "23,451",
                          ("10 calls", "| 10 |"))),
     Figure("few-rows-avx2", SPEED, "few-rows-cpu-2026-11-27-avx2.md", "F.linear and weight-first read rates for one "
@@ -268,7 +280,7 @@ FIGURES = [
            + quotes(README, ("687 lines in 7 files", "687 lines, 7 files"))),
     Figure("host-work", SPEED, "python -m benchmarks.host_work", "Python calls of a prefill and a decoding step, "
            "official beside hf_tiny (cProfile)", "python -m benchmarks.host_work --models overhead --prompt 16 --repeats 3",
-           1, "cheap", results=("host-work-cpu-2026-11-29.md", "host-work-cpu-2026-11-28.md",
+           1, "cheap", "host-work-cpu-{date}.md", results=("host-work-cpu-2026-11-29.md", "host-work-cpu-2026-11-28.md",
                                 "host-work-cpu-2026-11-27-gpu-paths.md", "host-work-cpu-2026-11-27.md"),
            quotes=quotes(SPEED, ("| prefill | 7,504 | 5,978 | 0.80 | 5,957 | 5,867 (0.78) |",
                                  "| prefill | 7,504 | 5,978 | 0.80 | 5,957 | 5,867 (0.78) |"),
@@ -281,26 +293,29 @@ FIGURES = [
            quotes=quotes(SPEED, ("398 / 311 (1.28) | 455", "398 (55%) | 311 (43%) | 455 (63%) | 1.28"),
                          ("504 / 345 (1.46) | 655", "504 (70%) | 345 (48%) | 655 (91%) | 1.46"))
            + quotes(README, ("1.28×", "1.28"), ("1.46×", "1.46"))),
-    Figure("gpu-check", SPEED, "benchmarks/gpu_check.sh", "one GPU session's CUDA tests and quick model-level rows "
-           "(training step 2.0x / 2.4x, prefill 1.13-1.33x official's time, decode 0.86-0.88x its tokens/s; H100)", "bash benchmarks/gpu_check.sh",
-           9, "cuda", results=("cuda-h100-2026-11-26-gpu-check.md", "cuda-nvidia-h100-80gb-hbm3-2026-11-26-quick.md"),
+    Figure("gpu-check", SPEED, "python -m benchmarks.run --device cuda --quick", "the first GPU session's quick "
+           "model-level rows (training step 2.0x / 2.4x, prefill 1.13-1.33x official's time, decode 0.86-0.88x its "
+           "tokens/s; H100); its CUDA tests are today's gpu_check.sh's first stage",
+           "python -m benchmarks.run --device cuda --quick --models overhead,llama1b --cases prefill,train_step,generate "
+           "--repeats 3 --no-sweep", 9, "cuda", results=("cuda-h100-2026-11-26-gpu-check.md", "cuda-nvidia-h100-80gb-hbm3-2026-11-26-quick.md"),
            quotes=quotes(SPEED, "2.0x (overhead model)", "2.4x (random TinyLlama-1.1B, bf16, 1x64)",
                          "1.13–1.33x official's time", "0.86–0.88x official's tokens/s")),
     Figure("gpu-check-h200-2", SPEED, "gpu-check-nvidia-h200-2026-11-28.md", "issue 42's GPU rows on an H200, second "
            "run: the same rows, fit_memory's longest sequence and its cost, the CUDA tests",
-           "bash benchmarks/gpu_check.sh (then a second call with --stages, and python -m benchmarks.gpu_report "
-           "--merge)", 9, "cuda", results=("gpu-check-nvidia-h200-2026-11-28.md",),
+           "bash benchmarks/gpu_check.sh", 9, "cuda", needs=GPU_CHECK_CALLS, results=("gpu-check-nvidia-h200-2026-11-28.md",),
            quotes=quotes(SPEED, "15.3 ms", "15.0 ms", "91.7 ms", "91.6 ms", "28.6 tok/s", "31.3 tok/s", "234.7 tok/s",
                          "243.1 tok/s", "300.2 tok/s", "319.0 tok/s", "2,531.8 tok/s", "2,054.9 tok/s", "167.1 ms",
                          "168.0 ms", "124.2 ms", "138.1 ms", "181,248", "59,392", ("175.3 against", "175.3 ms"),
                          ("168.0 ms)", "168.0 ms"))
+           + quotes(SPEED, ("7.16 / 1.78 s", "1,779–7,156 ms"), ("6.27 / 1.91 s", "1,905–6,273 ms"),
+                    ("6.96 / 1.77 s", "1,768–6,960 ms"), ("6.59 / 1.84 s", "1,839–6,585 ms"),
+                    ("378-456 ms", "378–456 ms"), ("384-413 ms", "384–413 ms"))
            + quotes(README, ("1.09×", "1.09x"), ("1.04×", "1.04x"), ("1.06×", "1.06x"), ("0.83×", "0.83x"),
                     ("0.66×", "0.66x"), ("3.00×", "3.00x"), ("181,248", "181,248"), ("0.81×", "0.81x"),
                     ("0.90×", "0.90x"))),
     Figure("gpu-check-h200", SPEED, "gpu-check-nvidia-h200-2026-11-27.md", "issue 42's GPU rows on an H200: prefill, "
            "eager and captured decode, training with and without Liger, the longest sequence, host work",
-           "bash benchmarks/gpu_check.sh (then a second call with --stages, and python -m benchmarks.gpu_report "
-           "--merge)", 9, "cuda", results=("gpu-check-nvidia-h200-2026-11-27.md",),
+           "bash benchmarks/gpu_check.sh", 9, "cuda", needs=GPU_CHECK_CALLS, results=("gpu-check-nvidia-h200-2026-11-27.md",),
            quotes=quotes(SPEED, "25.4 ms", "22.5 ms", "91.1 ms", "90.9 ms", "16.7 tok/s", "26.8 tok/s", "128.8 tok/s",
                          "153.1 tok/s", "311.9 tok/s", "295.6 tok/s", ("2,498 tok/s", "2,498.0 tok/s"),
                          ("2,329 tok/s", "2,328.5 tok/s"), "166.4 ms", "166.6 ms", "133.2 ms", "124.7 ms", "60,416",
@@ -375,7 +390,8 @@ def markdown() -> str:
     lines = ["| name | kind | ~min | page | figures | command |", "|---|---|---|---|---|---|"]
     for f in FIGURES:
         command = f.command + (f" > benchmarks/results/{f.stdout_to}" if f.stdout_to else "")
-        lines.append(f"| {f.name} | {f.kind} | {f.minutes:g} | {f.page} | {f.figures} | `{command}` |")
+        command += f"` (needs {f.needs})" if f.needs else "`"
+        lines.append(f"| {f.name} | {f.kind} | {f.minutes:g} | {f.page} | {f.figures} | `{command} |")
     cpu_minutes = sum(f.minutes for f in FIGURES if f.kind in ("cheap", "cpu"))
     lines += ["", f"The CPU ones in a row (`--run cpu`): ~{cpu_minutes:,.0f} min on the 2-core machine.", "",
               "Not reproduced by one command:", ""]
@@ -400,6 +416,9 @@ def rerun(figures: list[Figure], dry_run: bool) -> None:
     for f in figures:
         target = RESULTS_DIR / f.stdout_to.format(date=date) if f.stdout_to else None
         print(f"$ {f.command}" + (f" > {target}" if target else "") + f"   # ~{f.minutes:g} min", flush=True)
+        if f.needs:
+            print(f"  skipped: it needs {f.needs}", flush=True)
+            continue
         if dry_run:
             continue
         start = time.perf_counter()

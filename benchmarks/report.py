@@ -49,7 +49,8 @@ def _fmt_time(timing: Optional[dict]) -> str:
 def _fmt_rate(timing: Optional[dict], units: float) -> str:
     if not timing:
         return "—"
-    return f"{units / timing['median_s']:,.1f} tok/s"
+    slowest, fastest = units / timing["max_s"], units / timing["min_s"]
+    return f"{units / timing['median_s']:,.1f} tok/s [{slowest:,.1f}–{fastest:,.1f}]"
 
 
 def case_ratio(row: dict) -> Optional[float]:

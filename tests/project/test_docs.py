@@ -148,3 +148,23 @@ def test_a_figure_is_found_only_as_a_whole_number():
     assert not readme_figures.states("ratio 0.585", "0.58")
     assert not readme_figures.states("2,785.1 MiB", "785.1 MiB")
     assert readme_figures.states("official\n4,833.0 MiB", "4,833.0 MiB")
+
+
+def test_every_rerun_command_is_a_plain_command_line_of_its_module(monkeypatch, capsys, tmp_path):
+    """--run hands each command to its module as it stands: no prose or placeholders in it (what a command needs
+    beyond the checkout, another transformers or another commit, is its entry's `needs`, and --run skips it with
+    that reason), and a module that only prints has a results file to print into."""
+    import shlex
+    import subprocess
+
+    for figure in readme_figures.FIGURES:
+        if not figure.needs:
+            assert not set("()<>") & set(figure.command), (figure.name, figure.command)
+        printing = figure.command.startswith(("python -m benchmarks.host_work", "python -m benchmarks.fit_memory_host"))
+        assert figure.stdout_to or not printing, figure.name
+    ran = []
+    monkeypatch.setattr(subprocess, "run", lambda argv, **kwargs: ran.append(argv))
+    monkeypatch.setattr(readme_figures, "RESULTS_DIR", tmp_path)  # the results pages it would write
+    readme_figures.rerun([f for f in readme_figures.FIGURES if f.name in ("host-work", "host-work-5.17")], dry_run=False)
+    assert [argv[1:] for argv in ran] == [shlex.split("-m benchmarks.host_work --models overhead --prompt 16 --repeats 3")]
+    assert "skipped: it needs transformers==5.17.0" in capsys.readouterr().out
