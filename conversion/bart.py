@@ -99,7 +99,7 @@ def config_from_official(official, *, src, tied_head: bool):
     values = {ours: getattr(official, theirs, None) for theirs, ours in CONFIG_FIELDS.items()}
     shared = bool(getattr(official, "share_encoder_decoder_embeddings", True))
     return styled_config("marian" if marian else "bart", src, **values, share_encoder_decoder_embeddings=shared,
-                         tie_word_embeddings=tied_head)
+                         tie_word_embeddings=tied_head, decoder_inputs_from_input_ids=not marian)
 
 
 def official_config_from_ours(config, *, src, model_type: str):
@@ -110,6 +110,9 @@ def official_config_from_ours(config, *, src, model_type: str):
         require_style(config, model_type, src, **{
             f"{'decoder_' if stack else ''}head_dim": config.hidden_size // heads,
             "num_key_value_heads": config.num_attention_heads,
+            # official BART shifts input_ids into missing decoder inputs, Marian refuses (a folder of either converts
+            # to BART; to Marian only one that refuses too)
+            **({} if model_type == "bart" else {"decoder_inputs_from_input_ids": False}),
         })
     values = {theirs: getattr(config, ours) for theirs, ours in CONFIG_FIELDS.items()}
     values.update(tie_word_embeddings=config.tie_word_embeddings, architectures=[OFFICIAL_CLASSES[model_type]])

@@ -106,7 +106,7 @@ def config_from_official(official, *, src, tied_head: bool):
 def official_config_from_ours(config, *, src):
     from transformers import T5Config
 
-    require_style(config, "t5", src, num_key_value_heads=config.num_attention_heads)
+    require_style(config, "t5", src, num_key_value_heads=config.num_attention_heads, decoder_inputs_from_input_ids=False)
     act = config.hidden_act
     if config.mlp_gated:
         if act != "gelu_new":

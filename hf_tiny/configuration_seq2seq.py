@@ -86,6 +86,9 @@ class TinySeq2SeqConfig(PretrainedConfig):
             decoder_ffn_dim); None: the encoder's. A decoder with other heads has no grouped-query attention.
         encoder_hidden_size / decoder_hidden_size: optional, must equal hidden_size (cross-attention reads
             encoder states directly, so the two widths must match).
+        decoder_inputs_from_input_ids: a forward given neither decoder inputs nor labels shifts input_ids right
+            into decoder_input_ids (BART's denoising and mask-filling call, model(input_ids).logits; set by the BART
+            converter); False: such a forward is refused (Marian, T5).
     """
 
     model_type = "hf_tiny_seq2seq"
@@ -110,7 +113,7 @@ class TinySeq2SeqConfig(PretrainedConfig):
         lm_head_bias: bool = False, final_logits_bias: bool = True, pad_token_id: Optional[int] = 1,
         bos_token_id: Optional[int] = 0, eos_token_id: Optional[int] = 2, decoder_start_token_id: Optional[int] = 2,
         use_cache: bool = True, decoder_attention_heads: Optional[int] = None, decoder_head_dim: Optional[int] = None,
-        decoder_intermediate_size: Optional[int] = None, **kwargs,
+        decoder_intermediate_size: Optional[int] = None, decoder_inputs_from_input_ids: bool = False, **kwargs,
     ):
         owner = type(self).__name__
         values = init_arguments(locals())
@@ -238,7 +241,7 @@ def _check_parts(owner: str, values: dict, kwargs: dict) -> None:
     check_bool(owner, **{name: values[name] for name in (
         "mlp_gated", "mlp_bias", "attention_bias", "scale_embedding", "embedding_norm", "final_norm", "use_padding_idx",
         "share_encoder_decoder_embeddings", "tie_word_embeddings", "scale_decoder_outputs", "lm_head_transform",
-        "lm_head_bias", "final_logits_bias", "use_cache")})
+        "lm_head_bias", "final_logits_bias", "use_cache", "decoder_inputs_from_input_ids")})
 
 
 __all__ = ["STYLES", "TinySeq2SeqConfig"]

@@ -161,6 +161,11 @@ class TinySeq2SeqModel(TinySeq2SeqPreTrainedModel):
         flags = output_flags(self.config, output_attentions, output_hidden_states, return_dict)
         if use_cache is None:  # a training forward that records gradients builds none (docs/compatibility.md)
             use_cache = self.config.use_cache and not (self.training and torch.is_grad_enabled())
+        if decoder_input_ids is None and decoder_inputs_embeds is None and self.config.decoder_inputs_from_input_ids:
+            if input_ids is None:
+                raise ValueError("without decoder_input_ids or decoder_inputs_embeds the decoder's input is input_ids "
+                                 "shifted right (decoder_inputs_from_input_ids), so input_ids cannot be None")
+            decoder_input_ids = shift_tokens_right(input_ids, self.config.pad_token_id, self.config.decoder_start_token_id)
         if decoder_input_ids is None and decoder_inputs_embeds is None:
             raise ValueError(
                 "the decoder needs an input: pass decoder_input_ids (starting with decoder_start_token_id="

@@ -70,6 +70,25 @@ def test_bart_logits_match_official_on_padded_batch(bart_pair, backend):
     assert float((ours_enc[real] - official_enc[real]).abs().max()) <= TOLERANCE
 
 
+def test_bart_forward_of_input_ids_alone_shifts_them_as_official(bart_pair, tmp_path):
+    """model(input_ids).logits, BART's denoising / mask-filling call: official shifts input_ids right into the
+    decoder's input. Negative control: a folder converted before the converter set decoder_inputs_from_input_ids
+    refuses, naming the way out (as Marian and T5, which official refuses too)."""
+    src, dst, _ = bart_pair
+    official = BartForConditionalGeneration.from_pretrained(src).eval()
+    ours = AutoModelForSeq2SeqLM.from_pretrained(dst).eval()
+    batch = padded_batch(ours.config)
+    inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+    with torch.no_grad():
+        expected, got = official(**inputs).logits, ours(**inputs).logits
+    assert float((got - expected).abs().max()) <= TOLERANCE
+    config = json.loads((dst / "config.json").read_text())
+    assert config["decoder_inputs_from_input_ids"] is True
+    older = AutoModelForSeq2SeqLM.from_pretrained(dst, decoder_inputs_from_input_ids=False).eval()
+    with pytest.raises(ValueError, match="pass decoder_input_ids"):
+        older(**inputs)
+
+
 def test_bart_negative_controls_are_rejected(bart_pair):
     """The same comparison must catch a wrong variant: it is not passing by smallness of the numbers."""
     src, dst, _ = bart_pair

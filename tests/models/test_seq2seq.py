@@ -357,7 +357,7 @@ def test_bad_inputs_raise_clear_errors():
         model(encoder_outputs=(torch.zeros(2, 9, 16),), decoder_input_ids=dec)
     with pytest.raises(ValueError, match=r"attention_mask has shape \(3, 9\) but encoder_outputs\[0\] covers \(3, 7\)"):
         model(encoder_outputs=(torch.zeros(3, 7, 16),), attention_mask=attention_mask, decoder_input_ids=dec)
-    with pytest.raises(TypeError, match="encoder_outputs must be a BaseModelOutput or a tuple"):
+    with pytest.raises(TypeError, match="encoder_outputs must be a ModelOutput with a last_hidden_state or a tuple"):
         model(encoder_outputs=torch.zeros(3, 9, 16), decoder_input_ids=dec)
     with pytest.raises(TypeError, match="must be an EncoderDecoderCache .* got DynamicCache"):
         model(input_ids=input_ids, decoder_input_ids=dec, past_key_values=DynamicCache())
