@@ -214,16 +214,19 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
     @runtime_stack
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 use_cache=None, output_attentions=None, output_hidden_states=None, return_dict=None,
-                output_router_logits=None, *, past_key_values=None, **kwargs):
+                output_router_logits=None, *, past_key_values=None, token_type_ids=None, **kwargs):
         """cache: the KV cache (past_key_values: its name before transformers 5.24), or continuous batching's paged
         cache. output_router_logits (MoE models; default config.output_router_logits): also return each sparse
-        layer's router logits ([batch * seq, num_local_experts])."""
+        layer's router logits ([batch * seq, num_local_experts]). token_type_ids: GPT-2's (with learned positions
+        only), rows of the word embeddings added to the inputs."""
         flags = output_flags(self.config, output_attentions, output_hidden_states, return_dict)
         step = prepare_causal_step(self, input_ids, inputs_embeds, attention_mask, position_ids, cache,
                                    past_key_values, use_cache, flags, kwargs)
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.embed_positions is not None:
             hidden_states = hidden_states + self.embed_positions(self._learned_positions(step.position_ids))
+        if token_type_ids is not None:
+            hidden_states = hidden_states + self._token_type_embeddings(token_type_ids, hidden_states.shape[:2])
         if self.embedding_dropout is not None:
             hidden_states = self.embedding_dropout(hidden_states)
         positions = self.layer_positions(hidden_states, step)
@@ -243,6 +246,19 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
             fields["router_logits"] = collected.router_logits
         output_class = MoeModelOutputWithPast if self.is_moe else BaseModelOutputWithPast
         return format_output(with_cache(output_class, step.returned_cache, **fields), step.flags.return_dict)
+
+    def _token_type_embeddings(self, token_type_ids: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """GPT-2's token types: the word embeddings' rows of their ids ([batch, seq], or one row for every sequence),
+        added to the inputs beside the learned positions, as official GPT-2 adds them."""
+        if self.embed_positions is None:
+            raise ValueError(
+                "token_type_ids are GPT-2's (word-embedding rows added to the inputs beside its learned positions); "
+                f"this model has position_embedding_type={self.config.position_embedding_type!r} and takes none"
+            )
+        if token_type_ids.shape[-1] != shape[1] or token_type_ids.numel() not in (shape[1], shape[0] * shape[1]):
+            raise ValueError(f"token_type_ids of shape {tuple(token_type_ids.shape)} do not match the input's "
+                             f"[batch, seq] = {list(shape)}")
+        return self.embed_tokens(token_type_ids.reshape(-1, shape[1]))
 
     def _learned_positions(self, position_ids: torch.Tensor) -> torch.Tensor:
         """Learned position embeddings exist for positions 0 .. max_position_embeddings - 1 only."""
@@ -336,10 +352,11 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
     @runtime_decoding(head="lm_head")
     def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, inputs_embeds=None,
                 labels=None, use_cache=None, output_attentions=None, output_hidden_states=None, return_dict=None,
-                logits_to_keep=0, output_router_logits=None, *, past_key_values=None, **kwargs):
+                logits_to_keep=0, output_router_logits=None, *, past_key_values=None, token_type_ids=None, **kwargs):
         """labels: token ids (-100 = ignored), unshifted: the loss predicts token t+1 from tokens <= t (keyword
         arguments of the loss: LOSS_KWARGS, HEAD_KWARGS; see _losses). logits_to_keep: logits of the last N
-        positions only (0: all; generate passes 1), or of the given position indices."""
+        positions only (0: all; generate passes 1), or of the given position indices. token_type_ids: GPT-2's
+        (TinyCausalModel.forward)."""
         head_kwargs = {k: kwargs.pop(k) for k in LOSS_KWARGS + HEAD_KWARGS if k in kwargs}
         return_dict = self.config.return_dict if return_dict is None else return_dict
         if not return_dict:  # a tuple is read by position: the logits keep theirs (no chunked loss without them)
@@ -348,7 +365,7 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
             output_hidden_states=output_hidden_states, return_dict=True, output_router_logits=output_router_logits,
-            past_key_values=past_key_values, **kwargs,
+            past_key_values=past_key_values, token_type_ids=token_type_ids, **kwargs,
         )
         check_skip_logits(head_kwargs.get("skip_logits"), labels)
         if labels is None:
@@ -483,13 +500,15 @@ class TinyCausalForSequenceClassification(TinyCausalPreTrainedModel):
         return_dict: Optional[bool] = None,
         *,
         past_key_values=None,
+        token_type_ids: Optional[torch.LongTensor] = None,
         **kwargs,
     ) -> Union[SequenceClassifierOutputWithPast, tuple]:
         packing = check_extra_kwargs(type(self).__name__, kwargs, PACKING_KWARGS)
         outputs = self.model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
             inputs_embeds=inputs_embeds, use_cache=use_cache, output_attentions=output_attentions,
-            output_hidden_states=output_hidden_states, return_dict=True, past_key_values=past_key_values, **packing,
+            output_hidden_states=output_hidden_states, return_dict=True, past_key_values=past_key_values,
+            token_type_ids=token_type_ids, **packing,
         )
         logits = self.score(outputs.last_hidden_state)
         pooled_logits = logits[torch.arange(logits.shape[0], device=logits.device), self._last_tokens(input_ids, logits)]

@@ -62,6 +62,32 @@ def test_parity_generation_and_reverse(variant, tmp_path):
     assert source.keys() == returned.keys() and all(torch.equal(source[k], returned[k]) for k in source)
 
 
+def test_token_type_ids_add_word_embedding_rows_as_official_gpt2_in_forward_generate_and_classification(tmp_path):
+    """Official GPT-2 adds wte(token_type_ids) to the inputs (dialogue models mark speakers so); generate extends
+    them with the last one. Negative control: the same batch without them is far off. A model without learned
+    positions refuses them by name."""
+    official = tiny_gpt2()
+    dst, _ = convert(official, tmp_path)
+    ours = AutoModelForCausalLM.from_pretrained(dst).eval()
+    batch = left_padded_batch(official.config.vocab_size)
+    types = (torch.arange(batch["input_ids"].shape[1]) >= 4).long().expand_as(batch["input_ids"]) + 3
+    with torch.no_grad():
+        expected = official(**batch, token_type_ids=types).logits
+        got = ours(**batch, token_type_ids=types).logits
+        plain = ours(**batch).logits
+    real = batch["attention_mask"].bool()
+    assert max_diff(got[real], expected[real]) <= TOLERANCE
+    assert max_diff(plain[real], expected[real]) > 100 * TOLERANCE
+    settings = dict(attention_mask=batch["attention_mask"], token_type_ids=types, **GENERATE)
+    assert torch.equal(ours.generate(batch["input_ids"], **settings), official.generate(batch["input_ids"], **settings))
+    with pytest.raises(ValueError, match=r"token_type_ids of shape \(3, 2\) do not match"):
+        ours(**batch, token_type_ids=types[:, :2])
+    rope = hf_tiny.TinyCausalForCausalLM(hf_tiny.TinyCausalConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
+                                                                  num_attention_heads=2, intermediate_size=32))
+    with pytest.raises(ValueError, match="token_type_ids are GPT-2's.*position_embedding_type='rope'"):
+        rope(torch.tensor([[1, 2]]), token_type_ids=torch.tensor([[0, 1]]))
+
+
 def test_negative_control_q_and_k_swapped_in_the_fused_split_is_rejected(tmp_path):
     official = tiny_gpt2()
     dst, _ = convert(official, tmp_path)
