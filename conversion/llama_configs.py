@@ -29,7 +29,9 @@ def causal_config_from_official(official, *, src):
     values = {name: getattr(official, name) for name in SHARED_FIELDS}
     values["hidden_act"] = getattr(official, variant.renamed_fields.get("hidden_act", "hidden_act"))
     values["head_dim"] = getattr(official, "head_dim", None) or official.hidden_size // official.num_attention_heads
-    values["rope_parameters"] = plain_dict(official.rope_parameters or {})
+    values["rope_parameters"] = rope_as_official_reads_it(plain_dict(official.rope_parameters or {}))
+    if uses_longrope(values["rope_parameters"]):  # official's rotary module switches factors, its cache stays
+        values["longrope_cache_kept"] = True
     values["sliding_window"] = getattr(official, "sliding_window", None)
     if getattr(official, "layer_types", None) is not None:  # Qwen2/Qwen3 derive it from max_window_layers
         values["layer_types"] = list(official.layer_types)
@@ -38,6 +40,21 @@ def causal_config_from_official(official, *, src):
     if pad is not None and pad != -1 and not 0 <= pad < values["vocab_size"]:
         values["pad_token_id"] = None  # -1 (old LLaMA configs) stays: official reads it as the last row, so do we
     return build_causal_config(values, official, src=src)
+
+
+def rope_as_official_reads_it(rope: dict) -> dict:
+    """rope_parameters (one dict, or one per layer type) without a partial_rotary_factor the default rope of these
+    classes ignores (they rotate whole heads; Phi-3 alone reads it): carried, it would rotate part of each head."""
+    per_type = all(isinstance(value, dict) for value in rope.values()) and bool(rope)
+    for params in rope.values() if per_type else [rope]:
+        if params.get("rope_type", "default") == "default":
+            params.pop("partial_rotary_factor", None)
+    return rope
+
+
+def uses_longrope(rope: dict) -> bool:
+    per_type = all(isinstance(value, dict) for value in rope.values()) and bool(rope)
+    return any(params.get("rope_type") == "longrope" for params in (rope.values() if per_type else [rope]))
 
 
 def official_config_from_causal(config, official_class: str, model_type: str | None = None):

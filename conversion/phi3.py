@@ -105,6 +105,8 @@ def phi3_config_from_causal(config, official_class: str):
         differing["head_dim"] = config.head_dim
     if set(config.rope_parameters) != set(config.rope_parameters_for("full_attention")):
         differing["rope_parameters"] = "keyed by layer type"
+    if config.longrope_cache.longrope_cache_kept:  # Phi-3 drops its cache there
+        differing["longrope_cache_kept"] = True
     expected_types = ["sliding_attention" if config.sliding_window else "full_attention"] * config.num_hidden_layers
     if config.layer_types != expected_types:
         differing["layer_types"] = config.layer_types
@@ -121,9 +123,11 @@ def phi3_config_from_causal(config, official_class: str):
 
 
 def needs_phi3(config) -> bool:
-    """Only Phi-3 among the official causal classes holds longrope or a partial rotary factor."""
+    """Only Phi-3 among the official causal classes holds a partial rotary factor, or longrope that drops its cache
+    as generation passes original_max_position_embeddings (Llama, Qwen2, Gemma 3 keep it: longrope_cache_kept)."""
     rope = config.rope_parameters_for("full_attention")
-    return rope["rope_type"] == "longrope" or rope.get("partial_rotary_factor", 1.0) != 1.0
+    phi3_longrope = rope["rope_type"] == "longrope" and not config.longrope_cache.longrope_cache_kept
+    return phi3_longrope or rope.get("partial_rotary_factor", 1.0) != 1.0
 
 
 class Phi3Family(SingleTypeFamily):

@@ -241,6 +241,33 @@ class HalfPrecisionRounding(Mechanism):
 
 
 @dataclass(frozen=True)
+class LongropeCache(Mechanism):
+    """longrope_cache_kept: generation keeps the keys it cached with the short factors once the sequence passes
+    original_max_position_embeddings (official Llama, Qwen2, Gemma 3 with a longrope config: the rotary module
+    switches factors, the cache stays); False (Phi-3's): that step drops the cache and recomputes every key with the
+    long factors."""
+
+    longrope_cache_kept: bool = False
+
+    def in_use(self, config) -> bool:
+        return self.longrope_cache_kept is not False
+
+    def checked(self, owner: str, config) -> "LongropeCache":
+        check_bool(owner, longrope_cache_kept=self.longrope_cache_kept)
+        if self.longrope_cache_kept:
+            _needs(owner, "longrope_cache_kept", True, "a longrope rope_parameters", _uses_longrope(config.rope_parameters))
+        return self
+
+
+def _uses_longrope(rope) -> bool:
+    """Whether rope_parameters (one dict, or one per layer type) name rope_type "longrope"."""
+    if not isinstance(rope, dict):
+        return False
+    per_type = [value for value in rope.values() if isinstance(value, dict)] or [rope]
+    return any(params.get("rope_type", params.get("type")) == "longrope" for params in per_type)
+
+
+@dataclass(frozen=True)
 class PaddingRow(Mechanism):
     """use_padding_idx=False: the token embedding has no padding row (pad_token_id's row trains like any other),
     as official GPT-2 and MPT; True (Llama and most others; the seq2seq config's field of the same name):

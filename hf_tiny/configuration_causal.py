@@ -10,7 +10,7 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from .causal_mechanisms import Alibi, AttentionSinks, AttnTemperature, ChunkedAttention, ClampedSwiglu, MechanismView
-from .causal_mechanisms import HalfPrecisionRounding, Mla, MoeBiases, Mtp, NormLayout, Nope, PaddingRow
+from .causal_mechanisms import HalfPrecisionRounding, LongropeCache, Mla, MoeBiases, Mtp, NormLayout, Nope, PaddingRow
 from .causal_mechanisms import QkNormPlacement, RouterInputWeights
 from .causal_mechanisms import mechanism_views
 from .layer_types import LAYER_TYPES, check_layer_types
@@ -217,6 +217,7 @@ class TinyCausalConfig(PretrainedConfig):
     norm_layout = MechanismView(NormLayout)
     padding_row = MechanismView(PaddingRow)
     rounding = MechanismView(HalfPrecisionRounding)
+    longrope_cache = MechanismView(LongropeCache)
     attn_temperature = MechanismView(AttnTemperature)
     chunked_attention = MechanismView(ChunkedAttention)
     moe = MechanismView(Moe)

@@ -291,9 +291,12 @@ class MtpCausalLMOutput(MoeCausalLMOutputWithPast):
 
 def longrope_switch(config: TinyCausalConfig) -> Optional[int]:
     """longrope (Phi-3): the length past which generation recomputes its cache (prepare_inputs_for_generation), read
-    once from the config, as the rotary module reads its parameters; None for every other rope type."""
+    once from the config, as the rotary module reads its parameters; None for every other rope type, and where the
+    config keeps the cache there (longrope_cache_kept: official Llama, Qwen2, Gemma 3)."""
     rope = config.rope_parameters_for("full_attention")
-    return rope["original_max_position_embeddings"] if rope["rope_type"] == "longrope" else None
+    if rope["rope_type"] != "longrope" or config.longrope_cache.longrope_cache_kept:
+        return None
+    return rope["original_max_position_embeddings"]
 
 
 class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):

@@ -244,6 +244,40 @@ def test_converted_folder_carries_card_auto_map_and_generation_config(tmp_path):
     assert "left-padded" in card
 
 
+LONGROPE = {"rope_type": "longrope", "rope_theta": 100.0, "short_factor": [1.0, 1.5, 2.0, 3.0],
+            "long_factor": [2.0, 3.0, 5.0, 8.0], "original_max_position_embeddings": 8}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_longrope_generation_past_the_switch_keeps_the_cache_as_official_llama_and_qwen2(kind, tmp_path):
+    """Official Llama / Qwen2 with a longrope config keep the keys cached with the short factors when generation
+    passes original_max_position_embeddings (only Phi-3 drops its cache there). Negative control: the converted
+    folder with Phi-3's drop (longrope_cache_kept=False) decodes otherwise."""
+    official = tiny_official(kind, max_position_embeddings=16, rope_parameters=dict(LONGROPE), head_dim=8)
+    dst, _ = convert_official(official, tmp_path)
+    ours = AutoModelForCausalLM.from_pretrained(dst).eval()
+    assert ours.config.longrope_cache.longrope_cache_kept
+    ids = torch.randint(3, 97, (1, 5), generator=torch.Generator().manual_seed(5))
+    settings = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, output_logits=True,
+                    return_dict_in_generate=True, pad_token_id=0)
+    expected, got = official.generate(ids, **settings), ours.generate(ids, **settings)
+    assert torch.equal(got.sequences, expected.sequences)
+    assert max(max_diff(a, b) for a, b in zip(got.logits, expected.logits)) <= 1e-4
+    dropping = AutoModelForCausalLM.from_pretrained(dst, longrope_cache_kept=False).eval()
+    other = dropping.generate(ids, **settings)
+    assert max(max_diff(a, b) for a, b in zip(other.logits, expected.logits)) > 1e-2
+
+
+def test_a_partial_rotary_factor_the_default_rope_ignores_is_not_carried(tmp_path):
+    """Official Llama-family classes rotate whole heads with the default rope whatever partial_rotary_factor says
+    (Phi-3 alone reads it); carried, hf_tiny rotated half of each head and the conversion failed its parity."""
+    official = tiny_official("llama", rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                       "partial_rotary_factor": 0.5})
+    dst, result = convert_official(official, tmp_path)
+    assert all(row["max_abs_diff"] <= row["tolerance"] for row in result["parity"])
+    assert "partial_rotary_factor" not in json.loads((dst / "config.json").read_text())["rope_parameters"]
+
+
 def test_a_folder_without_generation_config_keeps_the_generation_fields_of_its_config_json(tmp_path):
     """What official from_pretrained generates with then (checkpoints saved before transformers 4.26)."""
     official = tiny_official("llama")

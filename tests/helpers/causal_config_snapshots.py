@@ -31,7 +31,7 @@ OPTIONAL_FIELDS = (
 )
 # Optional fields added after the snapshots were written: a config.json of that time holds none of them and reads
 # each as its table's "off" value (tests/models/test_causal_mechanisms.py).
-NEWER_OPTIONAL_FIELDS = ("norm_product_float32", "rope_float32")
+NEWER_OPTIONAL_FIELDS = ("norm_product_float32", "rope_float32", "longrope_cache_kept")
 
 
 def comparable(value):
