@@ -420,14 +420,15 @@ class TinyEncoderForSequenceClassification(TinyEncoderWithLabelsHead):
         config.problem_type = sequence_problem_type(config.problem_type, self.num_labels, labels)
         labels = labels.to(logits.device)
         if config.problem_type == "regression":
-            labels = labels.to(logits.dtype)
+            # float labels as they are, as official's (MSE then runs in float32 beside bf16 logits); integers as float32
+            labels = labels if labels.is_floating_point() else labels.float()
             if self.num_labels == 1:
                 return MSELoss()(logits.squeeze(), labels.squeeze())
             return MSELoss()(logits, labels)
         if config.problem_type == "single_label_classification":
             return CrossEntropyLoss()(logits.view(-1, self.num_labels), labels.view(-1))
         if config.problem_type == "multi_label_classification":
-            return BCEWithLogitsLoss()(logits, labels.to(logits.dtype))
+            return BCEWithLogitsLoss()(logits, labels if labels.is_floating_point() else labels.float())
         raise ValueError(
             f"config.problem_type {config.problem_type!r} is not one of 'regression', "
             "'single_label_classification', 'multi_label_classification'"
