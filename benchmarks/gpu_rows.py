@@ -47,16 +47,15 @@ def shape_of(data) -> Shape:
 
 # ---- timing and memory of one row --------------------------------------------------------------------------------
 
-def measured(fn, device: torch.device, *, warmup: int, repeats: int, warm=None) -> dict:
+def measured(fn, device: torch.device, *, warmup: int, repeats: int) -> dict:
     """{"seconds": median, "samples": [...], "peak_bytes", "extra_bytes"} of `repeats` timed calls after `warmup`
-    calls of `warm` (default fn); memory on CUDA only (None elsewhere). The last output under "output"."""
+    calls; memory on CUDA only (None elsewhere). The last output under "output"."""
     free()
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
-    timing = time_interleaved({"x": fn}, device=device, warmup=warmup, repeats=repeats,
-                              warmup_contenders=None if warm is None else {"x": warm})["x"]
+    timing = time_interleaved({"x": fn}, device=device, warmup=warmup, repeats=repeats)["x"]
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
     return {"seconds": timing.median, "samples": timing.samples, "peak_bytes": peak,
             "extra_bytes": None if peak is None else peak - base, "output": timing.last_output}

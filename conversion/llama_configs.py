@@ -4,6 +4,8 @@ types, DeepSeek-V3, Llama 4 text, GPT-OSS, OLMo 2, SmolLM3): every official type
 
 from __future__ import annotations
 
+from hf_tiny.rope import rope_parameter_sets, uses_longrope
+
 from . import deepseek, dense, gpt_oss, llama4, moe, olmo2, smollm3
 from .causal import SHARED_FIELDS, build_causal_config, official_label_fields, plain_dict
 from .causal_variant import CausalVariant
@@ -45,16 +47,10 @@ def causal_config_from_official(official, *, src):
 def rope_as_official_reads_it(rope: dict) -> dict:
     """rope_parameters (one dict, or one per layer type) without a partial_rotary_factor the default rope of these
     classes ignores (they rotate whole heads; Phi-3 alone reads it): carried, it would rotate part of each head."""
-    per_type = all(isinstance(value, dict) for value in rope.values()) and bool(rope)
-    for params in rope.values() if per_type else [rope]:
+    for params in rope_parameter_sets(rope):
         if params.get("rope_type", "default") == "default":
             params.pop("partial_rotary_factor", None)
     return rope
-
-
-def uses_longrope(rope: dict) -> bool:
-    per_type = all(isinstance(value, dict) for value in rope.values()) and bool(rope)
-    return any(params.get("rope_type") == "longrope" for params in (rope.values() if per_type else [rope]))
 
 
 def official_config_from_causal(config, official_class: str, model_type: str | None = None):

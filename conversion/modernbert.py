@@ -133,13 +133,7 @@ def key_map(variant: EncoderVariant, suffix: str, config) -> KeyMap:
     return KeyMap(rules)
 
 
-# The task heads' modules with shared_head (every class's transform is `head`); MODERNBERT.parts below are those of
-# folders converted before it.
-SHARED_HEAD_PARTS = {
-    "classification_head": {**head("head"), "classifier": "classifier"},
-    "token_head": {**head("head"), "classifier": "classifier"},
-    "qa_head": {**head("head"), "classifier": "qa_outputs"},
-}
+
 
 
 MODERNBERT = EncoderVariant(
@@ -200,3 +194,6 @@ class ModernBertFamily(EncoderFamily):
 FAMILY = ModernBertFamily(
     MODERNBERT, "hf_tiny_encoder (ModernBERT: pre-norm, rotary positions, local / global attention, GeGLU)")
 convert, convert_back = entry_points(FAMILY)
+# The task heads' modules with shared_head (every class's transform is `head`); MODERNBERT.parts are those of folders
+# converted before it, where sequence classification's transform is the pooler's.
+SHARED_HEAD_PARTS = {**MODERNBERT.parts, "classification_head": {**head("head"), "classifier": "classifier"}}

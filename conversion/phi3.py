@@ -11,8 +11,10 @@ A Phi-3 block is the Llama block; what differs is named here:
     128k: per-frequency short / long factors); both are rope options of the causal family;
   * `resid_pdrop` is the residual dropout (hidden_dropout); official Phi-3 never applies `embd_pdrop`, so it is
     not carried.
-A folder converted back with --reverse and no family named goes to Phi-3 only when it needs Phi-3 (longrope or
-partial rotary); `python -m conversion phi3 SRC DST --reverse` writes Phi-3 for any config Phi-3 can hold.
+A folder converted back with --reverse and no family named goes to Phi-3 only when it needs Phi-3 (partial rotary, or
+longrope that drops its cache as generation passes original_max_position_embeddings: a Llama-family source's
+longrope keeps it, `longrope_cache_kept`); `python -m conversion phi3 SRC DST --reverse` writes Phi-3 for any config
+Phi-3 can hold.
 """
 
 from __future__ import annotations

@@ -97,8 +97,9 @@ def detect_family(src: str | os.PathLike, *, reverse: bool = False) -> tuple[str
 
 def _encoder_variant_of(raw: dict, src: Path) -> tuple[str, str]:
     """The encoder family whose variant's fixed config fields (EncoderVariant.fixed_config) the hf_tiny encoder
-    config holds, the variant fixing most fields first (BERT fixes none); the why names the fields that differ
-    from the encoder's defaults."""
+    config holds, the variant fixing most fields first (BERT fixes none; fields that only name tensors,
+    layout_fields, may differ: folders converted before them); the why names the fields that differ from the
+    encoder's defaults."""
     from hf_tiny import TinyEncoderConfig
 
     from .readers import hf_tiny_config_from_dict
@@ -108,15 +109,17 @@ def _encoder_variant_of(raw: dict, src: Path) -> tuple[str, str]:
     variants = [(name, family_for(name).variant) for name in FAMILIES if family_for(name).modality == "encoder"]
     name, variant = next(
         (name, variant) for name, variant in sorted(variants, key=lambda item: -len(item[1].fixed_config))
-        if all(getattr(config, field) == value for field, value in variant.fixed_config.items())
+        if all(getattr(config, field) == value for field, value in variant.fixed_config.items()
+               if field not in variant.layout_fields)
     )  # BERT fixes nothing, so one always matches
     fields = [f"{k}={v!r}" for k, v in variant.fixed_config.items() if getattr(defaults, k) != v]
     return name, "model_type 'hf_tiny_encoder'" + (f" with {', '.join(fields)}" if fields else "")
 
 
 def _causal_variant_of(raw: dict, src: Path) -> tuple[str, str]:
-    """GPT-2 for learned positions, MPT for ALiBi, Phi-3 for what only Phi-3 holds (longrope, partial rotary), else the Llama
-    family (which picks Llama, Mistral, Qwen2, Qwen3 or Gemma 3 from the fields)."""
+    """GPT-2 for learned positions, MPT for ALiBi, Phi-3 for what only Phi-3 holds (partial rotary, longrope that drops
+    its cache: phi3.needs_phi3), else the Llama family (which picks Llama, Mistral, Qwen2, Qwen3 or Gemma 3 from the
+    fields)."""
     from hf_tiny import TinyCausalConfig
 
     from .phi3 import needs_phi3

@@ -14,6 +14,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, fields, replace
 from typing import Generic, Optional, TypeVar
 
+from .rope import uses_longrope
 from .validation import check_bool, check_choice, check_non_negative, check_non_negative_number, check_positive
 from .validation import check_positive_number
 
@@ -255,16 +256,9 @@ class LongropeCache(Mechanism):
     def checked(self, owner: str, config) -> "LongropeCache":
         check_bool(owner, longrope_cache_kept=self.longrope_cache_kept)
         if self.longrope_cache_kept:
-            _needs(owner, "longrope_cache_kept", True, "a longrope rope_parameters", _uses_longrope(config.rope_parameters))
+            longrope = uses_longrope(config.rope_parameters) or uses_longrope(getattr(config, "rope_scaling", None))
+            _needs(owner, "longrope_cache_kept", True, "a longrope rope_parameters", longrope)
         return self
-
-
-def _uses_longrope(rope) -> bool:
-    """Whether rope_parameters (one dict, or one per layer type) name rope_type "longrope"."""
-    if not isinstance(rope, dict):
-        return False
-    per_type = [value for value in rope.values() if isinstance(value, dict)] or [rope]
-    return any(params.get("rope_type", params.get("type")) == "longrope" for params in per_type)
 
 
 @dataclass(frozen=True)

@@ -254,6 +254,7 @@ class TinyCausalConfig(PretrainedConfig):
         _check_sizes(owner, fields)
         _check_parts(owner, fields, kwargs)
         fields.layer_types = check_layer_types(owner, layer_types, num_hidden_layers, sliding_window)
+        fields.rope_scaling = kwargs.get("rope_scaling")  # the legacy spelling, read by a table's checks too
         for name in tables:
             tables[name] = getattr(fields, name).checked(owner, fields)
             setattr(fields, name, tables[name])

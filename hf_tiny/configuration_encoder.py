@@ -82,7 +82,8 @@ class TinyEncoderConfig(PretrainedConfig):
             before its decoder, the sequence classifier's after its pooling instead of a pooler), as ModernBERT
             names it, so that a classifier loaded from a masked-LM folder starts from the trained transform. Set by
             the ModernBERT converter; without it (folders converted before) the MLM's transform is
-            `lm_head.dense` / `lm_head.layer_norm` and the sequence classifier's is the pooler's.
+            `lm_head.dense` / `lm_head.layer_norm` and the sequence classifier's is the pooler's. (BERT's pretraining
+            model, which ModernBERT has none of, keeps its next-sentence pooler beside `head`.)
     """
 
     model_type = "hf_tiny_encoder"

@@ -217,16 +217,20 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
                 output_router_logits=None, *, past_key_values=None, token_type_ids=None, **kwargs):
         """cache: the KV cache (past_key_values: its name before transformers 5.24), or continuous batching's paged
         cache. output_router_logits (MoE models; default config.output_router_logits): also return each sparse
-        layer's router logits ([batch * seq, num_local_experts]). token_type_ids: GPT-2's (with learned positions
-        only), rows of the word embeddings added to the inputs."""
+        layer's router logits ([batch * seq, num_local_experts]). token_type_ids: GPT-2's (with learned positions),
+        rows of the word embeddings added to the inputs; other models ignore them, as official Llama-family models
+        do (with a warning)."""
         flags = output_flags(self.config, output_attentions, output_hidden_states, return_dict)
         step = prepare_causal_step(self, input_ids, inputs_embeds, attention_mask, position_ids, cache,
                                    past_key_values, use_cache, flags, kwargs)
         hidden_states = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if self.embed_positions is not None:
             hidden_states = hidden_states + self.embed_positions(self._learned_positions(step.position_ids))
-        if token_type_ids is not None:
+        if token_type_ids is not None and self.embed_positions is not None:
             hidden_states = hidden_states + self._token_type_embeddings(token_type_ids, hidden_states.shape[:2])
+        elif token_type_ids is not None:
+            logger.warning_once("token_type_ids are ignored: only GPT-2-style models (learned positions) read them, "
+                                f"and this one has position_embedding_type={self.config.position_embedding_type!r}")
         if self.embedding_dropout is not None:
             hidden_states = self.embedding_dropout(hidden_states)
         positions = self.layer_positions(hidden_states, step)
@@ -250,11 +254,6 @@ class TinyCausalModel(TinyCausalPreTrainedModel):
     def _token_type_embeddings(self, token_type_ids: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         """GPT-2's token types: the word embeddings' rows of their ids ([batch, seq], or one row for every sequence),
         added to the inputs beside the learned positions, as official GPT-2 adds them."""
-        if self.embed_positions is None:
-            raise ValueError(
-                "token_type_ids are GPT-2's (word-embedding rows added to the inputs beside its learned positions); "
-                f"this model has position_embedding_type={self.config.position_embedding_type!r} and takes none"
-            )
         if token_type_ids.shape[-1] != shape[1] or token_type_ids.numel() not in (shape[1], shape[0] * shape[1]):
             raise ValueError(f"token_type_ids of shape {tuple(token_type_ids.shape)} do not match the input's "
                              f"[batch, seq] = {list(shape)}")
@@ -462,6 +461,9 @@ class TinyCausalForCausalLM(TinyCausalPreTrainedModel, GenerationMixin):
         generate_with_mtp), one sequence at a time; anything else is GenerationMixin.generate."""
         check_cached_generation(self)
         check_generation_kwargs(kwargs)
+        if "token_type_ids" in kwargs and self.model.embed_positions is None:  # as official Llama's generate
+            raise ValueError("generate() got token_type_ids, which only GPT-2-style models (learned positions) read; "
+                             f"this one has position_embedding_type={self.config.position_embedding_type!r}")
         if not use_mtp:
             return super().generate(*args, **kwargs)
         return generate_with_mtp(self, *args, **kwargs)

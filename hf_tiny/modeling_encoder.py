@@ -378,7 +378,8 @@ class TinyEncoderForReplacedTokenDetection(TinyEncoderWithLabelsHead):
         loss = None
         if labels is not None:
             check_labels(labels, num_classes=2, expected_shape=tuple(logits.shape))
-            flat_logits, flat_labels = logits.reshape(-1), labels.to(logits.device, logits.dtype).reshape(-1)
+            # float32 labels, as official ELECTRA's (.float()): the loss runs in float32 beside bf16 logits
+            flat_logits, flat_labels = logits.reshape(-1), labels.to(logits.device).float().reshape(-1)
             if attention_mask is not None:
                 kept = attention_mask.to(logits.device).reshape(-1) == 1
                 flat_logits, flat_labels = flat_logits[kept], flat_labels[kept]

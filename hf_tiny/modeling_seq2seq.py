@@ -34,15 +34,18 @@ from .transformers_api import check_cached_generation
 from .validation import check_labels
 
 
-def shift_tokens_right(labels: torch.Tensor, pad_token_id: Optional[int], decoder_start_token_id: Optional[int]):
-    """Decoder inputs for teacher forcing: [start, y0, y1, ...], with ignored labels (-100) replaced by pad."""
+def shift_tokens_right(labels: torch.Tensor, pad_token_id: Optional[int], decoder_start_token_id: Optional[int],
+                       source: str = "labels"):
+    """Decoder inputs for teacher forcing: [start, y0, y1, ...], with ignored labels (-100) replaced by pad. source:
+    what is shifted, for the errors ("labels", or BART's "input_ids")."""
     if decoder_start_token_id is None:
         raise ValueError(
             "decoder_start_token_id is None: set config.decoder_start_token_id (the first decoder input) to build "
-            "decoder_input_ids from labels, or pass decoder_input_ids"
+            f"decoder_input_ids from {source}, or pass decoder_input_ids"
         )
     if pad_token_id is None:
-        raise ValueError("pad_token_id is None: set config.pad_token_id to replace the ignored labels (-100)")
+        raise ValueError(f"pad_token_id is None: set config.pad_token_id to build decoder_input_ids from {source} "
+                         "(it replaces ignored positions, -100), or pass decoder_input_ids")
     shifted = labels.new_zeros(labels.shape)
     shifted[:, 1:] = labels[:, :-1].clone()
     shifted[:, 0] = decoder_start_token_id
@@ -165,11 +168,14 @@ class TinySeq2SeqModel(TinySeq2SeqPreTrainedModel):
             if input_ids is None:
                 raise ValueError("without decoder_input_ids or decoder_inputs_embeds the decoder's input is input_ids "
                                  "shifted right (decoder_inputs_from_input_ids), so input_ids cannot be None")
-            decoder_input_ids = shift_tokens_right(input_ids, self.config.pad_token_id, self.config.decoder_start_token_id)
+            decoder_input_ids = shift_tokens_right(input_ids, self.config.pad_token_id,
+                                                   self.config.decoder_start_token_id, source="input_ids")
         if decoder_input_ids is None and decoder_inputs_embeds is None:
             raise ValueError(
                 "the decoder needs an input: pass decoder_input_ids (starting with decoder_start_token_id="
-                f"{self.config.decoder_start_token_id}) or labels (shifted right into decoder_input_ids)"
+                f"{self.config.decoder_start_token_id}) or labels (shifted right into decoder_input_ids); a BART "
+                "folder converted before its converter set decoder_inputs_from_input_ids shifts input_ids when loaded "
+                "with decoder_inputs_from_input_ids=True"
             )
         encoder_outputs = self._encoded(encoder_outputs, input_ids, attention_mask, inputs_embeds, flags)
         decoder_batch = (decoder_input_ids if decoder_input_ids is not None else decoder_inputs_embeds).shape[0]

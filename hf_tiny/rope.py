@@ -58,6 +58,20 @@ MAX_TABLE_POSITIONS = 16384
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def rope_parameter_sets(rope) -> list[dict]:
+    """The parameter dicts of a rope_parameters value: one per layer type where it is keyed by layer type (Gemma 3,
+    ModernBERT), else itself; none for None."""
+    if not isinstance(rope, dict):
+        return []
+    per_type = bool(rope) and all(isinstance(value, dict) for value in rope.values())
+    return list(rope.values()) if per_type else [rope]
+
+
+def uses_longrope(rope) -> bool:
+    """Whether rope_parameters (or a legacy rope_scaling, whose key is "type") name rope_type "longrope"."""
+    return any(params.get("rope_type", params.get("type")) == "longrope" for params in rope_parameter_sets(rope))
+
+
 def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 

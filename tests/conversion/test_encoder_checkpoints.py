@@ -489,6 +489,12 @@ def test_electra_discriminator_loss_matches_official_and_negative_control(tmp_pa
     without_mask = {"input_ids": batch["input_ids"], "token_type_ids": batch["token_type_ids"]}
     torch.testing.assert_close(ours(**without_mask, labels=labels).loss, official(**without_mask, labels=labels).loss,
                                rtol=1e-6, atol=1e-6)
+    with torch.no_grad():  # in bf16 official's loss runs in float32 (its labels .float()); ours did in bf16
+        half, official_half = ours.to(torch.bfloat16), official.to(torch.bfloat16)
+        expected, got = official_half(**batch, labels=labels), half(**batch, labels=labels)
+        assert torch.equal(got.logits, expected.logits) and got.loss.dtype == torch.float32
+        assert torch.equal(got.loss, expected.loss)
+        ours, official = half.float(), official_half.float()
     with torch.no_grad():  # negative control: the embedding projection's bias dropped
         ours.model.embed_projection.bias.zero_()
     assert max_diff(official, ours, batch) > 1e-2

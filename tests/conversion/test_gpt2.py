@@ -82,10 +82,22 @@ def test_token_type_ids_add_word_embedding_rows_as_official_gpt2_in_forward_gene
     assert torch.equal(ours.generate(batch["input_ids"], **settings), official.generate(batch["input_ids"], **settings))
     with pytest.raises(ValueError, match=r"token_type_ids of shape \(3, 2\) do not match"):
         ours(**batch, token_type_ids=types[:, :2])
+    # a sequence classifier reads them too (official GPT2ForSequenceClassification's head is new: copied over)
+    classifier = hf_tiny.TinyCausalForSequenceClassification.from_pretrained(dst, num_labels=3).eval()
+    official_classifier = transformers.GPT2ForSequenceClassification.from_pretrained(tmp_path / "src", num_labels=3)
+    classifier.score.load_state_dict(official_classifier.score.state_dict())
+    with torch.no_grad():
+        expected = official_classifier.eval()(**batch, token_type_ids=types).logits
+        got = classifier(**batch, token_type_ids=types).logits
+    assert max_diff(got, expected) <= TOLERANCE
+    # a model without learned positions ignores them in forward and refuses them in generate, as official Llama
     rope = hf_tiny.TinyCausalForCausalLM(hf_tiny.TinyCausalConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1,
-                                                                  num_attention_heads=2, intermediate_size=32))
-    with pytest.raises(ValueError, match="token_type_ids are GPT-2's.*position_embedding_type='rope'"):
-        rope(torch.tensor([[1, 2]]), token_type_ids=torch.tensor([[0, 1]]))
+                                                                  num_attention_heads=2, intermediate_size=32)).eval()
+    ids = torch.tensor([[1, 2]])
+    with torch.no_grad():
+        assert torch.equal(rope(ids, token_type_ids=torch.tensor([[0, 1]])).logits, rope(ids).logits)
+    with pytest.raises(ValueError, match="generate\\(\\) got token_type_ids.*position_embedding_type='rope'"):
+        rope.generate(ids, token_type_ids=torch.tensor([[0, 1]]), max_new_tokens=2)
 
 
 def test_negative_control_q_and_k_swapped_in_the_fused_split_is_rejected(tmp_path):

@@ -268,6 +268,16 @@ def test_longrope_generation_past_the_switch_keeps_the_cache_as_official_llama_a
     assert max(max_diff(a, b) for a, b in zip(other.logits, expected.logits)) > 1e-2
 
 
+def test_longrope_cache_kept_is_taken_with_the_legacy_rope_scaling_spelling_and_refused_without_longrope():
+    legacy = {"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}
+    fields = dict(vocab_size=32, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=32,
+                  max_position_embeddings=64, original_max_position_embeddings=16, longrope_cache_kept=True)
+    config = hf_tiny.TinyCausalConfig(**fields, rope_scaling=legacy)
+    assert config.longrope_cache.longrope_cache_kept and config.rope_parameters["rope_type"] == "longrope"
+    with pytest.raises(ValueError, match="longrope_cache_kept=True needs a longrope rope_parameters"):
+        hf_tiny.TinyCausalConfig(**fields)
+
+
 def test_a_partial_rotary_factor_the_default_rope_ignores_is_not_carried(tmp_path):
     """Official Llama-family classes rotate whole heads with the default rope whatever partial_rotary_factor says
     (Phi-3 alone reads it); carried, hf_tiny rotated half of each head and the conversion failed its parity."""

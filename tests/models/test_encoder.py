@@ -245,17 +245,25 @@ def test_sequence_classification_problem_types(num_labels, labels, problem_type,
     (1, torch.tensor([3.7, 1.3, 2.9])),  # regression: not bf16 numbers
     (2, torch.tensor([[0.3, 0.9], [0.1, 0.7], [0.55, 0.2]])),  # multi-label, soft targets
 ])
-def test_bf16_classification_losses_take_float32_labels_as_official_does(num_labels, labels):
+def test_bf16_classification_losses_take_float32_labels_as_official_bert(num_labels, labels, tmp_path):
     """Official BERT hands its float labels to MSE / BCE as they are (the loss runs in float32 beside bf16 logits);
-    hf_tiny rounded them to the logits' dtype first (a regression loss 0.014 off in a bf16 RoBERTa)."""
-    model = build(TinyEncoderForSequenceClassification, num_labels=num_labels).to(torch.bfloat16)
+    hf_tiny rounded them to the logits' dtype first (a regression loss 0.014 off in a bf16 RoBERTa). Negative
+    control: the labels rounded to bf16 give another loss."""
+    from bert_models import convert_official, official_model
+
+    problem = "regression" if num_labels == 1 else "multi_label_classification"
+    official = official_model("BertForSequenceClassification", num_labels=num_labels, problem_type=problem)
+    _, dst, _ = convert_official(official, tmp_path)
+    ours = TinyEncoderForSequenceClassification.from_pretrained(dst).eval().to(torch.bfloat16)
+    official = official.to(torch.bfloat16)
     input_ids, attention_mask = padded_batch()
-    out = model(input_ids, attention_mask=attention_mask, labels=labels)
-    loss_fn = F.mse_loss if num_labels == 1 else F.binary_cross_entropy_with_logits
-    expected = loss_fn(out.logits.squeeze() if num_labels == 1 else out.logits, labels)
-    assert out.loss.dtype == torch.float32 and torch.equal(out.loss, expected)
-    rounded = loss_fn(out.logits.squeeze() if num_labels == 1 else out.logits, labels.to(torch.bfloat16))
-    assert not torch.equal(rounded, expected)  # the labels' rounding shows at this size
+    batch = dict(input_ids=input_ids % 97, attention_mask=attention_mask)
+    with torch.no_grad():
+        expected, got = official(**batch, labels=labels), ours(**batch, labels=labels)
+        rounded = official(**batch, labels=labels.to(torch.bfloat16)).loss
+    assert torch.equal(got.logits, expected.logits)  # the same bf16 logits: the losses differ by the labels alone
+    assert got.loss.dtype == expected.loss.dtype == torch.float32 and torch.equal(got.loss, expected.loss)
+    assert not torch.equal(rounded.float(), expected.loss)
 
 
 def test_sequence_classification_explicit_problem_type_wins():

@@ -301,6 +301,7 @@ def test_a_classifier_loaded_from_a_masked_lm_folder_starts_from_its_trained_hea
 def test_a_folder_converted_before_shared_head_converts_back_bit_for_bit(converted, tmp_path):
     official, folder = converted("ModernBertForMaskedLM")
     older = pre_shared_head_layout(folder / "ours", tmp_path / "older")
+    assert detect_family(older, reverse=True)[0] == "modernbert"  # not BERT: shared_head only names tensors
     modernbert.convert_back(older, tmp_path / "back")
     reloaded = transformers.ModernBertForMaskedLM.from_pretrained(tmp_path / "back")
     state = reloaded.state_dict()
