@@ -133,9 +133,6 @@ def key_map(variant: EncoderVariant, suffix: str, config) -> KeyMap:
     return KeyMap(rules)
 
 
-
-
-
 MODERNBERT = EncoderVariant(
     model_type="modernbert",
     class_prefix="ModernBert",

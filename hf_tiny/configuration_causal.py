@@ -15,13 +15,11 @@ from .causal_mechanisms import QkNormPlacement, RouterInputWeights
 from .causal_mechanisms import mechanism_views
 from .layer_types import LAYER_TYPES, check_layer_types
 from .moe import Moe, MoeSpec
-from .rope import rotary_dim, standardize_rope_parameters
+from .rope import ROPE_LAYER_TYPES, rope_parameter_sets, rotary_dim, standardize_rope_parameters
 from .validation import check_bool, check_choice, check_divisible, check_finite_fields, check_positive
 from .validation import check_positive_number, check_probability, check_token_ids, init_arguments, store_init_fields
 from .validation import warn_on_token_ids_outside
 
-# The layer types rope_parameters may be keyed by (chunked layers rotate with the full layers' parameters).
-ROPE_LAYER_TYPES = ("full_attention", "sliding_attention")
 POSITION_EMBEDDING_TYPES = ("rope", "learned", "alibi")
 
 
@@ -131,7 +129,7 @@ def _rope_parameters(owner: str, config, legacy_scaling, legacy_theta) -> dict:
     if kind == "rope":
         mla = config.mla.in_use(config)
         rotated = config.mla.qk_rope_head_dim if mla else config.head_dim
-        for params in (rope_parameters.values() if set(rope_parameters) == set(ROPE_LAYER_TYPES) else (rope_parameters,)):
+        for params in rope_parameter_sets(rope_parameters):
             if mla and rotary_dim(params, rotated, owner=owner) != rotated:
                 raise ValueError(f"{owner}: MLA rotates all qk_rope_head_dim={rotated} dimensions; drop partial_rotary_factor")
             rotary_dim(params, rotated, owner=owner)

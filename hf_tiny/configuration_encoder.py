@@ -6,7 +6,7 @@ from transformers import PretrainedConfig
 from transformers.activations import ACT2FN
 
 from .layer_types import check_layer_types
-from .rope import rotary_dim, standardize_rope_parameters
+from .rope import rope_parameter_sets, rotary_dim, standardize_rope_parameters
 from .validation import check_bool, check_choice, check_divisible, check_finite_fields, check_positive, check_positive_number
 from .validation import check_non_negative, check_probability, check_token_ids, check_unsupported_field, init_arguments
 from .validation import store_init_fields
@@ -263,7 +263,7 @@ def _rope_parameters(owner: str, values: dict) -> dict | None:
                                                           owner=f"{owner} rope_parameters[{kind!r}]") for kind in LAYER_TYPES}
     else:
         standardized = standardize_rope_parameters(params, max_position_embeddings=max_positions, owner=owner)
-    for kind_params in standardized.values() if set(standardized) == set(LAYER_TYPES) else (standardized,):
+    for kind_params in rope_parameter_sets(standardized):
         rotary_dim(kind_params, head_dim, owner=owner)
     return standardized
 

@@ -25,6 +25,8 @@ from typing import Optional
 import torch
 
 DEFAULT_ROPE_THETA = 10000.0
+# The layer types rope_parameters may be keyed by (chunked layers rotate with the full layers' parameters).
+ROPE_LAYER_TYPES = ("full_attention", "sliding_attention")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 # rope types whose inverse frequencies depend on the current sequence length (no precomputed table)
 SEQUENCE_DEPENDENT_TYPES = ("dynamic", "longrope")
@@ -59,12 +61,14 @@ MAX_TABLE_POSITIONS = 16384
 
 
 def rope_parameter_sets(rope) -> list[dict]:
-    """The parameter dicts of a rope_parameters value: one per layer type where it is keyed by layer type (Gemma 3,
-    ModernBERT), else itself; none for None."""
+    """The parameter dicts of a rope_parameters value: the layer types' where it is keyed by them (Gemma 3, ModernBERT;
+    transformers 5.16-5.17 leave a flat rope_type / rope_theta beside them, which no layer reads), else itself; none
+    for None."""
     if not isinstance(rope, dict):
         return []
-    per_type = bool(rope) and all(isinstance(value, dict) for value in rope.values())
-    return list(rope.values()) if per_type else [rope]
+    if set(rope) & set(ROPE_LAYER_TYPES):
+        return [rope[kind] for kind in ROPE_LAYER_TYPES if isinstance(rope.get(kind), dict)]
+    return [rope]
 
 
 def uses_longrope(rope) -> bool:
