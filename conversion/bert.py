@@ -159,9 +159,19 @@ class EncoderVariant:
         return suffix
 
 
-# Parts every variant names alike, and RoBERTa's classification head (ELECTRA's too): dense -> pooler, out_proj
+# Parts every variant names alike, and RoBERTa's classification head (ELECTRA's too): dense -> the sequence
+# classifier's pooler (CLASSIFIER_POOLER), out_proj -> classifier
 TASK_PARTS = {"classifier": {"classifier": "classifier"}, "qa": {"qa_outputs": "qa_outputs"}}
-CLASSIFICATION_HEAD = {"classifier.dense": "model.pooler.dense", "classifier.out_proj": "classifier"}
+CLASSIFIER_POOLER = "model.pooler.dense"  # the encoder's pooler; `pre_classifier.dense` with config.pre_classifier
+CLASSIFICATION_HEAD = {"classifier.dense": CLASSIFIER_POOLER, "classifier.out_proj": "classifier"}
+
+
+def with_classifier_pooler(modules: dict[str, str], config) -> dict[str, str]:
+    """A part's official -> hf_tiny modules, the sequence classifier's pooler named as the config lays it out: the
+    classifier's own `pre_classifier` (pre_classifier=True, what the converters write) or the encoder's pooler."""
+    if not config.pre_classifier:
+        return modules
+    return {official: "pre_classifier.dense" if ours == CLASSIFIER_POOLER else ours for official, ours in modules.items()}
 
 
 def class_parts(*, base_pooler: bool, pretraining: tuple[str, ...] = (), sequence=("pooler", "classifier")) -> dict:
@@ -234,7 +244,7 @@ def key_map(variant: EncoderVariant, suffix: str, config) -> KeyMap:
                 rules.append((names.decoder + ".bias", "lm_head.decoder.bias"))
                 ignore.append(names.bias.replace(".", r"\."))
         else:
-            rules += layer_rules("", "", variant.parts[part])
+            rules += layer_rules("", "", with_classifier_pooler(variant.parts[part], config))
     return KeyMap(rules, ignore=ignore)
 
 

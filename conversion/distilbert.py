@@ -5,13 +5,13 @@
 
 What differs from BERT: no token types (type_vocab_size 0), no pooler in the base model, its own tensor and
 config names, the sequence classifier `pre_classifier` -> ReLU -> dropout(seq_classif_dropout) -> `classifier`
-(hf_tiny's pooler with pooler_act="relu"), dropout before the QA outputs, and optionally a fixed sinusoidal
+(hf_tiny's classifier's own pooler, `pre_classifier`, with pooler_act="relu"), dropout before the QA outputs, and optionally a fixed sinusoidal
 position table (`sinusoidal_pos_embds`; the checkpoint stores it, hf_tiny writes the same table at init).
 """
 
 from __future__ import annotations
 
-from .bert import TASK_PARTS, EncoderFamily, EncoderVariant, MaskedLMNames, class_parts
+from .bert import CLASSIFIER_POOLER, TASK_PARTS, EncoderFamily, EncoderVariant, MaskedLMNames, class_parts
 from .pipeline import entry_points
 
 CONFIG_FIELDS = {
@@ -49,12 +49,13 @@ DISTILBERT = EncoderVariant(
     model_type="distilbert",
     class_prefix="DistilBert",
     masked_lm=MaskedLMNames("vocab_transform", "vocab_layer_norm", decoder="vocab_projector"),
-    parts={"classification_head": {"pre_classifier": "model.pooler.dense", "classifier": "classifier"}, **TASK_PARTS},
+    parts={"classification_head": {"pre_classifier": CLASSIFIER_POOLER, "classifier": "classifier"}, **TASK_PARTS},
     class_parts=class_parts(base_pooler=False, sequence=("classification_head",)),
     fixed_config={
         "type_vocab_size": 0, "layer_norm_eps": 1e-12, "add_pooling_layer": False, "pooler_act": "relu",
-        "classifier_dropout": None,
+        "classifier_dropout": None, "pre_classifier": True,
     },
+    layout_fields=("pre_classifier",),
     config_fields=CONFIG_FIELDS,
     layer_path="transformer.layer.{i}",
     layer_modules=LAYER_MODULES,

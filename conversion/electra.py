@@ -7,8 +7,8 @@ What differs from BERT: factorized embeddings (`embedding_size`, projected to hi
 `embeddings_project` -> hf_tiny `embed_projection`), no pooler in the base model, the generator
 (`ElectraForMaskedLM`: dense to embedding_size, GELU, LayerNorm, tied decoder with its own bias), the
 discriminator (`ElectraForPreTraining` -> `TinyEncoderForReplacedTokenDetection`), and the sequence classifier
-dropout -> dense -> GELU -> dropout -> out_proj (hf_tiny's pooler with pooler_act="gelu" and
-dropout_before_pooler).
+dropout -> dense -> GELU -> dropout -> out_proj (hf_tiny's classifier's own pooler, `pre_classifier`, with
+pooler_act="gelu" and dropout_before_pooler).
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ ELECTRA = EncoderVariant(
         **TASK_PARTS,
     },
     class_parts=class_parts(base_pooler=False, pretraining=("discriminator",), sequence=("classification_head",)),
-    fixed_config={"add_pooling_layer": False, "pooler_act": "gelu", "dropout_before_pooler": True},
+    fixed_config={"add_pooling_layer": False, "pooler_act": "gelu", "dropout_before_pooler": True, "pre_classifier": True},
+    layout_fields=("pre_classifier",),
     config_fields={**CONFIG_FIELDS, "embedding_size": "embedding_size"},
     embedding_projection="embeddings_project",
     class_overrides={"ForPreTraining": DISCRIMINATOR_CLASS},

@@ -107,12 +107,12 @@ def _encoder_variant_of(raw: dict, src: Path) -> tuple[str, str]:
     config = hf_tiny_config_from_dict(raw, TinyEncoderConfig, src=src)
     defaults = TinyEncoderConfig()
     variants = [(name, family_for(name).variant) for name in FAMILIES if family_for(name).modality == "encoder"]
-    name, variant = next(
-        (name, variant) for name, variant in sorted(variants, key=lambda item: -len(item[1].fixed_config))
-        if all(getattr(config, field) == value for field, value in variant.fixed_config.items()
-               if field not in variant.layout_fields)
-    )  # BERT fixes nothing, so one always matches
-    fields = [f"{k}={v!r}" for k, v in variant.fixed_config.items() if getattr(defaults, k) != v]
+    fixed = {name: {k: v for k, v in variant.fixed_config.items() if k not in variant.layout_fields}
+             for name, variant in variants}
+    name = next(name for name, _ in sorted(variants, key=lambda item: -len(fixed[item[0]]))
+                if all(getattr(config, field) == value for field, value in fixed[name].items()))
+    # BERT fixes nothing, so one always matches
+    fields = [f"{k}={v!r}" for k, v in fixed[name].items() if getattr(defaults, k) != v]
     return name, "model_type 'hf_tiny_encoder'" + (f" with {', '.join(fields)}" if fields else "")
 
 

@@ -5,8 +5,9 @@
 
 What differs from BERT: positions numbered from pad_token_id + 1 and derived from the input ids
 (`positions_from_padding`), the MLM head named `lm_head.*`, and the sequence-classification head
-`classifier.dense` -> tanh -> `classifier.out_proj` on the first token, which is the pooler + classifier of
-hf_tiny with one more dropout before the dense layer (`dropout_before_pooler`).
+`classifier.dense` -> tanh -> `classifier.out_proj` on the first token, which is hf_tiny's sequence classifier with
+its own pooler (`pre_classifier`, PEFT trains it as official's head) and one more dropout before the dense layer
+(`dropout_before_pooler`).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ ROBERTA = EncoderVariant(
     masked_lm=MaskedLMNames("lm_head.dense", "lm_head.layer_norm", decoder="lm_head.decoder", bias="lm_head.bias"),
     parts={"pooler": {"pooler.dense": "pooler.dense"}, "classification_head": CLASSIFICATION_HEAD, **TASK_PARTS},
     class_parts=class_parts(base_pooler=True, sequence=("classification_head",)),
-    fixed_config={"positions_from_padding": True, "dropout_before_pooler": True},
+    fixed_config={"positions_from_padding": True, "dropout_before_pooler": True, "pre_classifier": True},
+    layout_fields=("pre_classifier",),
 )
 
 

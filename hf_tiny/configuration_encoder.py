@@ -19,6 +19,7 @@ OPTIONAL_FIELDS = dict(
     position_embedding_type="absolute", layer_types=None, sliding_window=None, norm_placement="post", norm_bias=True,
     mlp_gated=False, mlp_bias=True, activation_dropout=0.0, embedding_dropout=None, head_transform=False,
     classifier_pooling="cls", classifier_bias=True, classifier_activation=None, decoder_bias=True, shared_head=False,
+    pre_classifier=False,
 )
 POSITION_EMBEDDING_TYPES = ("absolute", "rope")
 NORM_PLACEMENTS = ("post", "pre")
@@ -43,7 +44,7 @@ class TinyEncoderConfig(PretrainedConfig):
         embedding_size: width of the embeddings (ELECTRA, ALBERT), projected to hidden_size after their norm
             (`embed_projection`); the MLM head maps back to it (None: hidden_size, no projection).
         add_pooling_layer: whether the base model has a pooler (DistilBERT and ELECTRA have none; the sequence
-            classifier always has one). pooler_act: its activation (BERT tanh, DistilBERT relu, ELECTRA gelu).
+            classifier always has one, the encoder's or, with pre_classifier, its own). pooler_act: its activation (BERT tanh, DistilBERT relu, ELECTRA gelu).
         type_vocab_size: 0 = no token-type embeddings (DistilBERT).
         sinusoidal_positions: the position table starts as sin/cos (DistilBERT's sinusoidal_pos_embds), written at
             init; it is trained like any parameter, as in official transformers 5.
@@ -84,6 +85,11 @@ class TinyEncoderConfig(PretrainedConfig):
             the ModernBERT converter; without it (folders converted before) the MLM's transform is
             `lm_head.dense` / `lm_head.layer_norm` and the sequence classifier's is the pooler's. (BERT's pretraining
             model, which ModernBERT has none of, keeps its next-sentence pooler beside `head`.)
+        pre_classifier: the sequence classifier's pooler is its own module, `pre_classifier` (beside `classifier`),
+            not the encoder's `model.pooler`, as RoBERTa, ELECTRA and DistilBERT hold that dense layer in their
+            classification head: loaded from a base folder it starts fresh as official's does, and PEFT's
+            task_type="SEQ_CLS" (modules_to_save "classifier", matched by the end of a name) trains and saves it
+            as it does official's. Set by those converters; folders converted before keep `model.pooler`.
     """
 
     model_type = "hf_tiny_encoder"
@@ -207,7 +213,8 @@ def _check_optional_fields(owner: str, values: dict) -> None:
                           ("classifier_pooling", CLASSIFIER_POOLINGS)):
         check_choice(owner, name, values[name], choices)
     check_bool(owner, **{name: values[name] for name in ("norm_bias", "mlp_gated", "mlp_bias", "head_transform",
-                                                         "classifier_bias", "decoder_bias", "shared_head")})
+                                                         "classifier_bias", "decoder_bias", "shared_head",
+                                                         "pre_classifier")})
     _check_shared_head(owner, values)
     check_probability(owner, activation_dropout=values["activation_dropout"])
     if values["embedding_dropout"] is not None:
@@ -240,6 +247,9 @@ def _check_shared_head(owner: str, values: dict) -> None:
         raise ValueError(f"{owner}: shared_head=True needs one transform width, but embedding_size="
                          f"{values['embedding_size']} differs from hidden_size={values['hidden_size']} (the MLM's "
                          "transform maps back to embedding_size)")
+    if values["pre_classifier"]:
+        raise ValueError(f"{owner}: shared_head=True pools through the shared `head`, so pre_classifier=True (a "
+                         "pooler of the sequence classifier's own) has no place; set one of them False")
     if values["dropout_before_pooler"]:
         raise ValueError(f"{owner}: shared_head=True has no pooler, so dropout_before_pooler=True (RoBERTa's pooler "
                          "dropout) has nothing to act on; set it False")

@@ -399,15 +399,17 @@ def _classifier_dropout(config: TinyEncoderConfig) -> nn.Dropout:
 
 class TinyEncoderForSequenceClassification(TinyEncoderWithLabelsHead):
     """Pooled output -> dropout -> linear; with shared_head the pooled states go through the shared `head` instead of
-    a pooler (ModernBERT's). The loss follows config.problem_type as in BERT: "regression" (MSE),
+    a pooler (ModernBERT's), with pre_classifier through the classifier's own pooler, `pre_classifier` (RoBERTa's,
+    ELECTRA's, DistilBERT's), instead of the encoder's. The loss follows config.problem_type as in BERT: "regression" (MSE),
     "single_label_classification" (cross-entropy) or "multi_label_classification" (BCE with logits); when unset
     it is inferred from num_labels and the labels' dtype on the first call, and stored in the config."""
 
     def __init__(self, config: TinyEncoderConfig):
         super().__init__(config)
         self.num_labels = config.num_labels
-        self.model = TinyEncoderModel(config, add_pooling_layer=not config.shared_head)
+        self.model = TinyEncoderModel(config, add_pooling_layer=not (config.shared_head or config.pre_classifier))
         self.head = TinyEncoderPredictionHead(config) if config.shared_head else None
+        self.pre_classifier = TinyEncoderPooler(config) if config.pre_classifier else None
         rate = config.sequence_classifier_dropout
         self.dropout = nn.Dropout(rate) if rate is not None else _classifier_dropout(config)
         self.classifier = nn.Linear(config.hidden_size, config.num_labels)
@@ -435,13 +437,17 @@ class TinyEncoderForSequenceClassification(TinyEncoderWithLabelsHead):
             "'single_label_classification', 'multi_label_classification'"
         )
 
-    def _head(self, outputs, labels, attention_mask) -> SequenceClassifierOutput:
-        pooled = outputs.pooler_output
+    def _pooled(self, outputs, attention_mask) -> torch.Tensor:
+        hidden_states = outputs.last_hidden_state
         if self.head is not None:
-            pooled = self.head(pooled_states(outputs.last_hidden_state, attention_mask, self.config.classifier_pooling))
-        elif self.config.dropout_before_pooler:  # RoBERTa: dropout(h[:, 0]) -> dense -> tanh, then as below
-            pooled = self.model.pooler(self.dropout(outputs.last_hidden_state[:, :1]))
-        logits = self.classifier(self.dropout(pooled))
+            return self.head(pooled_states(hidden_states, attention_mask, self.config.classifier_pooling))
+        pooler = self.pre_classifier if self.pre_classifier is not None else self.model.pooler
+        if self.config.dropout_before_pooler:  # RoBERTa: dropout(h[:, 0]) -> dense -> tanh, then as below
+            return pooler(self.dropout(hidden_states[:, :1]))
+        return outputs.pooler_output if self.pre_classifier is None else pooler(hidden_states, attention_mask)
+
+    def _head(self, outputs, labels, attention_mask) -> SequenceClassifierOutput:
+        logits = self.classifier(self.dropout(self._pooled(outputs, attention_mask)))
         loss = self._loss(logits, labels) if labels is not None else None
         return SequenceClassifierOutput(
             loss=loss, logits=logits, hidden_states=outputs.hidden_states, attentions=outputs.attentions

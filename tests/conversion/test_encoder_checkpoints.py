@@ -636,3 +636,63 @@ def test_albert_is_detected_both_ways(tmp_path):
     back = _cli(tmp_path / "ours", tmp_path / "back", "--reverse")
     assert back.returncode == 0, back.stderr
     assert "detected family albert (model_type 'hf_tiny_encoder' with project_embeddings=True)" in back.stderr
+
+
+# --- the sequence classifier's own pooler (pre_classifier) -------------------------------------------------------
+
+SEQUENCE_CLASSIFIERS = {
+    "roberta": lambda: official_roberta("RobertaForSequenceClassification"),
+    "electra": lambda: official_electra("ElectraForSequenceClassification"),
+    "distilbert": lambda: official_distilbert("DistilBertForSequenceClassification"),
+}
+
+
+def pre_classifier_free_layout(folder, destination):
+    """A copy of a converted sequence-classifier folder as converters wrote it before pre_classifier: the dense
+    layer as the encoder's pooler (model.pooler.dense), no pre_classifier in config.json."""
+    import shutil
+
+    shutil.copytree(folder, destination)
+    config = json.loads((destination / "config.json").read_text())
+    assert config.pop("pre_classifier") is True
+    (destination / "config.json").write_text(json.dumps(config))
+    state = load_file(destination / "model.safetensors")
+    renamed = {k.replace("pre_classifier.", "model.pooler.", 1) if k.startswith("pre_classifier.") else k: v
+               for k, v in state.items()}
+    assert renamed != state
+    save_file(renamed, destination / "model.safetensors", metadata={"format": "pt"})
+    return destination
+
+
+@pytest.mark.parametrize("family", sorted(SEQUENCE_CLASSIFIERS))
+def test_a_sequence_classifier_converted_before_pre_classifier_loads_and_converts_back_bit_for_bit(family, tmp_path):
+    import importlib
+
+    from conversion.registry import detect_family
+
+    conversion = importlib.import_module(f"conversion.{family}")
+    official = SEQUENCE_CLASSIFIERS[family]().eval()
+    conversion.convert(save(official, tmp_path / "src"), tmp_path / "ours")
+    assert hf_tiny.TinyEncoderConfig.from_pretrained(tmp_path / "ours").pre_classifier is True
+    older = pre_classifier_free_layout(tmp_path / "ours", tmp_path / "older")
+    loaded = transformers.AutoModelForSequenceClassification.from_pretrained(older).eval()
+    assert loaded.pre_classifier is None and loaded.model.pooler is not None
+    assert_parity(official, loaded, padded_batch(token_types=family == "electra"), f"{family}, older layout")
+    assert detect_family(older, reverse=True)[0] == family  # pre_classifier only names tensors
+    conversion.convert_back(older, tmp_path / "back")
+    reloaded = type(official).from_pretrained(tmp_path / "back").state_dict()
+    assert all(torch.equal(tensor, reloaded[name]) for name, tensor in official.state_dict().items())
+
+
+def test_a_roberta_classifier_loaded_from_a_base_folder_starts_its_dense_layer_fresh_as_official(tmp_path):
+    """Official's classification head is new when loaded from a RobertaModel folder (its pooler is unused); so is
+    hf_tiny's pre_classifier: the pooler's trained weights are not read into it."""
+    roberta_conversion.convert(save(official_roberta("RobertaModel"), tmp_path / "src"), tmp_path / "ours")
+    _, theirs = transformers.RobertaForSequenceClassification.from_pretrained(tmp_path / "src", output_loading_info=True)
+    ours, info = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "ours", output_loading_info=True)
+    assert sorted(theirs["missing_keys"]) == [f"classifier.{m}.{p}" for m in ("dense", "out_proj") for p in ("bias", "weight")]
+    assert sorted(info["missing_keys"]) == [f"{m}.{p}" for m in ("classifier", "pre_classifier.dense") for p in ("bias", "weight")]
+    assert {k.split(".")[0] for k in theirs["unexpected_keys"]} == {"pooler"}
+    assert sorted(info["unexpected_keys"]) == ["pooler.dense.bias", "pooler.dense.weight"]
+    pooler = load_file(tmp_path / "ours" / "model.safetensors")["pooler.dense.weight"]
+    assert not torch.equal(ours.pre_classifier.dense.weight, pooler)

@@ -378,8 +378,10 @@ def test_config_holds_modernbert_fields_only_when_used_and_names_bad_values():
         (dict(shared_head=True, head_transform=False), "shared_head=True .*head_transform=False"),
         (dict(shared_head=True, embedding_size=24), "shared_head=True .*embedding_size=24"),
         (dict(shared_head=True, dropout_before_pooler=True), "dropout_before_pooler=True"),
+        (dict(shared_head=True, pre_classifier=True), "shared_head=True .*pre_classifier=True"),
     ):
         with pytest.raises(ValueError, match=message):
             modernbert_config(**fields)
-    with pytest.raises(TypeError, match="shared_head must be True or False, got 'yes'"):
-        modernbert_config(shared_head="yes")
+    for name in ("shared_head", "pre_classifier"):
+        with pytest.raises(TypeError, match=f"{name} must be True or False, got 'yes'"):
+            modernbert_config(**{name: "yes"})
