@@ -13,8 +13,9 @@
 # image has neither: carry liger-kernel's wheel, see benchmarks/README.md).
 # Measured on one H200 (2026-11-27, 2026-11-28): the CUDA tests take ~140 s (since then 19 more: captured decoding
 # under CUDA graphs, Liger, the flash-attn package; expect up to 220 s), our Triton kernel's 23 tests more than
-# 80 s (14 had run), the stages after them ~470 s, so one 9-minute call ends after batch-1 captured decode or the
-# stages just after it; a second call on the same warm machine finishes the rest, and one page is made of both
+# 80 s (14 had run; a GPU now runs 12 of the property test's 40 draws and 4 of 8 with sinks: not yet timed), the
+# stages after them ~470 s, so one 9-minute call ends after batch-1 captured decode or the stages just after it; a
+# second call on the same warm machine finishes the rest, and one page is made of both
 # (name the stages the first call's page lists "not run"; longest-hf_tiny_fit needs longest-official in its call):
 #   GPU_CHECK_SKIP_TESTS=1 GPU_CHECK_ARGS="--stages captured-official-8,captured-hf_tiny-8,longest-official,longest-hf_tiny_fit,longest-hf_tiny,main-hf_tiny_off" bash benchmarks/gpu_check.sh
 #   python -m benchmarks.gpu_report --merge FIRST.json SECOND.json --out benchmarks/results/gpu-check-DEVICE-DATE.md
