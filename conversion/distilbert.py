@@ -5,8 +5,9 @@
 
 What differs from BERT: no token types (type_vocab_size 0), no pooler in the base model, its own tensor and
 config names, the sequence classifier `pre_classifier` -> ReLU -> dropout(seq_classif_dropout) -> `classifier`
-(hf_tiny's classifier's own pooler, `pre_classifier`, with pooler_act="relu"), dropout before the QA outputs, and optionally a fixed sinusoidal
-position table (`sinusoidal_pos_embds`; the checkpoint stores it, hf_tiny writes the same table at init).
+(hf_tiny's classifier's own pooler, `pre_classifier`, with pooler_act="relu"), dropout before the QA outputs, and
+optionally a fixed sinusoidal position table (`sinusoidal_pos_embds`; the checkpoint stores it, hf_tiny writes the
+same table at init).
 """
 
 from __future__ import annotations

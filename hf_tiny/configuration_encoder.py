@@ -44,7 +44,8 @@ class TinyEncoderConfig(PretrainedConfig):
         embedding_size: width of the embeddings (ELECTRA, ALBERT), projected to hidden_size after their norm
             (`embed_projection`); the MLM head maps back to it (None: hidden_size, no projection).
         add_pooling_layer: whether the base model has a pooler (DistilBERT and ELECTRA have none; the sequence
-            classifier always has one, the encoder's or, with pre_classifier, its own). pooler_act: its activation (BERT tanh, DistilBERT relu, ELECTRA gelu).
+            classifier always has one, the encoder's or, with pre_classifier, its own). pooler_act: its activation
+            (BERT tanh, DistilBERT relu, ELECTRA gelu).
         type_vocab_size: 0 = no token-type embeddings (DistilBERT).
         sinusoidal_positions: the position table starts as sin/cos (DistilBERT's sinusoidal_pos_embds), written at
             init; it is trained like any parameter, as in official transformers 5.
