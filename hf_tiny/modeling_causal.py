@@ -17,6 +17,7 @@ goes through transformers' GenerationMixin and Cache API.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -37,7 +38,7 @@ from .chunked_loss import labels_ahead, linear_cross_entropy, use_chunked_loss
 from .runtime import runtime_decoding, runtime_products, runtime_stack
 from .configuration_causal import TinyCausalConfig
 from .layers import (
-    Attention, ClampedSwiGLUFeedForward, PreNormResidual, RotaryEmbedding, ScaledEmbedding, build_norm, feed_forward,
+    Attention, ClampedSwiGLUFeedForward, FeedForward, PreNormResidual, RotaryEmbedding, ScaledEmbedding, build_norm, feed_forward,
     query_temperature,
 )
 from .liger import register_liger_kernels
@@ -152,6 +153,22 @@ class TinyCausalPreTrainedModel(HfTinyPreTrainedModel):
                 init.normal_(module.bias, mean=0.0, std=std)  # as official GPT-OSS's router
             if module.e_score_correction_bias is not None:
                 init.zeros_(module.e_score_correction_bias)
+
+    @torch.no_grad()
+    def initialize_weights(self) -> None:
+        """transformers' pass over the modules (_init_weights), then GPT-2's residual projections: with the family's
+        learned positions (GPT-2), each residual branch's output projection (official's c_proj; o_proj, down_proj)
+        is drawn with std / sqrt(2 * layers), the GPT-2 paper's scheme, as official GPT2PreTrainedModel does. Here
+        and not in _init_weights: transformers skips a custom model's module without parameters of its own (the
+        attention, the feed-forward), so a module never sees which Linear it holds as its output. Loaded tensors
+        are left as they are (transformers.initialization skips them)."""
+        super().initialize_weights()
+        if self.config.position_embedding_type != "learned":
+            return
+        std = self.config.initializer_range / math.sqrt(2 * self.config.num_hidden_layers)
+        for module in self.modules():
+            if isinstance(module, (Attention, FeedForward)):
+                init.normal_((module.o_proj if isinstance(module, Attention) else module.down_proj).weight, 0.0, std)
 
 
 class TinyCausalModel(TinyCausalPreTrainedModel):
