@@ -126,14 +126,19 @@ def parity_batch(modality: str, config, tokenizer_folder: Path | None = None, *,
     if batch is not None:
         description = f"{len(SAMPLE_TEXTS)} texts of different lengths through the tokenizer, {side}-padded"
     else:
-        # RoBERTa-style positions start after the padding row of the position table
-        offset = config.pad_token_id + 1 if getattr(config, "positions_from_padding", False) else 0
-        length = min(16, config.max_position_embeddings - offset)
+        length = min(16, _positions_room(config))
         batch = _random_padded(config, [length, max(1, length - 5), max(1, length // 4)], length, side, seed)
         description = f"seeded random token ids, {side}-padded batch of lengths {batch['attention_mask'].sum(-1).tolist()}"
     if modality == "causal":
         batch["position_ids"] = (batch["attention_mask"].long().cumsum(-1) - 1).clamp(min=0)
     return ParityBatch(batch, batch["attention_mask"].bool(), description)
+
+
+def _positions_room(config) -> int:
+    """How many tokens a sequence may hold: max_position_embeddings, less RoBERTa-style positions' offset (they
+    start after the padding row of the position table)."""
+    offset = config.pad_token_id + 1 if getattr(config, "positions_from_padding", False) else 0
+    return config.max_position_embeddings - offset
 
 
 def _tokenized(folder: Path, side: str, config) -> dict | None:
@@ -142,15 +147,15 @@ def _tokenized(folder: Path, side: str, config) -> dict | None:
     try:
         from transformers import AutoTokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)  # never a prompt mid-run
         tokenizer.padding_side = side
         if tokenizer.pad_token is None:
             tokenizer.pad_token = tokenizer.eos_token
         batch = tokenizer(list(SAMPLE_TEXTS), padding=True, return_tensors="pt")
     except Exception:  # an unusable tokenizer: seeded random ids are as good a parity input
         return None
-    if int(batch["input_ids"].max()) >= config.vocab_size:
-        return None
+    if int(batch["input_ids"].max()) >= config.vocab_size or batch["input_ids"].shape[1] > _positions_room(config):
+        return None  # ids or a length the model cannot take (a tiny model's learned position table)
     keep = ("input_ids", "attention_mask", "token_type_ids") if side == "right" else ("input_ids", "attention_mask")
     return {k: v for k, v in batch.items() if k in keep}
 

@@ -32,7 +32,9 @@ from .readers import (
 from .shards import parse_max_shard_size
 from .streamed import Streamed, can_stream, streamed_runner
 from .tensors import parse_dtype
-from .writer import atomic_output_dir, copy_tokenizer_files, first_floating, stream_official_folder, with_tied_copies
+from .writer import (
+    atomic_output_dir, copy_tokenizer_files, first_floating, pin_tokenizer_class, stream_official_folder, with_tied_copies,
+)
 from .writer import write_generation_config_of_config_json
 
 
@@ -166,7 +168,11 @@ class Family:
         generates = (tmp / "generation_config.json").is_file()  # written with the model's files
         if generates and source.kind == "hf" and "generation_config.json" not in copied:
             write_generation_config_of_config_json(tmp, source.folder)
-        return f"copied from the source ({', '.join(copied)})" if copied else "none in the source folder"
+        if not copied:
+            return "none in the source folder"
+        pinned = pin_tokenizer_class(source.folder, tmp) if source.kind == "hf" else None
+        named = f"; tokenizer_class {pinned}, the class official loads it with" if pinned else ""
+        return f"copied from the source ({', '.join(copied)}{named})"
 
     # --- reverse ---
 

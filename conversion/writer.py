@@ -127,20 +127,69 @@ SENTENCE_TRANSFORMERS_FILES = ("modules.json", "sentence_bert_config.json", "con
 
 
 def copy_tokenizer_files(src_dir: str | os.PathLike, dst_dir: str | os.PathLike) -> list[str]:
-    """Copies the TOKENIZER_FILES present in src_dir into dst_dir, and the sentence-transformers files with the
-    module folders of modules.json; returns the names copied."""
+    """Copies the TOKENIZER_FILES present in src_dir into dst_dir, the chat templates besides the default one
+    (additional_chat_templates/), the code of a remote-code tokenizer (the modules tokenizer_config.json's auto_map
+    names), and the sentence-transformers files with the module folders of modules.json; returns the names copied."""
     src_dir, dst_dir = Path(src_dir), Path(dst_dir)
     if not src_dir.is_dir():
         raise ConversionError(f"tokenizer source {src_dir} is not a folder")
     copied = []
-    for name in TOKENIZER_FILES + SENTENCE_TRANSFORMERS_FILES:
+    for name in TOKENIZER_FILES + SENTENCE_TRANSFORMERS_FILES + _tokenizer_code_files(src_dir):
         if (src_dir / name).is_file():
             shutil.copyfile(src_dir / name, dst_dir / name)
             copied.append(name)
-    for folder in _sentence_transformers_module_folders(src_dir):
-        shutil.copytree(src_dir / folder, dst_dir / folder)
-        copied.append(folder + "/")
+    for folder in (CHAT_TEMPLATES_FOLDER, *_sentence_transformers_module_folders(src_dir)):
+        if (src_dir / folder).is_dir():
+            shutil.copytree(src_dir / folder, dst_dir / folder)
+            copied.append(folder + "/")
     return copied
+
+
+# transformers saves a tokenizer's named chat templates (all but the default one) there, one .jinja file each
+CHAT_TEMPLATES_FOLDER = "additional_chat_templates"
+
+
+def _tokenizer_code_files(src_dir: Path) -> tuple[str, ...]:
+    """The .py files of the modules a remote-code tokenizer's auto_map names ("tokenization_x.XTokenizer")."""
+    auto_map = _tokenizer_config(src_dir).get("auto_map") or {}
+    references = [ref for value in auto_map.values() for ref in (value if isinstance(value, list) else [value])]
+    modules = {ref.split("--")[-1].rsplit(".", 1)[0] for ref in references if isinstance(ref, str) and "." in ref}
+    return tuple(sorted(f"{module}.py" for module in modules))
+
+
+def _tokenizer_config(folder: Path) -> dict:
+    path = folder / "tokenizer_config.json"
+    if not path.is_file():
+        return {}
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ConversionError(f"cannot read {path}: {error}") from error
+    return config if isinstance(config, dict) else {}
+
+
+def pin_tokenizer_class(src_dir: Path, dst_dir: Path) -> str | None:
+    """Names in dst_dir's tokenizer_config.json the tokenizer class official AutoTokenizer loads src_dir's with.
+    AutoTokenizer takes it from tokenizer_config.json's tokenizer_class when there is one, but from config.json's
+    model_type where there is none (bert-base-uncased, gpt2), and for some model types (Mistral, Phi-3, Qwen2) in
+    place of the one the file names; a converted folder's model_type is hf_tiny's, so without this it would load
+    another class (BERT's without its special tokens, Mistral's with other ids). Returns the class written, or
+    None where nothing needs writing (the file already names it, a remote-code tokenizer, no vocabulary, or a
+    tokenizer official cannot load either)."""
+    from transformers import AutoTokenizer
+
+    tokenizer_config = _tokenizer_config(dst_dir)
+    vocabulary = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
+    if "auto_map" in tokenizer_config or not any((dst_dir / name).is_file() for name in vocabulary):
+        return None
+    try:
+        name = type(AutoTokenizer.from_pretrained(str(src_dir), trust_remote_code=False)).__name__
+    except Exception:  # official loads no tokenizer from the source either: nothing to match
+        return None
+    if tokenizer_config.get("tokenizer_class") == name:
+        return None
+    (dst_dir / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "tokenizer_class": name}, indent=2) + "\n")
+    return name
 
 
 def _sentence_transformers_module_folders(src_dir: Path) -> list[str]:
@@ -284,15 +333,15 @@ def write_generation_config_of_config_json(tmp: Path, source_folder: Path) -> No
 
 def write_generation_config(tmp: Path, config, official_config=None) -> None:
     """generation_config.json: the one written with the side files (the source's, or official's reading of its
-    config.json) or, where there is none, one derived from the official config, as transformers derives it;
-    special ids it leaves unset are filled from the hf_tiny config (T5 configs often omit
+    config.json) as it is, since official generates with it as it is (a T5 file without pad_token_id pads finished
+    rows with eos there); where there is none, one derived from the official config, as transformers derives it,
+    with the special ids it leaves unset filled from the hf_tiny config (T5 configs often omit
     decoder_start_token_id, which is the pad token there)."""
     from transformers import GenerationConfig
 
     if (tmp / "generation_config.json").is_file():
-        generation = GenerationConfig.from_pretrained(str(tmp))
-    else:
-        generation = GenerationConfig.from_model_config(official_config if official_config is not None else config)
+        return
+    generation = GenerationConfig.from_model_config(official_config if official_config is not None else config)
     for field in ("decoder_start_token_id", "pad_token_id", "eos_token_id", "bos_token_id"):
         if getattr(generation, field, None) is None and getattr(config, field, None) is not None:
             setattr(generation, field, getattr(config, field))
