@@ -96,6 +96,10 @@ def config_from_official(official, *, src, tied_head: bool):
             f"{src}: decoder_vocab_size={official.decoder_vocab_size} differs from vocab_size={official.vocab_size}; "
             "hf_tiny seq2seq uses one vocabulary"
         )
+    for field in ("encoder_layerdrop", "decoder_layerdrop"):
+        if getattr(official, field, 0.0):  # official skips whole layers at random in training; hf_tiny has no such step
+            raise ConversionError(f"{src}: {field}={getattr(official, field)} is not supported (hf_tiny seq2seq layers "
+                                  "never skip in training); set it to 0.0")
     values = {ours: getattr(official, theirs, None) for theirs, ours in CONFIG_FIELDS.items()}
     shared = bool(getattr(official, "share_encoder_decoder_embeddings", True))
     return styled_config("marian" if marian else "bart", src, **values, share_encoder_decoder_embeddings=shared,

@@ -33,7 +33,8 @@ from .shards import parse_max_shard_size
 from .streamed import Streamed, can_stream, streamed_runner
 from .tensors import parse_dtype
 from .writer import (
-    atomic_output_dir, copy_tokenizer_files, first_floating, pin_tokenizer_class, stream_official_folder, with_tied_copies,
+    atomic_output_dir, copy_tokenizer_files, first_floating, pin_tokenizer_class, stream_official_folder,
+    with_tied_copies,
 )
 from .writer import write_generation_config_of_config_json
 
@@ -245,6 +246,12 @@ def convert(family: Family, src: str | os.PathLike, dst: str | os.PathLike, *, f
             source = family.read(src)
             source.state = LazyTensors.of(source.state)
             plan = family.plan(source)
+            heads = not plan.official_class.endswith("Model")  # a task head over an inner model
+            if family.modality != "encoder" and heads and source.raw_config.get("return_dict") is False:
+                raise ConversionError(f"{src}: return_dict=False is not supported here: official {plan.official_class}'s "
+                                      "own forward fails with it in transformers 5 (its inner model returns a tuple "
+                                      "its head reads as an output object); remove it from config.json")
+            carry_output_switches(source.raw_config, plan.config)
             plan.state = LazyTensors.of(plan.state)
             stages.next()
             write = _start_write(family, source, plan, tmp, dtype, max_shard_size)
@@ -362,6 +369,7 @@ def convert_back(family: Family, src: str | os.PathLike, dst: str | os.PathLike,
         state = with_tied_copies(open_checkpoint(src), family.hf_tiny_class(our_class), config)
         dtype = first_floating({key: state.info(key) for key in state})
         plan = family.reverse(config, our_class, src)
+        carry_output_switches(config.to_dict(), plan.official_config)
         official = plan.key_map.lazy_view(state, num_layers=plan.num_layers, forward=False)
         official = family.finish_official_state(official, config, plan)
         plan.official_config.dtype = dtype
@@ -375,6 +383,17 @@ def convert_back(family: Family, src: str | os.PathLike, dst: str | os.PathLike,
         )
     return {"dst": dst, "family": family.name, "architecture": plan.official_class, "bytes": official.nbytes,
             "files": sorted(path.name for path in dst.glob("*.safetensors"))}
+
+
+# PretrainedConfig's own switches of what a forward returns by default, which every family's models read as official's
+# do: carried as they are both ways (mosaicml/mpt-* configs say use_cache=false, some BERT-era ones return_dict=false)
+OUTPUT_SWITCHES = ("use_cache", "output_hidden_states", "return_dict")
+
+
+def carry_output_switches(source: dict, target) -> None:
+    for name in OUTPUT_SWITCHES:
+        if isinstance(source, dict) and isinstance(source.get(name), bool):
+            setattr(target, name, source[name])
 
 
 def entry_points(family: Family):

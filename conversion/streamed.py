@@ -52,6 +52,12 @@ class Streamed:
         return model.eval()
 
 
+def output_object(model) -> dict:
+    """return_dict=True for a model whose config says return_dict=False (BERT-era configs may): parity reads the
+    output's fields by name."""
+    return {} if getattr(model.config, "return_dict", True) else {"return_dict": True}
+
+
 def stored_names(model: nn.Module, tensors: Mapping, *, base_prefix: str = "") -> dict[str, str]:
     """{parameter or buffer name: checkpoint key} of every parameter, and of every buffer the checkpoint holds.
     A name missing from the checkpoint is found as its tied source (the model's tie map), or with the base model's
@@ -358,7 +364,7 @@ def streamed_runner(spec: Streamed, *, base_prefix: str = "", on_layer=None):
         def forward(gate=None):
             with torch.no_grad(), streaming(model, spec.tensors, names, device=device, dtype=dtype), \
                     recording_layers(model, on_layer) as layers, paced(model, gate):
-                output = model(**moved)
+                output = model(**moved, **output_object(model))
             return output, layers
 
         return forward

@@ -151,21 +151,23 @@ CHAT_TEMPLATES_FOLDER = "additional_chat_templates"
 
 def _tokenizer_code_files(src_dir: Path) -> tuple[str, ...]:
     """The .py files of the modules a remote-code tokenizer's auto_map names ("tokenization_x.XTokenizer")."""
-    auto_map = _tokenizer_config(src_dir).get("auto_map") or {}
+    auto_map = (_tokenizer_config(src_dir) or {}).get("auto_map") or {}
     references = [ref for value in auto_map.values() for ref in (value if isinstance(value, list) else [value])]
     modules = {ref.split("--")[-1].rsplit(".", 1)[0] for ref in references if isinstance(ref, str) and "." in ref}
     return tuple(sorted(f"{module}.py" for module in modules))
 
 
-def _tokenizer_config(folder: Path) -> dict:
+def _tokenizer_config(folder: Path) -> dict | None:
+    """tokenizer_config.json's fields ({} without the file), or None where it is not a JSON object: copied as it
+    is, read by nothing here (official's loader would refuse it too)."""
     path = folder / "tokenizer_config.json"
     if not path.is_file():
         return {}
     try:
         config = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ConversionError(f"cannot read {path}: {error}") from error
-    return config if isinstance(config, dict) else {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def pin_tokenizer_class(src_dir: Path, dst_dir: Path) -> str | None:
@@ -175,12 +177,15 @@ def pin_tokenizer_class(src_dir: Path, dst_dir: Path) -> str | None:
     place of the one the file names; a converted folder's model_type is hf_tiny's, so without this it would load
     another class (BERT's without its special tokens, Mistral's with other ids). Returns the class written, or
     None where nothing needs writing (the file already names it, a remote-code tokenizer, no vocabulary, or a
-    tokenizer official cannot load either)."""
+    tokenizer official cannot load either, an unreadable tokenizer_config.json among them)."""
     from transformers import AutoTokenizer
 
     tokenizer_config = _tokenizer_config(dst_dir)
-    vocabulary = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
-    if "auto_map" in tokenizer_config or not any((dst_dir / name).is_file() for name in vocabulary):
+    vocabulary = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model",
+                  "sentencepiece.bpe.model")
+    if tokenizer_config is None or "auto_map" in tokenizer_config:
+        return None
+    if not any((dst_dir / name).is_file() for name in vocabulary):
         return None
     try:
         name = type(AutoTokenizer.from_pretrained(str(src_dir), trust_remote_code=False)).__name__
@@ -188,7 +193,8 @@ def pin_tokenizer_class(src_dir: Path, dst_dir: Path) -> str | None:
         return None
     if tokenizer_config.get("tokenizer_class") == name:
         return None
-    (dst_dir / "tokenizer_config.json").write_text(json.dumps({**tokenizer_config, "tokenizer_class": name}, indent=2) + "\n")
+    pinned = {**tokenizer_config, "tokenizer_class": name}
+    (dst_dir / "tokenizer_config.json").write_text(json.dumps(pinned, indent=2) + "\n")
     return name
 
 

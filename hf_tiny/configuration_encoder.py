@@ -19,7 +19,7 @@ OPTIONAL_FIELDS = dict(
     position_embedding_type="absolute", layer_types=None, sliding_window=None, norm_placement="post", norm_bias=True,
     mlp_gated=False, mlp_bias=True, activation_dropout=0.0, embedding_dropout=None, head_transform=False,
     classifier_pooling="cls", classifier_bias=True, classifier_activation=None, decoder_bias=True, shared_head=False,
-    pre_classifier=False,
+    pre_classifier=False, use_cache=True,
 )
 POSITION_EMBEDDING_TYPES = ("absolute", "rope")
 NORM_PLACEMENTS = ("post", "pre")
@@ -91,6 +91,8 @@ class TinyEncoderConfig(PretrainedConfig):
             classification head: loaded from a base folder it starts fresh as official's does, and PEFT's
             task_type="SEQ_CLS" (modules_to_save "classifier", matched by the end of a name) trains and saves it
             as it does official's. Set by those converters; folders converted before keep `model.pooler`.
+        use_cache: read by nothing (an encoder has no cache), kept as official BERT-era configs keep it, so that
+            from_pretrained(..., use_cache=False) and a config.json that says so load as official's do.
     """
 
     model_type = "hf_tiny_encoder"
@@ -215,7 +217,7 @@ def _check_optional_fields(owner: str, values: dict) -> None:
         check_choice(owner, name, values[name], choices)
     check_bool(owner, **{name: values[name] for name in ("norm_bias", "mlp_gated", "mlp_bias", "head_transform",
                                                          "classifier_bias", "decoder_bias", "shared_head",
-                                                         "pre_classifier")})
+                                                         "pre_classifier", "use_cache")})
     _check_shared_head(owner, values)
     check_probability(owner, activation_dropout=values["activation_dropout"])
     if values["embedding_dropout"] is not None:

@@ -95,3 +95,24 @@ def test_a_config_the_official_class_cannot_hold_is_refused_by_name(case, change
     (tmp_path / "ours" / "config.json").write_text(json.dumps({**config, **change}))
     with pytest.raises(ConversionError, match=message):
         llama.convert_back(tmp_path / "ours", tmp_path / "back")
+
+
+def test_llama4_router_reads_what_official_reads_in_training(tmp_path):
+    """Official Llama 4 text adds no load-balancing loss and no router jitter, whatever its config says, and returns
+    router logits when output_router_logits is set: the converted model's training-mode loss equals official's under
+    any seed, and its config says output_router_logits as the source's does, both ways."""
+    official = tiny_llama4("scout_like", router_aux_loss_coef=0.5, router_jitter_noise=0.5, output_router_logits=True)
+    official.save_pretrained(tmp_path / "src")
+    llama.convert(tmp_path / "src", tmp_path / "ours")
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "ours")
+    ids = torch.randint(3, official.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    official.train(), ours.train()
+    for seed in range(3):
+        torch.manual_seed(seed)
+        expected = official(input_ids=ids, labels=ids)
+        torch.manual_seed(seed)
+        got = ours(input_ids=ids, labels=ids)
+        torch.testing.assert_close(got.loss, expected.loss, rtol=1e-5, atol=1e-6)
+        assert len(got.router_logits) == len(expected.router_logits) > 0
+    assert main(["llama", str(tmp_path / "ours"), str(tmp_path / "back"), "--reverse"]) == 0
+    assert json.loads((tmp_path / "back" / "config.json").read_text())["output_router_logits"] is True

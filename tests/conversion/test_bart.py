@@ -247,6 +247,16 @@ def test_bart_with_separate_embedding_tables_is_refused_naming_them(tmp_path):
     assert not (tmp_path / "ours").exists()
 
 
+@pytest.mark.parametrize("field", ["encoder_layerdrop", "decoder_layerdrop"])
+def test_layerdrop_is_refused_by_name(field, tmp_path):
+    """Official BART skips whole layers at random in training with layerdrop; hf_tiny's layers never skip, so a
+    config with it is refused rather than trained silently otherwise (eval would match)."""
+    src = make_official_bart(tmp_path / "official", **{field: 0.3})
+    with pytest.raises(ConversionError, match=rf"{field}=0.3 is not supported"):
+        bart.convert(src, tmp_path / "ours")
+    assert not (tmp_path / "ours").exists()
+
+
 def test_marian_sinusoidal_positions_match_official(tmp_path):
     src = make_official_marian(tmp_path / "marian")
     dst = tmp_path / "ours"

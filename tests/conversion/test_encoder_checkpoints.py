@@ -696,3 +696,19 @@ def test_a_roberta_classifier_loaded_from_a_base_folder_starts_its_dense_layer_f
     assert sorted(info["unexpected_keys"]) == ["pooler.dense.bias", "pooler.dense.weight"]
     pooler = load_file(tmp_path / "ours" / "model.safetensors")["pooler.dense.weight"]
     assert not torch.equal(ours.pre_classifier.dense.weight, pooler)
+
+
+def test_a_config_saying_return_dict_false_converts_and_loads_as_official(tmp_path):
+    """BERT-era configs may say return_dict=false: official returns tuples then; the conversion measures parity on
+    output fields all the same, and the converted model returns tuples too. from_pretrained(..., use_cache=False),
+    which official BertModel takes, loads it as well."""
+    source = save(official_bert("BertModel"), tmp_path / "src", return_dict=False)
+    bert_conversion.convert(source, tmp_path / "ours")
+    official = AutoModel.from_pretrained(source).eval()
+    ours = AutoModel.from_pretrained(tmp_path / "ours", use_cache=False).eval()
+    batch = padded_batch()
+    with torch.no_grad():
+        expected, got = official(**batch), ours(**batch)
+    assert isinstance(expected, tuple) and isinstance(got, tuple) and len(got) == len(expected)
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
+    assert ours.config.use_cache is False

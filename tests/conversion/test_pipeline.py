@@ -114,3 +114,50 @@ def test_gguf_header_reader(tmp_path):
     (tmp_path / "empty.gguf").write_bytes(bytes(no_architecture))
     with pytest.raises(ConversionError, match="no general.architecture"):
         gguf_architecture(tmp_path / "empty.gguf")
+
+
+@pytest.mark.parametrize("family", ["llama", "bert", "t5"])
+def test_output_switches_of_a_config_travel_both_ways(family, tmp_path):
+    """use_cache=False (mosaicml/mpt-* configs say so) and output_hidden_states=True: a plain forward of the converted
+    model returns what official's returns (hidden states, no cache), and the way back keeps both."""
+    import importlib
+
+    from transformers import AutoConfig, AutoModel
+
+    from bert_models import official_model
+    from t5_models import make_official_t5
+
+    source = tmp_path / "src"
+    if family == "t5":
+        make_official_t5(source)
+    else:
+        (tiny_official("llama") if family == "llama" else official_model("BertModel")).save_pretrained(source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "use_cache": False, "output_hidden_states": True}))
+    module = importlib.import_module(f"conversion.{family}")
+    module.convert(source, tmp_path / "ours")
+    inputs = {"input_ids": torch.tensor([[3, 4, 5, 6]])}
+    if family == "t5":
+        inputs["decoder_input_ids"] = torch.tensor([[0, 3]])
+    outputs = {}
+    for side in ("src", "ours"):
+        with torch.no_grad():
+            output = AutoModel.from_pretrained(tmp_path / side).eval()(**inputs)
+        outputs[side] = sorted(key for key, value in output.items() if value is not None)
+    assert outputs["ours"] == outputs["src"] and any("hidden_states" in key for key in outputs["src"])
+    module.convert_back(tmp_path / "ours", tmp_path / "back")
+    back = AutoConfig.from_pretrained(tmp_path / "back")
+    assert (back.use_cache, back.output_hidden_states) == (False, True)
+
+
+def test_return_dict_false_under_a_causal_head_is_refused_by_name(tmp_path):
+    """Official LlamaForCausalLM's forward fails with return_dict=False in its config (transformers 5): refused, named."""
+    source = tmp_path / "src"
+    tiny_official("llama").save_pretrained(source)
+    config = json.loads((source / "config.json").read_text())
+    (source / "config.json").write_text(json.dumps({**config, "return_dict": False}))
+    with pytest.raises(ConversionError, match="return_dict=False is not supported here: official LlamaForCausalLM"):
+        from conversion import llama
+
+        llama.convert(source, tmp_path / "ours")
+    assert not (tmp_path / "ours").exists()

@@ -54,7 +54,8 @@ def test_a_tokenizer_config_without_a_class_loads_the_class_official_picks_by_mo
     assert tokens_of(AutoTokenizer.from_pretrained(tmp_path / "ours")) == tokens_of(official)
     assert official.mask_token == "[MASK]"
     fill = pipeline("fill-mask", model=str(tmp_path / "ours"))
-    assert fill("hello [MASK] world")[0]["token"] == pipeline("fill-mask", model=str(source))("hello [MASK] world")[0]["token"]
+    official_fill = pipeline("fill-mask", model=str(source))
+    assert fill("hello [MASK] world")[0]["token"] == official_fill("hello [MASK] world")[0]["token"]
     # negative control: without the class the converter names, AutoTokenizer reads hf_tiny's model_type
     config = json.loads((tmp_path / "ours" / "tokenizer_config.json").read_text())
     assert config.pop("tokenizer_class") == type(official).__name__
@@ -106,7 +107,8 @@ def byte_level_tokenizer(specials) -> Tokenizer:
 
 CHAT = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-TOOL_CHAT = "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t['function']['name'] }};{% endfor %}<|im_end|>\n{% endif %}" + CHAT
+TOOL_CHAT = ("{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t['function']['name'] }};{% endfor %}"
+             "<|im_end|>\n{% endif %}") + CHAT
 
 
 @pytest.mark.parametrize("direction", ["converted", "converted back"])
@@ -115,7 +117,8 @@ def test_named_chat_templates_travel_both_ways(direction, tmp_path):
         tokenizer_object=byte_level_tokenizer(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]), eos_token="<|im_end|>",
         pad_token="<|endoftext|>", chat_template={"default": CHAT, "tool_use": TOOL_CHAT})
     source = tmp_path / "src"
-    tiny_official("qwen2", vocab_size=len(tokenizer), pad_token_id=0, bos_token_id=None, eos_token_id=2).save_pretrained(source)
+    official_model = tiny_official("qwen2", vocab_size=len(tokenizer), pad_token_id=0, bos_token_id=None, eos_token_id=2)
+    official_model.save_pretrained(source)
     tokenizer.save_pretrained(source)
     assert (source / "additional_chat_templates" / "tool_use.jinja").is_file()
     llama.convert(source, tmp_path / "ours")
@@ -146,7 +149,8 @@ def test_a_remote_code_tokenizer_travels_with_its_module(tmp_path):
     llama.convert(source, tmp_path / "ours")  # no prompt: parity reads the tokenizer without remote code
     ours = AutoTokenizer.from_pretrained(tmp_path / "ours", trust_remote_code=True)
     assert type(ours).__name__ == "CustomTokenizer" and ours.custom() == 42
-    assert ours("Hello world")["input_ids"] == AutoTokenizer.from_pretrained(source, trust_remote_code=True)("Hello world")["input_ids"]
+    official = AutoTokenizer.from_pretrained(source, trust_remote_code=True)
+    assert ours("Hello world")["input_ids"] == official("Hello world")["input_ids"]
 
 
 def test_a_seq2seq_generation_config_is_kept_as_official_generates_with_it(tmp_path):

@@ -58,7 +58,8 @@ def llama4_fields(official_config) -> dict:
         moe_intermediate_size=c.intermediate_size, shared_expert_intermediate_size=c.intermediate_size,
         router_scoring="topk_sigmoid", norm_topk_prob=False, apply_router_weight_on_input=True,
         mlp_layer_types=["sparse" if i in c.moe_layers else "dense" for i in range(c.num_hidden_layers)],
-        router_aux_loss_coef=c.router_aux_loss_coef, router_jitter_noise=c.router_jitter_noise,
+        # official Llama 4 reads neither the aux-loss coefficient nor the jitter (conversion/llama4.py)
+        router_aux_loss_coef=0.0, router_jitter_noise=0.0, output_router_logits=c.output_router_logits,
     )
 
 
