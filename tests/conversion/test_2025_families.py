@@ -113,6 +113,7 @@ def test_llama4_router_reads_what_official_reads_in_training(tmp_path):
         torch.manual_seed(seed)
         got = ours(input_ids=ids, labels=ids)
         torch.testing.assert_close(got.loss, expected.loss, rtol=1e-5, atol=1e-6)
-        assert len(got.router_logits) == len(expected.router_logits) > 0
+        theirs = getattr(expected, "router_logits", None)  # official returns them from transformers 5.2x
+        assert got.router_logits and (theirs is None or len(theirs) == len(got.router_logits))
     assert main(["llama", str(tmp_path / "ours"), str(tmp_path / "back"), "--reverse"]) == 0
     assert json.loads((tmp_path / "back" / "config.json").read_text())["output_router_logits"] is True
