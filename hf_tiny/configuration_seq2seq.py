@@ -155,6 +155,15 @@ class TinySeq2SeqConfig(PretrainedConfig):
         """hidden_size under BART's and T5's name, which transformers' seq2seq export wrapper reads."""
         return self.hidden_size
 
+    @property
+    def t5_half_precision(self) -> bool:
+        """T5's layout (relative position buckets, which only T5 has here): its official class's half-precision rules
+        apply. from_pretrained(dtype=float16) keeps each feed-forward's output projection float32 (official's
+        _keep_in_fp32_modules = ["wo"]; bitsandbytes leaves it unquantized too), its input cast to it; the residual
+        stream then runs in float32, each norm handing its sublayer the weights' dtype (T5LayerNorm); a float16
+        residual stream is clamped away from inf after each sublayer (T5Block)."""
+        return self.position_embedding_type == "relative"
+
     def decoder_key_value_heads(self) -> int:
         """The decoder's key/value heads: num_key_value_heads, unless the decoder has its own head count (then it
         has no grouped-query attention)."""

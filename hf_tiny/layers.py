@@ -21,23 +21,28 @@ from .engines import foreign_mask, paged_cache_update
 from .rope import MAX_TABLE_POSITIONS, SEQUENCE_DEPENDENT_TYPES, compute_inv_freq, rotary_dim, standardize_rope_parameters
 
 NORM_TYPES = ("layernorm", "rmsnorm")
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 class RMSNorm(nn.Module):
     """Root-mean-square norm, statistics in fp32.
 
-    Llama / T5: weight * x, the product in the input dtype (weights initialized to 1).
+    Llama: weight * x, the product in the input dtype (weights initialized to 1).
     unit_offset=True (Gemma): (1 + weight) * x, the product in fp32 and then cast (weights initialized to 0). The
     offset is applied here rather than folded into the stored weight, so checkpoints convert bit for bit.
     float32_product=True (OLMo 2, GPT-OSS): weight * x with x still in fp32, then cast.
+    cast_to_half_weight=True (T5): weight * x, x cast to the weight's dtype where the weight is fp16 / bf16 and
+    kept fp32 otherwise (T5LayerNorm), so that a float32 residual stream (T5 in float16 keeps its feed-forward's
+    output float32) enters each sublayer in the weights' dtype. The same as Llama's where the dtypes agree.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, *, unit_offset: bool = False,
-                 elementwise_affine: bool = True, float32_product: bool = False):
+                 elementwise_affine: bool = True, float32_product: bool = False, cast_to_half_weight: bool = False):
         """elementwise_affine=False: no weight, the normalized x itself (Llama 4's q/k norm, `Llama4TextL2Norm`)."""
         super().__init__()
         self.unit_offset = unit_offset
         self.float32_product = float32_product
+        self.cast_to_half_weight = cast_to_half_weight
         self.hidden_size = hidden_size
         if elementwise_affine:
             self.weight = nn.Parameter(torch.zeros(hidden_size) if unit_offset else torch.ones(hidden_size))
@@ -57,6 +62,8 @@ class RMSNorm(nn.Module):
             return (hidden_states * (1.0 + weight.float())).to(input_dtype)
         if self.float32_product:
             return (weight * hidden_states).to(input_dtype)
+        if self.cast_to_half_weight:
+            return weight * (hidden_states.to(weight.dtype) if weight.dtype in HALF_DTYPES else hidden_states)
         return weight * hidden_states.to(input_dtype)
 
     def extra_repr(self) -> str:
@@ -84,12 +91,13 @@ class ScaledEmbedding(nn.Embedding):
 
 
 def build_norm(norm_type: str, hidden_size: int, eps: float, *, unit_offset: bool = False, bias: bool = True,
-               float32_product: bool = False) -> nn.Module:
+               float32_product: bool = False, cast_to_half_weight: bool = False) -> nn.Module:
     """bias: the LayerNorm's additive bias (MPT's have none); RMSNorm has none anyway."""
     if norm_type == "layernorm":
         return nn.LayerNorm(hidden_size, eps=eps, bias=bias)
     if norm_type == "rmsnorm":
-        return RMSNorm(hidden_size, eps=eps, unit_offset=unit_offset, float32_product=float32_product)
+        return RMSNorm(hidden_size, eps=eps, unit_offset=unit_offset, float32_product=float32_product,
+                       cast_to_half_weight=cast_to_half_weight)
     raise ValueError(f"unknown norm_type {norm_type!r}; choose one of {list(NORM_TYPES)}")
 
 
@@ -99,15 +107,24 @@ def _activation(hidden_act: str) -> nn.Module:
     return ACT2FN[hidden_act]
 
 
+class WeightDtypeLinear(nn.Linear):
+    """nn.Linear whose input is cast to its weight's dtype first: T5's `wo`, which from_pretrained(dtype=float16)
+    keeps float32 (official T5's _keep_in_fp32_modules), as official T5DenseActDense casts before it. Where the dtypes
+    agree the cast is no operation."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x.to(self.weight.dtype))
+
+
 class FeedForward(nn.Module):
     """down(act(up(x))): BERT, GPT-2, BART (c_fc / c_proj, intermediate / output); activation_dropout drops the
-    activation while training (BART)."""
+    activation while training (BART). down_in_weight_dtype: the down projection is a WeightDtypeLinear (T5)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, *, bias: bool,
-                 activation_dropout: float = 0.0):
+                 activation_dropout: float = 0.0, down_in_weight_dtype: bool = False):
         super().__init__()
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = (WeightDtypeLinear if down_in_weight_dtype else nn.Linear)(intermediate_size, hidden_size, bias=bias)
         self.act_fn = _activation(hidden_act)
         self.dropout = nn.Dropout(activation_dropout) if activation_dropout else None
 
@@ -119,14 +136,15 @@ class FeedForward(nn.Module):
 
 class GatedFeedForward(nn.Module):
     """down(act(gate(x)) * up(x)): SwiGLU (Llama), gated GELU (Gemma, T5 v1.1). Written as vLLM's GLU fuser reads
-    source (act_fn, gate_proj and up_proj named once each), so that it fuses gate and up into one GEMM."""
+    source (act_fn, gate_proj and up_proj named once each), so that it fuses gate and up into one GEMM.
+    down_in_weight_dtype: as FeedForward's."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, *, bias: bool,
-                 activation_dropout: float = 0.0):
+                 activation_dropout: float = 0.0, down_in_weight_dtype: bool = False):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = (WeightDtypeLinear if down_in_weight_dtype else nn.Linear)(intermediate_size, hidden_size, bias=bias)
         self.act_fn = _activation(hidden_act)
         self.dropout = nn.Dropout(activation_dropout) if activation_dropout else None
 
@@ -159,9 +177,10 @@ class ClampedSwiGLUFeedForward(nn.Module):
 
 
 def feed_forward(hidden_size: int, intermediate_size: int, hidden_act: str, *, gated: bool, bias: bool,
-                 activation_dropout: float = 0.0) -> nn.Module:
+                 activation_dropout: float = 0.0, down_in_weight_dtype: bool = False) -> nn.Module:
     kind = GatedFeedForward if gated else FeedForward
-    return kind(hidden_size, intermediate_size, hidden_act, bias=bias, activation_dropout=activation_dropout)
+    return kind(hidden_size, intermediate_size, hidden_act, bias=bias, activation_dropout=activation_dropout,
+                down_in_weight_dtype=down_in_weight_dtype)
 
 
 class PreNormResidual:

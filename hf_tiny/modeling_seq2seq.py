@@ -80,6 +80,11 @@ class TinySeq2SeqPreTrainedModel(HfTinyPreTrainedModel):
         "decoder.embed_tokens.weight": "shared.weight",
     }
 
+    def __init__(self, config: TinySeq2SeqConfig, *inputs, **kwargs):
+        super().__init__(config, *inputs, **kwargs)
+        if config.t5_half_precision:  # official T5PreTrainedModel's ["wo"]; read by post_init (TinySeq2SeqConfig)
+            self._keep_in_fp32_modules = ["down_proj"]
+
     def _tie_map(self, prefix: str) -> dict[str, str]:
         shared = f"{prefix}shared.weight"
         mapping = {f"{prefix}encoder.embed_tokens.weight": shared}

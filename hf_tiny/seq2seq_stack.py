@@ -85,6 +85,20 @@ def decoder_cache_of(config, cache, past_key_values, use_cache) -> Optional[Enco
     return cache
 
 
+def stack_norm(config: TinySeq2SeqConfig, width: Optional[int] = None) -> nn.Module:
+    """A norm of the stacks: BART's LayerNorm, or T5's RMSNorm with T5LayerNorm's casting (t5_half_precision)."""
+    return build_norm(config.norm_type, width or config.hidden_size, config.layer_norm_eps,
+                      cast_to_half_weight=config.t5_half_precision)
+
+
+def clamped_float16(hidden_states: torch.Tensor) -> torch.Tensor:
+    """T5Block's float16 guard: the residual stream clamped to the float16 range, 1000 inside it once any value is
+    inf (so that the next sublayer sees finite values), as official T5 does after each sublayer."""
+    largest = torch.finfo(torch.float16).max
+    bound = torch.where(torch.isinf(hidden_states).any(), largest - 1000, largest)
+    return torch.clamp(hidden_states, min=-bound, max=bound)
+
+
 class TinySeq2SeqLayer(GradientCheckpointingLayer):
     """An encoder layer (self-attention, feed-forward) or a decoder layer (causal self-attention, cross-attention
     over the encoder's states, feed-forward). Each sublayer is residual with the style's norm placement:
@@ -95,14 +109,16 @@ class TinySeq2SeqLayer(GradientCheckpointingLayer):
     def __init__(self, config: TinySeq2SeqConfig, layer_idx: int, *, decoder: bool):
         super().__init__()
         self.pre_norm = config.norm_placement == "pre"
+        self.clamps_float16 = config.t5_half_precision
         self.self_attn = self._attention(config, layer_idx, decoder, cross=False)
-        self.input_layernorm = build_norm(config.norm_type, config.hidden_size, config.layer_norm_eps)
+        self.input_layernorm = stack_norm(config)
         self.cross_attn = self._attention(config, layer_idx, decoder, cross=True) if decoder else None
-        self.cross_attn_layernorm = build_norm(config.norm_type, config.hidden_size, config.layer_norm_eps) if decoder else None
+        self.cross_attn_layernorm = stack_norm(config) if decoder else None
         intermediate = config.decoder_intermediate_size if decoder else config.intermediate_size
         self.mlp = feed_forward(config.hidden_size, intermediate, config.hidden_act, gated=config.mlp_gated,
-                                bias=config.mlp_bias, activation_dropout=config.activation_dropout)
-        self.post_attention_layernorm = build_norm(config.norm_type, config.hidden_size, config.layer_norm_eps)
+                                bias=config.mlp_bias, activation_dropout=config.activation_dropout,
+                                down_in_weight_dtype=config.t5_half_precision)
+        self.post_attention_layernorm = stack_norm(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     @staticmethod
@@ -118,9 +134,12 @@ class TinySeq2SeqLayer(GradientCheckpointingLayer):
         )
 
     def _residual(self, hidden_states: torch.Tensor, norm: nn.Module, sublayer) -> torch.Tensor:
-        if self.pre_norm:
-            return hidden_states + self.dropout(sublayer(norm(hidden_states)))
-        return norm(hidden_states + self.dropout(sublayer(hidden_states)))
+        if not self.pre_norm:
+            return norm(hidden_states + self.dropout(sublayer(hidden_states)))
+        hidden_states = hidden_states + self.dropout(sublayer(norm(hidden_states)))
+        if self.clamps_float16 and hidden_states.dtype == torch.float16:
+            return clamped_float16(hidden_states)
+        return hidden_states
 
     @runtime_layer()
     def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None, *,
@@ -161,10 +180,10 @@ class TinySeq2SeqStack(nn.Module):
         else:
             heads = config.decoder_attention_heads if is_decoder else config.num_attention_heads
             self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets, heads)
-        self.embedding_norm = build_norm(config.norm_type, hidden, config.layer_norm_eps) if config.embedding_norm else None
+        self.embedding_norm = stack_norm(config, hidden) if config.embedding_norm else None
         num_layers = config.num_decoder_layers if is_decoder else config.num_hidden_layers
         self.layers = nn.ModuleList(TinySeq2SeqLayer(config, i, decoder=is_decoder) for i in range(num_layers))
-        self.norm = build_norm(config.norm_type, hidden, config.layer_norm_eps) if config.final_norm else None
+        self.norm = stack_norm(config, hidden) if config.final_norm else None
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def embed(self, input_ids, inputs_embeds, past_length: int) -> torch.Tensor:

@@ -194,3 +194,32 @@ def test_t5_flash_attention_raises_clear_error(t5_pair, dtype):
     batch = {k: v.cuda() for k, v in padded_batch(ours.config).items()}
     with pytest.raises(ValueError, match="additive"):
         ours(**batch)
+
+
+@pytest.mark.parametrize("feed_forward_proj", ["relu", "gated-gelu"])
+def test_float16_keeps_the_feed_forward_output_float32_as_official(feed_forward_proj, tmp_path):
+    """from_pretrained(dtype=float16): official T5 keeps `wo` float32 (_keep_in_fp32_modules), casts its input to it,
+    runs the residual stream in float32 from there and clamps a float16 one; ours the same, bit for bit. The output
+    projections are scaled so that a float16 `wo` overflows: before, ours gave NaN logits here."""
+    src = make_official_t5(tmp_path / "src", feed_forward_proj=feed_forward_proj, num_layers=2, num_decoder_layers=2,
+                           tie_word_embeddings=feed_forward_proj == "relu")
+    official = T5ForConditionalGeneration.from_pretrained(src)
+    with torch.no_grad():
+        for name, param in official.named_parameters():
+            if name.endswith("wo.weight"):
+                param.mul_(1e5)
+    official.save_pretrained(src)
+    t5.convert(src, tmp_path / "ours")
+    official = T5ForConditionalGeneration.from_pretrained(src, dtype=torch.float16).eval()
+    ours = AutoModelForSeq2SeqLM.from_pretrained(tmp_path / "ours", dtype=torch.float16).eval()
+    assert official.encoder.block[0].layer[1].DenseReluDense.wo.weight.dtype == torch.float32
+    assert ours.model.encoder.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    assert ours.model.encoder.layers[0].mlp.up_proj.weight.dtype == torch.float16
+    ids = torch.tensor([[5, 6, 7, 8, 1], [9, 10, 11, 1, 0]])
+    inputs = dict(input_ids=ids, attention_mask=(ids != 0).long())
+    with torch.no_grad():
+        expected = official(**inputs, decoder_input_ids=ids[:, :3]).logits
+        got = ours(**inputs, decoder_input_ids=ids[:, :3]).logits
+    assert torch.isfinite(expected).all() and torch.equal(got, expected)
+    settings = dict(max_new_tokens=6, do_sample=False)
+    assert torch.equal(ours.generate(**inputs, **settings), official.generate(**inputs, **settings))

@@ -136,10 +136,10 @@ def test_the_few_row_product_takes_plain_weights_only_never_quantized_ones(folde
             assert torch.equal(ours.generate(prompt, **settings), expected)
 
 
-# Where official leaves weights unquantized that hf_tiny holds as plain nn.Linear (T5's `wo`, kept in float32 by
-# T5's _keep_in_fp32_modules; MoE experts, 3-D parameters in official 5.24), docs/compatibility.md gives the skip
-# list that quantizes as official does. These are those lists.
-SKIP_AS_OFFICIAL = {"t5": ["down_proj", "lm_head"], "mixtral": [r".*\.experts\..*", "lm_head"]}
+# Where official leaves weights unquantized that hf_tiny holds as plain nn.Linear (MoE experts, 3-D parameters in
+# official 5.24), docs/compatibility.md gives the skip list that quantizes as official does. These are those lists.
+# (T5's `wo`, which official keeps by _keep_in_fp32_modules, hf_tiny keeps alike: no list, test below.)
+SKIP_AS_OFFICIAL = {"mixtral": [r".*\.experts\..*", "lm_head"]}
 
 
 def _t5_pair(root):
@@ -159,29 +159,42 @@ def _t5_pair(root):
 @pytest.mark.parametrize("family", sorted(SKIP_AS_OFFICIAL))
 def test_the_documented_skip_list_quantizes_as_official(family, tmp_path):
     """With the skip list of docs/compatibility.md, bitsandbytes 8-bit replaces the official model's modules and the
-    outputs are equal; negative control: without it, hf_tiny quantizes more (down_proj / every expert) and the
-    outputs differ."""
+    outputs are equal; negative control: without it, hf_tiny quantizes more (every expert) and the outputs differ."""
     pytest.importorskip("bitsandbytes")
-    from transformers import AutoModelForSeq2SeqLM
-
-    if family == "t5":
-        official_folder, ours_folder = _t5_pair(tmp_path)
-        auto = AutoModelForSeq2SeqLM
-    else:
-        tiny_official("mixtral", hidden_size=64, intermediate_size=128).save_pretrained(tmp_path / "mixtral")
-        llama.convert(tmp_path / "mixtral", tmp_path / "mixtral_ours")
-        official_folder, ours_folder, auto = tmp_path / "mixtral", tmp_path / "mixtral_ours", AutoModelForCausalLM
+    tiny_official("mixtral", hidden_size=64, intermediate_size=128).save_pretrained(tmp_path / "mixtral")
+    llama.convert(tmp_path / "mixtral", tmp_path / "mixtral_ours")
+    official_folder, ours_folder = tmp_path / "mixtral", tmp_path / "mixtral_ours"
     ids = torch.randint(3, 90, (2, 9), generator=torch.Generator().manual_seed(0))
-    inputs = {"input_ids": ids, **({"decoder_input_ids": ids[:, :5]} if family == "t5" else {})}
 
     def quantized(folder, skip=None):
-        config = BitsAndBytesConfig(load_in_8bit=True, **({"llm_int8_skip_modules": skip} if skip else {}))
-        model = auto.from_pretrained(folder, quantization_config=config, device_map="cpu").eval()
-        with torch.no_grad():
-            return len(quantized_modules(model)), model(**inputs).logits
+        return _quantized_8bit(AutoModelForCausalLM, folder, {"input_ids": ids}, skip)[:2]
 
     official_count, official_logits = quantized(official_folder)
     count, logits = quantized(ours_folder, SKIP_AS_OFFICIAL[family])
     assert count == official_count and max_diff(logits, official_logits) == 0.0
     default_count, default_logits = quantized(ours_folder)
     assert default_count > official_count and max_diff(default_logits, official_logits) > 1e-4
+
+
+def _quantized_8bit(auto, folder, inputs, skip=None):
+    """(how many modules bitsandbytes 8-bit replaced, the logits of `inputs`) for a folder loaded through `auto`."""
+    config = BitsAndBytesConfig(load_in_8bit=True, **({"llm_int8_skip_modules": skip} if skip else {}))
+    model = auto.from_pretrained(folder, quantization_config=config, device_map="cpu").eval()
+    with torch.no_grad():
+        return len(quantized_modules(model)), model(**inputs).logits, model
+
+
+def test_t5_quantizes_as_official_leaving_its_feed_forward_output_projections(tmp_path):
+    """Official T5 keeps `wo` out of bitsandbytes (_keep_in_fp32_modules); hf_tiny's T5 layout keeps down_proj
+    alike, with no skip list: the same modules replaced, equal outputs, every down_proj still an unquantized Linear."""
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForSeq2SeqLM
+
+    official_folder, ours_folder = _t5_pair(tmp_path)
+    ids = torch.randint(3, 90, (2, 9), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "decoder_input_ids": ids[:, :5]}
+    official_count, official_logits, _ = _quantized_8bit(AutoModelForSeq2SeqLM, official_folder, inputs)
+    count, logits, ours = _quantized_8bit(AutoModelForSeq2SeqLM, ours_folder, inputs)
+    assert count == official_count and max_diff(logits, official_logits) == 0.0
+    down = [name for name, _ in ours.named_modules() if name.endswith("down_proj")]
+    assert down and not set(down) & quantized_modules(ours)
