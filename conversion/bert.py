@@ -160,10 +160,10 @@ class EncoderVariant:
 
 
 # Parts every variant names alike, and RoBERTa's classification head (ELECTRA's too): dense -> the sequence
-# classifier's pooler (CLASSIFIER_POOLER), out_proj -> classifier
+# classifier's pooler (the encoder's, ENCODER_POOLER_DENSE, or its own: with_classifier_pooler), out_proj -> classifier
 TASK_PARTS = {"classifier": {"classifier": "classifier"}, "qa": {"qa_outputs": "qa_outputs"}}
-CLASSIFIER_POOLER = "model.pooler.dense"  # the encoder's pooler; `pre_classifier.dense` with config.pre_classifier
-CLASSIFICATION_HEAD = {"classifier.dense": CLASSIFIER_POOLER, "classifier.out_proj": "classifier"}
+ENCODER_POOLER_DENSE = "model.pooler.dense"  # the encoder's pooler; `pre_classifier.dense` with config.pre_classifier
+CLASSIFICATION_HEAD = {"classifier.dense": ENCODER_POOLER_DENSE, "classifier.out_proj": "classifier"}
 
 
 def with_classifier_pooler(modules: dict[str, str], config) -> dict[str, str]:
@@ -171,7 +171,8 @@ def with_classifier_pooler(modules: dict[str, str], config) -> dict[str, str]:
     classifier's own `pre_classifier` (pre_classifier=True, what the converters write) or the encoder's pooler."""
     if not config.pre_classifier:
         return modules
-    return {official: "pre_classifier.dense" if ours == CLASSIFIER_POOLER else ours for official, ours in modules.items()}
+    own = "pre_classifier.dense"
+    return {official: own if ours == ENCODER_POOLER_DENSE else ours for official, ours in modules.items()}
 
 
 def class_parts(*, base_pooler: bool, pretraining: tuple[str, ...] = (), sequence=("pooler", "classifier")) -> dict:

@@ -12,7 +12,7 @@ same table at init).
 
 from __future__ import annotations
 
-from .bert import CLASSIFIER_POOLER, TASK_PARTS, EncoderFamily, EncoderVariant, MaskedLMNames, class_parts
+from .bert import ENCODER_POOLER_DENSE, TASK_PARTS, EncoderFamily, EncoderVariant, MaskedLMNames, class_parts
 from .pipeline import entry_points
 
 CONFIG_FIELDS = {
@@ -50,7 +50,7 @@ DISTILBERT = EncoderVariant(
     model_type="distilbert",
     class_prefix="DistilBert",
     masked_lm=MaskedLMNames("vocab_transform", "vocab_layer_norm", decoder="vocab_projector"),
-    parts={"classification_head": {"pre_classifier": CLASSIFIER_POOLER, "classifier": "classifier"}, **TASK_PARTS},
+    parts={"classification_head": {"pre_classifier": ENCODER_POOLER_DENSE, "classifier": "classifier"}, **TASK_PARTS},
     class_parts=class_parts(base_pooler=False, sequence=("classification_head",)),
     fixed_config={
         "type_vocab_size": 0, "layer_norm_eps": 1e-12, "add_pooling_layer": False, "pooler_act": "relu",

@@ -27,7 +27,8 @@ from .keymap import Rule, Transform
 FIXED = dict(router_scoring="topk_sigmoid", norm_topk_prob=False, apply_router_weight_on_input=True)
 MOE_FIELDS = ("num_local_experts", "num_experts_per_tok", "output_router_logits")
 # Official Llama 4 text reads neither of these (no load-balancing loss beside its logits, no router jitter in training):
-# hf_tiny's are 0 whatever the source says, and 0 goes back (the source's value, unread, is not kept)
+# hf_tiny's are 0 whatever the source says; nothing goes back (official's defaults: the source's values, unread, are
+# not kept), as for DeepSeek-V3's aux loss
 UNREAD_MOE_FIELDS = dict(router_aux_loss_coef=0.0, router_jitter_noise=0.0)
 
 
@@ -91,7 +92,7 @@ def official_fields(config) -> dict:
         attn_temperature_tuning=bool(field_value(config, "attn_temperature_tuning")),
         floor_scale=field_value(config, "floor_scale"), attn_scale=field_value(config, "attn_scale"),
         moe_layers=[i for i, kind in enumerate(field_value(config, "mlp_layer_types") or ()) if kind == "sparse"],
-        **{name: field_value(config, name) for name in MOE_FIELDS}, **UNREAD_MOE_FIELDS,
+        **{name: field_value(config, name) for name in MOE_FIELDS},
     )
     if not moe:
         values["num_local_experts"] = 0

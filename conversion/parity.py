@@ -238,7 +238,7 @@ class ParityResult:
 
 def in_memory(model):
     """A runner over a model already in memory: run(inputs, device, dtype, backend) -> (output, layer outputs)."""
-    from .streamed import output_object, recording_layers
+    from .streamed import return_dict_kwargs, recording_layers
 
     model.eval()
 
@@ -246,7 +246,7 @@ def in_memory(model):
         model.to(device=device, dtype=dtype)
         model.set_attn_implementation(backend)
         with torch.no_grad(), recording_layers(model) as layers:
-            output = model(**_moved(inputs, device), **output_object(model))
+            output = model(**_moved(inputs, device), **return_dict_kwargs(model))
         return output, layers
 
     run.restore = lambda stored: model.to(device="cpu", dtype=stored)

@@ -246,11 +246,6 @@ def convert(family: Family, src: str | os.PathLike, dst: str | os.PathLike, *, f
             source = family.read(src)
             source.state = LazyTensors.of(source.state)
             plan = family.plan(source)
-            heads = not plan.official_class.endswith("Model")  # a task head over an inner model
-            if family.modality != "encoder" and heads and source.raw_config.get("return_dict") is False:
-                raise ConversionError(f"{src}: return_dict=False is not supported here: official {plan.official_class}'s "
-                                      "own forward fails with it in transformers 5 (its inner model returns a tuple "
-                                      "its head reads as an output object); remove it from config.json")
             carry_output_switches(source.raw_config, plan.config)
             plan.state = LazyTensors.of(plan.state)
             stages.next()
@@ -258,6 +253,9 @@ def convert(family: Family, src: str | os.PathLike, dst: str | os.PathLike, *, f
             plan.notes.insert(0, f"Tokenizer: {family.write_side_files(source, plan, tmp)}.")
             try:
                 written, parity, batch = _write_with_parity(family, source, plan, tmp, write, reference_model)
+            except AttributeError as error:
+                write.abort()
+                raise _return_dict_refused(source, plan, error) or error
             except BaseException:
                 write.abort()
                 raise
@@ -383,6 +381,16 @@ def convert_back(family: Family, src: str | os.PathLike, dst: str | os.PathLike,
         )
     return {"dst": dst, "family": family.name, "architecture": plan.official_class, "bytes": official.nbytes,
             "files": sorted(path.name for path in dst.glob("*.safetensors"))}
+
+
+def _return_dict_refused(source: Source, plan: Plan, error: AttributeError) -> Optional[ConversionError]:
+    """The error to raise where official's own forward failed (an output object expected, a tuple met) because the
+    source's config says return_dict=False, as GPT-2's, Llama's, BART's and T5's task models do in transformers 5
+    (MPT's and the encoders' run); None for any other failure."""
+    if source.raw_config.get("return_dict") is not False:
+        return None
+    return ConversionError(f"{source.path}: return_dict=False is not supported for {plan.official_class}: official's "
+                           f"own forward fails with it ({type(error).__name__}: {error}); remove it from config.json")
 
 
 # PretrainedConfig's own switches of what a forward returns by default, which every family's models read as official's

@@ -52,7 +52,7 @@ class Streamed:
         return model.eval()
 
 
-def output_object(model) -> dict:
+def return_dict_kwargs(model) -> dict:
     """return_dict=True for a model whose config says return_dict=False (BERT-era configs may): parity reads the
     output's fields by name."""
     return {} if getattr(model.config, "return_dict", True) else {"return_dict": True}
@@ -364,7 +364,7 @@ def streamed_runner(spec: Streamed, *, base_prefix: str = "", on_layer=None):
         def forward(gate=None):
             with torch.no_grad(), streaming(model, spec.tensors, names, device=device, dtype=dtype), \
                     recording_layers(model, on_layer) as layers, paced(model, gate):
-                output = model(**moved, **output_object(model))
+                output = model(**moved, **return_dict_kwargs(model))
             return output, layers
 
         return forward

@@ -340,9 +340,9 @@ def write_generation_config_of_config_json(tmp: Path, source_folder: Path) -> No
 def write_generation_config(tmp: Path, config, official_config=None) -> None:
     """generation_config.json: the one written with the side files (the source's, or official's reading of its
     config.json) as it is, since official generates with it as it is (a T5 file without pad_token_id pads finished
-    rows with eos there); where there is none, one derived from the official config, as transformers derives it,
-    with the special ids it leaves unset filled from the hf_tiny config (T5 configs often omit
-    decoder_start_token_id, which is the pad token there)."""
+    rows with eos there); where there is none (a warm start, bert2seq: a BERT folder's file is for another model),
+    one derived from the official config, as transformers derives it, with the special ids it leaves unset filled
+    from the hf_tiny config (the decoder start token a warm start chooses)."""
     from transformers import GenerationConfig
 
     if (tmp / "generation_config.json").is_file():

@@ -124,7 +124,8 @@ class FeedForward(nn.Module):
                  activation_dropout: float = 0.0, down_in_weight_dtype: bool = False):
         super().__init__()
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = (WeightDtypeLinear if down_in_weight_dtype else nn.Linear)(intermediate_size, hidden_size, bias=bias)
+        down = WeightDtypeLinear if down_in_weight_dtype else nn.Linear
+        self.down_proj = down(intermediate_size, hidden_size, bias=bias)
         self.act_fn = _activation(hidden_act)
         self.dropout = nn.Dropout(activation_dropout) if activation_dropout else None
 
@@ -144,7 +145,8 @@ class GatedFeedForward(nn.Module):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = (WeightDtypeLinear if down_in_weight_dtype else nn.Linear)(intermediate_size, hidden_size, bias=bias)
+        down = WeightDtypeLinear if down_in_weight_dtype else nn.Linear
+        self.down_proj = down(intermediate_size, hidden_size, bias=bias)
         self.act_fn = _activation(hidden_act)
         self.dropout = nn.Dropout(activation_dropout) if activation_dropout else None
 

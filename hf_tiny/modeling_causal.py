@@ -38,7 +38,8 @@ from .chunked_loss import labels_ahead, linear_cross_entropy, use_chunked_loss
 from .runtime import runtime_decoding, runtime_products, runtime_stack
 from .configuration_causal import TinyCausalConfig
 from .layers import (
-    Attention, ClampedSwiGLUFeedForward, FeedForward, PreNormResidual, RotaryEmbedding, ScaledEmbedding, build_norm, feed_forward,
+    Attention, ClampedSwiGLUFeedForward, FeedForward, PreNormResidual, RotaryEmbedding, ScaledEmbedding, build_norm,
+    feed_forward,
     query_temperature,
 )
 from .liger import register_liger_kernels

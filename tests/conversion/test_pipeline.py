@@ -150,14 +150,31 @@ def test_output_switches_of_a_config_travel_both_ways(family, tmp_path):
     assert (back.use_cache, back.output_hidden_states) == (False, True)
 
 
-def test_return_dict_false_under_a_causal_head_is_refused_by_name(tmp_path):
-    """Official LlamaForCausalLM's forward fails with return_dict=False in its config (transformers 5): refused, named."""
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mpt"])
+def test_return_dict_false_is_refused_where_official_fails_with_it(family, tmp_path):
+    """Official LlamaForCausalLM's and GPT2LMHeadModel's forwards fail with return_dict=False in their config
+    (transformers 5): refused, named; official MptForCausalLM runs with it: converted, returning tuples as official."""
+    import importlib
+
+    from gpt2_models import tiny_gpt2
+    from mpt_models import tiny_mpt
+
     source = tmp_path / "src"
-    tiny_official("llama").save_pretrained(source)
+    {"llama": lambda: tiny_official("llama"), "gpt2": tiny_gpt2, "mpt": tiny_mpt}[family]().save_pretrained(source)
     config = json.loads((source / "config.json").read_text())
     (source / "config.json").write_text(json.dumps({**config, "return_dict": False}))
-    with pytest.raises(ConversionError, match="return_dict=False is not supported here: official LlamaForCausalLM"):
-        from conversion import llama
+    module = importlib.import_module(f"conversion.{family}")
+    if family == "mpt":
+        module.convert(source, tmp_path / "ours")
+        from transformers import AutoModelForCausalLM
 
-        llama.convert(source, tmp_path / "ours")
+        ids = torch.tensor([[3, 4, 5]])
+        with torch.no_grad():
+            expected = AutoModelForCausalLM.from_pretrained(source).eval()(ids)
+            got = AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()(ids)
+        assert isinstance(got, tuple) and isinstance(expected, tuple)
+        torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
+        return
+    with pytest.raises(ConversionError, match="return_dict=False is not supported for .*official's own forward fails"):
+        module.convert(source, tmp_path / "ours")
     assert not (tmp_path / "ours").exists()

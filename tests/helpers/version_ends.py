@@ -68,6 +68,8 @@ TRANSFORMERS_TESTS = (
     "tests/conversion/test_variant_claims.py",
     "tests/ecosystem/test_trainer.py",
     "tests/ecosystem/test_peft.py",
+    "tests/ecosystem/test_peft_classification_heads.py",
+    "tests/conversion/test_tokenizer_files.py",
     # every family on CUDA against the official model, run on the CPU stand-in (HF_TINY_CUDA_STAND_IN, below): the
     # GPU sessions run the image's transformers (5.17), and this is where a family's config of an older transformers
     # shows (Gemma 3's rope_parameters under 5.16-5.17, found on an H200, 2026-11-27)

@@ -29,7 +29,8 @@ TOLERANCE = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 # each: the H200 runs of gpu_check.sh spent their 120 s on 14 of this file's tests), so a GPU runs fewer draws
 # (EXAMPLES_ON_GPU) than CI's interpreter, which runs the same kernel code with every draw.
 EXAMPLES, EXAMPLES_ON_GPU = 40, 12
-KERNEL_SETTINGS = settings(max_examples=EXAMPLES_ON_GPU if HAS_CUDA else EXAMPLES, deadline=None, derandomize=True, database=None,
+KERNEL_SETTINGS = settings(max_examples=EXAMPLES_ON_GPU if HAS_CUDA else EXAMPLES, deadline=None, derandomize=True,
+                           database=None,
                            suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
