@@ -276,8 +276,8 @@ FIGURES = [
            "files a reader follows through one causal forward (the default, runtime on; --runtime off beside it)",
            "python -m benchmarks.reading_path", 0.5, "cheap", "reading-path-{date}.md",
            results=("reading-path-2026-11-29.md",),
-           quotes=quotes(ARCHITECTURE, "54 functions, 687 lines, 7 files")
-           + quotes(README, ("687 lines in 7 files", "687 lines, 7 files"))),
+           quotes=quotes(ARCHITECTURE, "54 functions, 706 lines, 7 files")
+           + quotes(README, ("706 lines in 7 files", "706 lines, 7 files"))),
     Figure("host-work", SPEED, "python -m benchmarks.host_work", "Python calls of a prefill and a decoding step, "
            "official beside hf_tiny (cProfile)", "python -m benchmarks.host_work --models overhead --prompt 16 --repeats 3",
            1, "cheap", "host-work-cpu-{date}.md", results=("host-work-cpu-2026-11-29.md", "host-work-cpu-2026-11-28.md",

@@ -37,7 +37,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt-ids", help="a JSON list of token-id lists, instead of --prompt")
     parser.add_argument("--max-tokens", type=int, default=32, help="new tokens per prompt (greedy, EOS ignored)")
     parser.add_argument("--tokenizer", help="tokenizer folder (default: the model folder)")
-    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--max-model-len", type=int, help="longest sequence (default: what vLLM derives from the "
+                        "folder, e.g. a sentence-transformers model's max_seq_length)")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--model-impl", default="transformers", choices=["transformers", "vllm", "auto"])
     parser.add_argument("--repeats", type=int, default=1, help="timed generate calls (the best is reported)")
@@ -78,8 +79,9 @@ def main(argv=None) -> dict:
 
 
 def engine_arguments(args) -> dict:
-    common = dict(model=str(args.model), model_impl=args.model_impl, trust_remote_code=True, dtype=args.dtype,
-                  max_model_len=args.max_model_len, seed=0)
+    common = dict(model=str(args.model), model_impl=args.model_impl, trust_remote_code=True, dtype=args.dtype, seed=0)
+    if args.max_model_len is not None:  # vLLM refuses one longer than what it derives (all-MiniLM-L6-v2: 256)
+        common["max_model_len"] = args.max_model_len
     if args.embed:
         return {**common, "runner": "pooling", "enforce_eager": True}
     return {**common, "tokenizer": args.tokenizer or str(args.model)}
