@@ -32,7 +32,7 @@ def serve(python: Path, folder: Path, tokenizer: Path, prompts: list, new_tokens
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         command = [str(python), str(REPO / "examples" / "serve_vllm.py"), str(folder), "--max-tokens", str(new_tokens),
-                   "--repeats", str(repeats), "--json", str(out), "--tokenizer", str(tokenizer)]
+                   "--repeats", str(repeats), "--json", str(out), "--tokenizer", str(tokenizer), "--max-model-len", "512"]
         for prompt in prompts:
             command += ["--prompt", prompt]
         proc = subprocess.run(command, env=env, cwd=tmp, capture_output=True, text=True, timeout=1500)

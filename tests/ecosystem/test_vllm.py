@@ -71,7 +71,7 @@ def _serve_offline(vllm_python: Path, folder: Path, prompt_ids: list, new_tokens
     out = tmp_path / "vllm.json"
     result = subprocess.run(
         [str(vllm_python), str(REPO / "examples" / "serve_vllm.py"), str(folder), "--prompt-ids",
-         json.dumps(prompt_ids), "--max-tokens", str(new_tokens), "--json", str(out), *extra],
+         json.dumps(prompt_ids), "--max-tokens", str(new_tokens), "--json", str(out), "--max-model-len", "512", *extra],
         env=vllm_environment(), cwd=tmp_path, capture_output=True, text=True, timeout=1200,
     )
     log = result.stdout + result.stderr
