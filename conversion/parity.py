@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .errors import ConversionError
+from .writer import VOCABULARY_FILES
 
 def first_non_finite(state_dict: Mapping[str, torch.Tensor]) -> str | None:
     """The name of the first floating tensor holding NaN or inf, or None."""
@@ -100,8 +101,6 @@ SAMPLE_TEXTS = (
     "Hi",
     "A converted checkpoint holds the same numbers under different names, so both models must agree.",
 )
-# Without one of these, AutoTokenizer may build an empty tokenizer that maps every word to one id.
-VOCABULARY_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
 MODALITIES = ("encoder", "causal", "seq2seq")
 
 

@@ -400,7 +400,7 @@ OUTPUT_SWITCHES = ("use_cache", "output_hidden_states", "return_dict")
 
 def carry_output_switches(source: dict, target) -> None:
     for name in OUTPUT_SWITCHES:
-        if isinstance(source, dict) and isinstance(source.get(name), bool):
+        if isinstance(source.get(name), bool):
             setattr(target, name, source[name])
 
 

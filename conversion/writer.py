@@ -145,6 +145,9 @@ def copy_tokenizer_files(src_dir: str | os.PathLike, dst_dir: str | os.PathLike)
     return copied
 
 
+# Without one of these, AutoTokenizer may build an empty tokenizer that maps every word to one id.
+VOCABULARY_FILES = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
+
 # transformers saves a tokenizer's named chat templates (all but the default one) there, one .jinja file each
 CHAT_TEMPLATES_FOLDER = "additional_chat_templates"
 
@@ -181,11 +184,9 @@ def pin_tokenizer_class(src_dir: Path, dst_dir: Path) -> str | None:
     from transformers import AutoTokenizer
 
     tokenizer_config = _tokenizer_config(dst_dir)
-    vocabulary = ("tokenizer.json", "vocab.txt", "vocab.json", "tokenizer.model", "spiece.model",
-                  "sentencepiece.bpe.model")
     if tokenizer_config is None or "auto_map" in tokenizer_config:
         return None
-    if not any((dst_dir / name).is_file() for name in vocabulary):
+    if not any((dst_dir / name).is_file() for name in VOCABULARY_FILES):
         return None
     try:
         name = type(AutoTokenizer.from_pretrained(str(src_dir), trust_remote_code=False)).__name__

@@ -39,8 +39,7 @@ from .runtime import runtime_decoding, runtime_products, runtime_stack
 from .configuration_causal import TinyCausalConfig
 from .layers import (
     Attention, ClampedSwiGLUFeedForward, FeedForward, PreNormResidual, RotaryEmbedding, ScaledEmbedding, build_norm,
-    feed_forward,
-    query_temperature,
+    feed_forward, query_temperature,
 )
 from .liger import register_liger_kernels
 from .mla import LatentAttention

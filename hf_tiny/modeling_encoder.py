@@ -400,8 +400,8 @@ def _classifier_dropout(config: TinyEncoderConfig) -> nn.Dropout:
 class TinyEncoderForSequenceClassification(TinyEncoderWithLabelsHead):
     """Pooled output -> dropout -> linear; with shared_head the pooled states go through the shared `head` instead of
     a pooler (ModernBERT's), with pre_classifier through the classifier's own pooler, `pre_classifier` (RoBERTa's,
-    ELECTRA's, DistilBERT's), instead of the encoder's. The loss follows config.problem_type as in BERT: "regression" (MSE),
-    "single_label_classification" (cross-entropy) or "multi_label_classification" (BCE with logits); when unset
+    ELECTRA's, DistilBERT's), instead of the encoder's. The loss follows config.problem_type as in BERT:
+    "regression" (MSE), "single_label_classification" (cross-entropy) or "multi_label_classification" (BCE with logits); when unset
     it is inferred from num_labels and the labels' dtype on the first call, and stored in the config."""
 
     def __init__(self, config: TinyEncoderConfig):

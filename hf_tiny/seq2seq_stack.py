@@ -85,9 +85,9 @@ def decoder_cache_of(config, cache, past_key_values, use_cache) -> Optional[Enco
     return cache
 
 
-def stack_norm(config: TinySeq2SeqConfig, width: Optional[int] = None) -> nn.Module:
+def stack_norm(config: TinySeq2SeqConfig) -> nn.Module:
     """A norm of the stacks: BART's LayerNorm, or T5's RMSNorm with T5LayerNorm's casting (t5_half_precision)."""
-    return build_norm(config.norm_type, width or config.hidden_size, config.layer_norm_eps,
+    return build_norm(config.norm_type, config.hidden_size, config.layer_norm_eps,
                       cast_to_half_weight=config.t5_half_precision)
 
 
@@ -180,10 +180,10 @@ class TinySeq2SeqStack(nn.Module):
         else:
             heads = config.decoder_attention_heads if is_decoder else config.num_attention_heads
             self.relative_attention_bias = nn.Embedding(config.relative_attention_num_buckets, heads)
-        self.embedding_norm = stack_norm(config, hidden) if config.embedding_norm else None
+        self.embedding_norm = stack_norm(config) if config.embedding_norm else None
         num_layers = config.num_decoder_layers if is_decoder else config.num_hidden_layers
         self.layers = nn.ModuleList(TinySeq2SeqLayer(config, i, decoder=is_decoder) for i in range(num_layers))
-        self.norm = stack_norm(config, hidden) if config.final_norm else None
+        self.norm = stack_norm(config) if config.final_norm else None
         self.dropout = nn.Dropout(config.hidden_dropout)
 
     def embed(self, input_ids, inputs_embeds, past_length: int) -> torch.Tensor:
