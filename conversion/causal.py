@@ -56,9 +56,9 @@ def build_causal_config(values: dict, official, *, src):
 
 
 def official_label_fields(config, official_class: str) -> dict:
-    """The label fields of an hf_tiny config for an official sequence classifier (none for the other classes, or
-    when the config has no labels)."""
-    if config.id2label is None or not official_class.endswith("ForSequenceClassification"):
+    """The label fields of an hf_tiny config, for any official class (a language model's config may name labels too,
+    which its classifier then reads); none when the config has no labels."""
+    if config.id2label is None:
         return {}
     return {name: getattr(config, name) for name in LABEL_FIELDS}
 

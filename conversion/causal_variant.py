@@ -20,6 +20,20 @@ from .errors import ConversionError
 LLAMA_NORMS = {"input_layernorm": "input_layernorm", "post_attention_layernorm": "post_attention_layernorm"}
 
 
+def every_nth(derive: Callable[[int], list], given: list, layers: int, default: int) -> int:
+    """The interval n (1..layers) official derives `given` from as derive(n), else official's default: a folder
+    written back then reads as its source did (the list, written beside it, is what official builds)."""
+    return next((n for n in range(1, layers + 1) if derive(n) == given), default)
+
+
+def no_rope_fields(nope_layers, layers: int) -> dict:
+    """SmolLM3's and Llama 4's no_rope_layers (1 where the layer rotates) and the no_rope_layer_interval they follow."""
+    nope = set(nope_layers)
+    flags = [0 if i in nope else 1 for i in range(layers)]
+    interval = every_nth(lambda n: [int((i + 1) % n != 0) for i in range(layers)], flags, layers, default=4)
+    return {"no_rope_layers": flags, "no_rope_layer_interval": interval}
+
+
 def llama_named_classes(prefix: str) -> dict[str, str]:
     """hf_tiny class -> the official class, for a type whose classes follow Llama's names (`<prefix>ForCausalLM`)."""
     return {

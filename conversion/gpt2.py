@@ -154,7 +154,8 @@ def gpt2_config_from_causal(config, official_class: str):
         raise ConversionError(f"GPT-2 cannot hold this hf_tiny config: it differs from GPT-2's structure in {differing}")
     values = dict(
         vocab_size=config.vocab_size, n_embd=config.hidden_size, n_layer=config.num_hidden_layers,
-        n_head=config.num_attention_heads, n_inner=config.intermediate_size, activation_function=config.hidden_act,
+        n_head=config.num_attention_heads, activation_function=config.hidden_act,
+        n_inner=None if config.intermediate_size == 4 * config.hidden_size else config.intermediate_size,  # as gpt2's
         n_positions=config.max_position_embeddings, initializer_range=config.initializer_range,
         layer_norm_epsilon=config.layer_norm_eps, attn_pdrop=config.attention_dropout,
         resid_pdrop=config.hidden_dropout, embd_pdrop=config.embedding_dropout,
@@ -233,6 +234,8 @@ class Gpt2Family(SingleTypeFamily):
     config_from_official = staticmethod(causal_config_from_gpt2)
     official_config_of = staticmethod(gpt2_config_from_causal)
     key_map = staticmethod(key_map)
+    # official's eager attention computes its scores in float32 with it; hf_tiny's always does
+    kept_fields = ("reorder_and_upcast_attn",)
 
     def read(self, src: Path) -> Source:
         nanogpt = nanogpt_checkpoint(src)

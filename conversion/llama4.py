@@ -20,7 +20,7 @@ import torch
 
 from hf_tiny.configuration_causal import field_value
 
-from .causal_variant import CausalVariant
+from .causal_variant import CausalVariant, every_nth, no_rope_fields
 from .errors import ConversionError
 from .keymap import Rule, Transform
 
@@ -82,13 +82,12 @@ def fields_from_official(official, *, src) -> dict:
 
 
 def official_fields(config) -> dict:
-    nope = set(field_value(config, "nope_layers"))
     moe = config.moe_spec() is not None
     values = dict(
         intermediate_size=config.moe_intermediate_size if moe else config.intermediate_size,
         intermediate_size_mlp=config.intermediate_size, head_dim=config.head_dim, attention_bias=config.attention_bias,
         layer_types=list(config.layer_types), attention_chunk_size=field_value(config, "attention_chunk_size"),
-        no_rope_layers=[0 if i in nope else 1 for i in range(config.num_hidden_layers)], use_qk_norm=config.qk_norm,
+        **no_rope_fields(field_value(config, "nope_layers"), config.num_hidden_layers), use_qk_norm=config.qk_norm,
         attn_temperature_tuning=bool(field_value(config, "attn_temperature_tuning")),
         floor_scale=field_value(config, "floor_scale"), attn_scale=field_value(config, "attn_scale"),
         moe_layers=[i for i, kind in enumerate(field_value(config, "mlp_layer_types") or ()) if kind == "sparse"],
@@ -96,6 +95,9 @@ def official_fields(config) -> dict:
     )
     if not moe:
         values["num_local_experts"] = 0
+    layers = config.num_hidden_layers
+    values["interleave_moe_layer_step"] = every_nth(lambda n: list(range(n - 1, layers, n)), values["moe_layers"],
+                                                    layers, default=1)
     return values
 
 

@@ -171,6 +171,8 @@ def refuse_unsupported(raw_config: dict, *, src) -> None:
 
 
 class ModernBertFamily(EncoderFamily):
+    kept_fields = ("deterministic_flash_attn",)  # flash-attn's deterministic backward, official's only
+
     def plan(self, source: Source) -> Plan:
         refuse_unsupported(source.raw_config, src=source.path)
         return super().plan(source)

@@ -103,6 +103,9 @@ class Family:
     detected: bool = True  # False: only by name (e.g. bert2seq reads plain BERT folders, as `bert` does)
     # tensor names only this family's checkpoints hold: detection of a config.json without model_type
     tensor_markers: tuple[str, ...] = ()
+    # official config fields hf_tiny's models do not read (hints to official's own kernels), kept as they are in the
+    # hf_tiny config so that the way back writes them
+    kept_fields: tuple[str, ...] = ()
 
     # --- forward ---
 
@@ -247,6 +250,7 @@ def convert(family: Family, src: str | os.PathLike, dst: str | os.PathLike, *, f
             source.state = LazyTensors.of(source.state)
             plan = family.plan(source)
             carry_output_switches(source.raw_config, plan.config)
+            carry_fields(source.raw_config, plan.config, family.kept_fields)
             plan.state = LazyTensors.of(plan.state)
             stages.next()
             write = _start_write(family, source, plan, tmp, dtype, max_shard_size)
@@ -368,6 +372,7 @@ def convert_back(family: Family, src: str | os.PathLike, dst: str | os.PathLike,
         dtype = first_floating({key: state.info(key) for key in state})
         plan = family.reverse(config, our_class, src)
         carry_output_switches(config.to_dict(), plan.official_config)
+        carry_fields(config.to_dict(), plan.official_config, family.kept_fields)
         official = plan.key_map.lazy_view(state, num_layers=plan.num_layers, forward=False)
         official = family.finish_official_state(official, config, plan)
         plan.official_config.dtype = dtype
@@ -401,6 +406,12 @@ OUTPUT_SWITCHES = ("use_cache", "output_hidden_states", "return_dict")
 def carry_output_switches(source: dict, target) -> None:
     for name in OUTPUT_SWITCHES:
         if isinstance(source.get(name), bool):
+            setattr(target, name, source[name])
+
+
+def carry_fields(source: dict, target, names: tuple[str, ...]) -> None:
+    for name in names:
+        if name in source:
             setattr(target, name, source[name])
 
 

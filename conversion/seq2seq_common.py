@@ -13,6 +13,10 @@ from .errors import ConversionError
 from .pipeline import Family, Plan, Source
 from .writer import write_generation_config
 
+# The label fields, carried both ways as they are: a config of a generating model may name labels, which its official
+# sequence classifier reads (BartConfig's default has three)
+LABEL_FIELDS = {"id2label": "id2label", "label2id": "label2id", "problem_type": "problem_type"}
+
 
 def stack_depths(config) -> dict[str, int]:
     """num_layers for a seq2seq KeyMap: {i} runs over encoder layers, {j} over decoder layers."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from hf_tiny.configuration_causal import field_value
 
-from .causal_variant import CausalVariant, llama_named_classes
+from .causal_variant import CausalVariant, llama_named_classes, no_rope_fields
 from .errors import ConversionError
 
 
@@ -52,9 +52,8 @@ def official_fields(config) -> dict:
         raise ConversionError(f"SmolLM3 has no head_dim field: head_dim={config.head_dim} must equal hidden_size // "
                               "num_attention_heads")
     sliding = "sliding_attention" in config.layer_types
-    nope = set(field_value(config, "nope_layers"))
     return dict(
-        no_rope_layers=[0 if i in nope else 1 for i in range(config.num_hidden_layers)],
+        **no_rope_fields(field_value(config, "nope_layers"), config.num_hidden_layers),
         use_sliding_window=sliding, sliding_window=config.sliding_window if sliding else None,
         layer_types=list(config.layer_types), attention_bias=config.attention_bias, mlp_bias=config.mlp_bias,
     )

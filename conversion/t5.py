@@ -19,7 +19,7 @@ from .errors import ConversionError
 from .keymap import KeyMap, Rule, layer_rules
 from .pipeline import Plan, ReversePlan, Source, entry_points
 from .readers import official_config, source_name
-from .seq2seq_common import Seq2SeqFamily, require_style, stack_depths, styled_config
+from .seq2seq_common import LABEL_FIELDS, Seq2SeqFamily, require_style, stack_depths, styled_config
 from .writer import drop_tied_copies, stores_tied_copy
 
 ATTENTION = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
@@ -37,6 +37,7 @@ CONFIG_FIELDS = {
     "relative_attention_max_distance": "relative_attention_max_distance",
     "pad_token_id": "pad_token_id",
     "eos_token_id": "eos_token_id",
+    **LABEL_FIELDS,
 }
 
 
@@ -118,6 +119,8 @@ def official_config_from_ours(config, *, src):
     official = T5Config(
         **{name: getattr(config, ours) for name, ours in CONFIG_FIELDS.items()},
         dropout_rate=config.hidden_dropout,
+        # the factor initializer_range was read from (its float product rounded back: 1.5 stays 1.5)
+        initializer_factor=round(config.initializer_range * config.hidden_size**0.5, 12),
         feed_forward_proj=feed_forward,
         decoder_start_token_id=config.decoder_start_token_id,
         # T5Config turns this into scale_decoder_outputs; the head's tying follows the stored tensors

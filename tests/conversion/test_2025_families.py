@@ -55,7 +55,9 @@ def test_converts_with_parity_tokens_and_back_bit_exact(case, tmp_path):
     assert main(["llama", str(tmp_path / "ours"), str(tmp_path / "back"), "--reverse"]) == 0
     source, back = (load_file(tmp_path / f / "model.safetensors") for f in ("src", "back"))
     assert source.keys() == back.keys() and all(torch.equal(source[k], back[k]) for k in source)
-    assert json.loads((tmp_path / "back" / "config.json").read_text())["model_type"] == model_type
+    # the config reads as the source's, down to the intervals official derives its layer lists from
+    source_config, back_config = (json.loads((tmp_path / f / "config.json").read_text()) for f in ("src", "back"))
+    assert back_config == source_config and back_config["model_type"] == model_type
 
 
 def test_llama4_rotary_rows_not_permuted_fail_parity(tmp_path, monkeypatch):

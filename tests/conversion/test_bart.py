@@ -126,6 +126,7 @@ def test_bart_reverse_is_bit_exact_and_loads_cleanly(bart_pair, tmp_path):
     assert all(torch.equal(original[k], returned[k]) for k in original)
     _, info = BartForConditionalGeneration.from_pretrained(back, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert json.loads((back / "config.json").read_text()) == json.loads((src / "config.json").read_text())
 
 
 @pytest.mark.parametrize("make", [make_official_bart, make_official_marian], ids=["bart", "marian"])

@@ -26,6 +26,8 @@ VARIANTS = {
     "untied": dict(tie_word_embeddings=False),
     "unscaled_attention_gelu_inner": dict(scale_attn_weights=False, activation_function="gelu", n_inner=40),
     "eight_heads_relu": dict(n_head=8, activation_function="relu", layer_norm_epsilon=1e-3),
+    # official's eager scores in float32 (hf_tiny's always are): kept for the way back
+    "reorder_and_upcast_eager": dict(reorder_and_upcast_attn=True),
 }
 GENERATE = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
 
@@ -60,6 +62,9 @@ def test_parity_generation_and_reverse(variant, tmp_path):
     assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
     source, returned = load_file(tmp_path / "src" / "model.safetensors"), load_file(tmp_path / "back" / "model.safetensors")
     assert source.keys() == returned.keys() and all(torch.equal(source[k], returned[k]) for k in source)
+    # the config reads as the source's (n_inner None where the width is GPT-2's 4x, reorder_and_upcast_attn kept)
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads(
+        (tmp_path / "src" / "config.json").read_text())
 
 
 def test_token_type_ids_add_word_embedding_rows_as_official_gpt2_in_forward_generate_and_classification(tmp_path):

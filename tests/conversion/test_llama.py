@@ -638,3 +638,16 @@ def test_parity_rows_in_half_precision_do_not_leak_into_float32_rows(tmp_path, m
     ours.to(torch.bfloat16).to(torch.float32)
     assert ours.model.rotary_emb.inv_freq.dtype == torch.float32
     assert not torch.equal(ours.model.rotary_emb.inv_freq, exact)
+
+
+def test_a_language_models_label_fields_travel_both_ways(tmp_path):
+    """A LlamaForCausalLM config may name labels (LlamaForSequenceClassification.from_pretrained reads them from
+    it): the hf_tiny folder and the way back keep them."""
+    labels = {0: "negative", 1: "neutral", 2: "positive"}
+    label2id = {name: i for i, name in labels.items()}
+    tiny_official("llama", id2label=labels, label2id=label2id).save_pretrained(tmp_path / "src")
+    llama.convert(tmp_path / "src", tmp_path / "ours")
+    assert transformers.AutoConfig.from_pretrained(tmp_path / "ours").id2label == labels
+    assert cli(["llama", str(tmp_path / "ours"), str(tmp_path / "back"), "--reverse"]) == 0
+    back = transformers.AutoConfig.from_pretrained(tmp_path / "back")
+    assert (back.architectures, back.id2label, back.label2id) == (["LlamaForCausalLM"], labels, label2id)

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForSeq2SeqLM, T5ForConditionalGeneration
+from transformers import AutoConfig, AutoModelForSeq2SeqLM, T5ForConditionalGeneration
 
 import hf_tiny  # noqa: F401  (registers the Auto classes)
 from conversion import ConversionError, t5
@@ -118,6 +118,21 @@ def test_t5_reverse_is_bit_exact_and_loads_cleanly(t5_pair, tmp_path):
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     assert official.config.scale_decoder_outputs is VARIANTS[variant]["tie_word_embeddings"]
     assert json.loads((back / "config.json").read_text())["feed_forward_proj"] == VARIANTS[variant]["feed_forward_proj"]
+    # the config reads as the source's (initializer_factor 1.5 from initializer_range, the label fields kept)
+    assert json.loads((back / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+
+
+def test_label_fields_travel_both_ways(tmp_path):
+    """A T5 config naming labels (which T5ForSequenceClassification reads) keeps them in the hf_tiny folder and on
+    the way back."""
+    labels = {0: "entailment", 1: "neutral", 2: "contradiction"}
+    label2id = {name: i for i, name in labels.items()}
+    src = make_official_t5(tmp_path / "official", **VARIANTS["v1.0-relu-tied"], id2label=labels, label2id=label2id)
+    t5.convert(src, tmp_path / "ours")
+    assert AutoConfig.from_pretrained(tmp_path / "ours").id2label == labels
+    t5.convert_back(tmp_path / "ours", tmp_path / "back")
+    back = AutoConfig.from_pretrained(tmp_path / "back")
+    assert (back.id2label, back.label2id, back.num_labels) == (labels, label2id, 3)
 
 
 def test_t5_card_and_flash_note(t5_pair):

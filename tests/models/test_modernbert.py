@@ -222,6 +222,18 @@ def test_round_trip_reloads_the_official_class_bit_for_bit(architecture, convert
         LAYER_TYPES, 6, official.config.rope_parameters)
 
 
+def test_deterministic_flash_attn_is_kept_for_the_way_back(tmp_path):
+    """A hint to official's flash-attn backward that hf_tiny's models do not read: kept in the hf_tiny config as it
+    is, and written back (the default, False, where the source said nothing)."""
+    for value, name in ((True, "set"), (None, "default")):
+        fields = {} if value is None else {"deterministic_flash_attn": value}
+        official_model("ModernBertForMaskedLM", **fields).save_pretrained(tmp_path / name / "src")
+        modernbert.convert(tmp_path / name / "src", tmp_path / name / "ours")
+        modernbert.convert_back(tmp_path / name / "ours", tmp_path / name / "back")
+        back = transformers.AutoConfig.from_pretrained(tmp_path / name / "back")
+        assert back.deterministic_flash_attn is bool(value), name
+
+
 def test_the_family_is_detected_both_ways(converted):
     _, folder = converted("ModernBertForMaskedLM")
     assert detect_family(folder / "src")[0] == "modernbert"
