@@ -193,6 +193,9 @@ def path_on(module: nn.Module, path: str, device: torch.device) -> bool:
 def _declaring(math: Callable, dispatcher: Callable, declaration: str) -> Callable:
     dispatcher = functools.wraps(math)(dispatcher)
     dispatcher.runtime_declaration = declaration
+    # The math under a name that finds it (the class attribute is the dispatcher; the math is its __wrapped__): pickle
+    # saves a function as module and qualified name, and vLLM's compile cache pickles the forwards it traced.
+    math.__qualname__ = f"{dispatcher.__qualname__}.__wrapped__"
     return dispatcher
 
 

@@ -77,6 +77,57 @@ def test_each_declared_forward_keeps_its_signature_and_names_its_declaration():
     assert list(inspect.signature(type(layer.mlp).forward).parameters) == ["self", "x"]
 
 
+def declared_methods():
+    """(class, name, dispatcher) for every method of hf_tiny's classes that carries a runtime declaration."""
+    import importlib
+    import pkgutil
+
+    import hf_tiny
+
+    found = {}
+    for info in pkgutil.iter_modules(hf_tiny.__path__):
+        module = importlib.import_module(f"hf_tiny.{info.name}")
+        for cls in vars(module).values():
+            if isinstance(cls, type) and cls.__module__ == module.__name__:
+                found.update({(cls, name): value for name, value in vars(cls).items()
+                              if getattr(value, "runtime_declaration", None)})
+    return [(cls, name, value) for (cls, name), value in found.items()]
+
+
+def test_each_declared_method_and_its_math_pickle_as_themselves():
+    """pickle saves a function as its module and qualified name (vLLM's compile cache pickles the forwards it traced:
+    the model's, not the layers'): both the dispatcher (the class attribute) and the math it wraps must be found
+    again by those names. A layer's forward is wrapped again by transformers' GradientCheckpointingLayer, as
+    official's layers are, and pickles as theirs do not."""
+    import pickle
+
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    methods = [method for method in declared_methods() if not issubclass(method[0], GradientCheckpointingLayer)]
+    assert {cls.__name__ for cls, _, _ in methods} >= {"TinyCausalModel", "TinyCausalForCausalLM", "TinyEncoderModel"}
+    for cls, name, dispatcher in methods:
+        for function in (dispatcher, dispatcher.__wrapped__):
+            assert pickle.loads(pickle.dumps(function)) is function, (cls.__name__, name, function.__qualname__)
+
+
+def test_negative_control_a_wrapped_math_under_the_dispatchers_name_does_not_pickle():
+    import functools
+    import pickle
+
+    def math(self):
+        return None
+
+    math.__module__, math.__qualname__ = __name__, "Wrapped.forward"
+    Wrapped = type("Wrapped", (), {"forward": functools.wraps(math)(lambda self: math(self))})
+    globals()["Wrapped"] = Wrapped
+    try:
+        with pytest.raises(pickle.PicklingError, match="not the same object"):
+            pickle.dumps(math)
+        assert pickle.loads(pickle.dumps(Wrapped.forward)) is Wrapped.forward
+    finally:
+        del globals()["Wrapped"]
+
+
 def test_a_custom_code_models_forward_signature_is_read_cheaply():
     """generate() reads a custom-code model's forward signature at every step: the declared forward carries the
     math's signature precomputed (238 Python calls per read without it, measured 2026-11-27)."""
