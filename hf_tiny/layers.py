@@ -107,32 +107,36 @@ def _activation(hidden_act: str) -> nn.Module:
     return ACT2FN[hidden_act]
 
 
-class WeightDtypeLinear(nn.Linear):
-    """nn.Linear whose input is cast to its weight's dtype first: T5's `wo`, which from_pretrained(dtype=float16)
-    keeps float32 (official T5's _keep_in_fp32_modules), as official T5DenseActDense casts before it. Where the dtypes
-    agree the cast is no operation."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.to(self.weight.dtype))
+def down_input(feed_forward: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """The input of a down_in_weight_dtype feed-forward's down projection (T5's) cast to its weight's dtype, as official
+    T5DenseActDense casts before `wo`, which from_pretrained(dtype=float16) keeps float32 (official T5's
+    _keep_in_fp32_modules); an int8 weight (bitsandbytes) takes the input as it is. down_proj stays a plain nn.Linear,
+    for the quantizers and tools that pick modules by their exact type."""
+    weight = feed_forward.down_proj.weight
+    if isinstance(weight, torch.Tensor) and hidden.dtype != weight.dtype and weight.dtype != torch.int8:
+        return hidden.to(weight.dtype)
+    return hidden
 
 
 class FeedForward(nn.Module):
     """down(act(up(x))): BERT, GPT-2, BART (c_fc / c_proj, intermediate / output); activation_dropout drops the
-    activation while training (BART). down_in_weight_dtype: the down projection is a WeightDtypeLinear (T5)."""
+    activation while training (BART). down_in_weight_dtype: the down projection's input takes its weight's dtype
+    (T5: down_input)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str, *, bias: bool,
                  activation_dropout: float = 0.0, down_in_weight_dtype: bool = False):
         super().__init__()
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        down = WeightDtypeLinear if down_in_weight_dtype else nn.Linear
-        self.down_proj = down(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_in_weight_dtype = down_in_weight_dtype
         self.act_fn = _activation(hidden_act)
         self.dropout = nn.Dropout(activation_dropout) if activation_dropout else None
 
     @runtime_feed_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.act_fn(self.up_proj(x))
-        return self.down_proj(hidden if self.dropout is None else self.dropout(hidden))
+        hidden = hidden if self.dropout is None else self.dropout(hidden)
+        return self.down_proj(down_input(self, hidden) if self.down_in_weight_dtype else hidden)
 
 
 class GatedFeedForward(nn.Module):
@@ -145,15 +149,16 @@ class GatedFeedForward(nn.Module):
         super().__init__()
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        down = WeightDtypeLinear if down_in_weight_dtype else nn.Linear
-        self.down_proj = down(intermediate_size, hidden_size, bias=bias)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.down_in_weight_dtype = down_in_weight_dtype
         self.act_fn = _activation(hidden_act)
         self.dropout = nn.Dropout(activation_dropout) if activation_dropout else None
 
     @runtime_feed_forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         hidden = self.act_fn(self.gate_proj(x)) * self.up_proj(x)
-        return self.down_proj(hidden if self.dropout is None else self.dropout(hidden))
+        hidden = hidden if self.dropout is None else self.dropout(hidden)
+        return self.down_proj(down_input(self, hidden) if self.down_in_weight_dtype else hidden)
 
 
 class ClampedSwiGLUFeedForward(nn.Module):

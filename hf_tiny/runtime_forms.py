@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import activations
 
-from .layers import Attention, FeedForward, GatedFeedForward, RMSNorm
+from .layers import Attention, FeedForward, GatedFeedForward, RMSNorm, down_input
 from .runtime import (
     MAX_FEW_ROWS, few_rows_product, in_place_scale, plain_linear, rebuilt_in_backward, untouched, workspace_tensor,
 )
@@ -69,7 +69,8 @@ def feed_forward_in_place(feed_forward: nn.Module, x: torch.Tensor) -> torch.Ten
             dropout is None or untouched(dropout)):
         return feed_forward(x)
     hidden = form(feed_forward, x, activate_)
-    return feed_forward.down_proj(hidden if dropout is None else dropout(hidden))
+    hidden = hidden if dropout is None else dropout(hidden)
+    return feed_forward.down_proj(down_input(feed_forward, hidden) if feed_forward.down_in_weight_dtype else hidden)
 
 
 def _gated(feed_forward: GatedFeedForward, x: torch.Tensor, activate_: Callable) -> torch.Tensor:
@@ -111,13 +112,15 @@ IN_PLACE_LAYERS = {"pre_norm_in_place": pre_norm_in_place, "post_norm_in_place":
 def gated_few_rows(ff: GatedFeedForward, x: torch.Tensor) -> torch.Tensor:
     """GatedFeedForward.forward with each product through few_rows_product (weight-first where it applies)."""
     hidden = ff.act_fn(few_rows_product(ff.gate_proj, x)) * few_rows_product(ff.up_proj, x)
-    return few_rows_product(ff.down_proj, hidden if ff.dropout is None else ff.dropout(hidden))
+    hidden = hidden if ff.dropout is None else ff.dropout(hidden)
+    return few_rows_product(ff.down_proj, down_input(ff, hidden) if ff.down_in_weight_dtype else hidden)
 
 
 def plain_few_rows(ff: FeedForward, x: torch.Tensor) -> torch.Tensor:
     """FeedForward.forward with each product through few_rows_product."""
     hidden = ff.act_fn(few_rows_product(ff.up_proj, x))
-    return few_rows_product(ff.down_proj, hidden if ff.dropout is None else ff.dropout(hidden))
+    hidden = hidden if ff.dropout is None else ff.dropout(hidden)
+    return few_rows_product(ff.down_proj, down_input(ff, hidden) if ff.down_in_weight_dtype else hidden)
 
 
 # The few-rows forms, by the feed-forward class whose declared forward they reproduce (runtime_feed_forward looks the
@@ -233,7 +236,7 @@ def gated_rebuilt(module: GatedFeedForward, x: torch.Tensor) -> torch.Tensor:
     activated, up = module.act_fn(module.gate_proj(x)), module.up_proj(x)
     hidden = activated * up
     with rebuilt_in_backward(module, hidden, lambda: activated * up):
-        return module.down_proj(hidden)
+        return module.down_proj(down_input(module, hidden) if module.down_in_weight_dtype else hidden)
 
 
 REBUILT_FEED_FORWARDS = {GatedFeedForward: gated_rebuilt}

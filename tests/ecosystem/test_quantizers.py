@@ -198,3 +198,58 @@ def test_t5_quantizes_as_official_leaving_its_feed_forward_output_projections(tm
     assert count == official_count and max_diff(logits, official_logits) == 0.0
     down = [name for name, _ in ours.named_modules() if name.endswith("down_proj")]
     assert down and not set(down) & quantized_modules(ours)
+
+
+def test_pytorchs_dynamic_quantization_replaces_t5s_modules_as_officials(tmp_path):
+    """torch.ao picks the modules it quantizes by their exact type: every projection of hf_tiny's T5 (down_proj
+    included, whose input T5's feed-forward casts itself) is a plain nn.Linear, so quantize_dynamic replaces the
+    modules it replaces in official T5 (wo included) and the outputs are equal."""
+    from torch import nn
+    from transformers import AutoModelForSeq2SeqLM
+
+    official_folder, ours_folder = _t5_pair(tmp_path)
+    ids = torch.randint(3, 90, (2, 9), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "decoder_input_ids": ids[:, :5]}
+    results = []
+    for folder in (official_folder, ours_folder):
+        model = AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
+        linears = sum(type(module) is nn.Linear for module in model.modules())
+        quantized = torch.ao.quantization.quantize_dynamic(model, {nn.Linear}, dtype=torch.qint8)
+        left = [name for name, module in quantized.named_modules() if type(module) is nn.Linear]
+        with torch.no_grad():
+            results.append((linears, left, quantized(**inputs).logits))
+    (official_linears, official_left, official_logits), (linears, left, logits) = results
+    assert linears == official_linears and left == official_left == []
+    assert max_diff(logits, official_logits) == 0.0
+
+
+HEAD_SKIPS = {"roberta": "RobertaForSequenceClassification", "distilbert": "DistilBertForSequenceClassification",
+              "electra": "ElectraForSequenceClassification"}
+
+
+@pytest.mark.parametrize("family", sorted(HEAD_SKIPS))
+def test_a_classifier_heads_skip_list_quantizes_as_official_with_pre_classifier_named(family, tmp_path):
+    """Official's head (RoBERTa's and ELECTRA's classifier.dense, DistilBERT's pre_classifier) stays unquantized with
+    llm_int8_skip_modules=["classifier"]; hf_tiny's dense layer before the classifier is `pre_classifier.dense`,
+    which the list must name too (docs/compatibility.md): then the same modules are replaced and the outputs equal.
+    Negative control: with official's list alone hf_tiny quantizes that layer and the outputs differ."""
+    pytest.importorskip("bitsandbytes")
+    import importlib
+
+    import encoder_checkpoint_models
+    from transformers import AutoModelForSequenceClassification
+
+    make = getattr(encoder_checkpoint_models, f"official_{family}")
+    sizes = dict(hidden=64, intermediate=128, num_labels=3, **({"embedding": 64} if family == "electra" else {}))
+    make(HEAD_SKIPS[family], **sizes).save_pretrained(tmp_path / "official")
+    importlib.import_module(f"conversion.{family}").convert(tmp_path / "official", tmp_path / "ours")
+    inputs = {"input_ids": torch.randint(3, 90, (2, 9), generator=torch.Generator().manual_seed(0))}
+
+    def quantized(folder, skip):
+        return _quantized_8bit(AutoModelForSequenceClassification, folder, inputs, skip)[:2]
+
+    official_count, official_logits = quantized(tmp_path / "official", ["classifier"])
+    count, logits = quantized(tmp_path / "ours", ["classifier", "pre_classifier"])
+    assert count == official_count and max_diff(logits, official_logits) == 0.0
+    short_count, short_logits = quantized(tmp_path / "ours", ["classifier"])
+    assert short_count == official_count + 1 and max_diff(short_logits, official_logits) > 1e-4
