@@ -62,6 +62,9 @@ def test_offline_engine_generates_officials_greedy_tokens_with_fused_projections
     assert "Found: self_attn (Attention) -> attention interface" in log
     assert "Fused: q_proj + k_proj + v_proj (self_attn: Attention) -> qkv_proj" in log
     assert "Fused: gate_proj + up_proj (mlp: GatedFeedForward) -> gate_up_proj" in log
+    # its compile cache could pickle the forwards it traced (vLLM 0.32's CPU build then fails to load the file it
+    # saved, for its own models too, and compiles again)
+    assert "unable to save AOT compiled function" not in log
     assert all(len(set(tokens)) > 5 for tokens in expected)  # real text, not a repeated token
     assert produced["token_ids"] == expected
 
