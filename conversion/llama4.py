@@ -66,6 +66,9 @@ def fields_from_official(official, *, src) -> dict:
         intermediate_size=official.intermediate_size_mlp, attention_bias=official.attention_bias,
         attention_chunk_size=official.attention_chunk_size if chunked else None, nope_layers=nope,
         qk_norm=official.use_qk_norm, qk_norm_type="l2" if official.use_qk_norm else "head",
+        # official rotates q / k as float32 complex numbers (bf16 / fp16 models too; in float32 it changes nothing,
+        # so the way back does not require it)
+        rope_float32=True,
     )
     if official.moe_layers and not official.num_local_experts:
         raise ConversionError(f"Llama 4 config has moe_layers={official.moe_layers} but num_local_experts=0: MoE "

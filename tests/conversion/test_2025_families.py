@@ -49,6 +49,8 @@ def test_converts_with_parity_tokens_and_back_bit_exact(case, tmp_path):
     assert detect_family(tmp_path / "src") == ("llama", f"model_type {model_type!r}")
     assert result["architecture"] == type(official).__name__
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    # official's float32 q / k rotation in bf16 / fp16 models (models/test_llama4_text.py, test_olmo2.py)
+    assert ours.config.rounding.rope_float32 is (model_type in ("llama4_text", "olmo2"))
     for backend in ("eager", "sdpa"):
         assert logits_error(official, ours, backend) <= TOLERANCE, backend
     assert torch.equal(greedy_tokens(ours), greedy_tokens(official))

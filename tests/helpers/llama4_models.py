@@ -60,6 +60,7 @@ def llama4_fields(official_config) -> dict:
         mlp_layer_types=["sparse" if i in c.moe_layers else "dense" for i in range(c.num_hidden_layers)],
         # official Llama 4 reads neither the aux-loss coefficient nor the jitter (conversion/llama4.py)
         router_aux_loss_coef=0.0, router_jitter_noise=0.0, output_router_logits=c.output_router_logits,
+        rope_float32=True,  # official's q / k rotation in float32 (its bf16 / fp16 rounding)
     )
 
 

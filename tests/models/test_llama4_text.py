@@ -13,7 +13,7 @@ import transformers
 import transformers.masking_utils
 from transformers import GenerationConfig
 
-from causal_helpers import small_paged_cache
+from causal_helpers import left_padded_batch, real_logits, small_paged_cache
 from family_parity import (BACKENDS, TOLERANCE, assert_runtime_bit_identical, assert_same_greedy_tokens,
                            gradient_errors, greedy_tokens, load_ours, logits_error)
 from llama4_models import VARIANTS, llama4_fields, llama4_rename, ours_for, tiny_llama4
@@ -51,6 +51,23 @@ def test_negative_control_rotary_row_order_matters():
 
     wrong = load_ours(official, llama4_fields(official.config), unpermuted)
     assert logits_error(official, wrong, "sdpa") > 100 * TOLERANCE
+
+
+def _half_logits(model, dtype):
+    model = model.to(dtype)
+    model.set_attn_implementation("sdpa")
+    return real_logits(model, left_padded_batch(model.config.vocab_size, (9, 6))).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_half_precision_logits_equal_official_bit_for_bit_with_its_float32_rotation(variant, dtype):
+    """Official rotates q / k as float32 complex numbers in a bf16 / fp16 model (rope_float32, which the converter
+    sets). Negative control: rotated in the model's dtype (Llama's rounding), bf16 logits were 0.22 off official's."""
+    official = tiny_llama4(variant)
+    expected = _half_logits(official, dtype)
+    assert torch.equal(_half_logits(ours_for(official), dtype), expected)
+    assert not torch.equal(_half_logits(ours_for(official, rope_float32=False), dtype), expected)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
