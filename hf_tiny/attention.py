@@ -133,7 +133,10 @@ def torch_attention(q, k, v, mask=None, *, scale: float, dropout_p: float = 0.0,
     if mask is None and is_causal and sq != sk:  # SDPA's is_causal is top-left aligned, ours bottom-right
         mask = None if sq == 1 else causal_bool_mask(sq, sk, q.device)
         is_causal = False
-    gqa = q.shape[1] != k.shape[1]
+    # A Python bool by a branch (dynamo guards on it; bool() would trace to a SymBool): SDPA takes no SymBool, and a
+    # compiled step can hold the key heads as a symbol (a static cache compiled again after another model's, with
+    # another key/value head count).
+    gqa = True if q.shape[1] != k.shape[1] else False  # noqa: SIM210
     if gqa and q.device.type != "cpu" and not fused_kernels_take_grouped_heads(k, v, mask):  # the CPU's take all
         n_rep = q.shape[1] // k.shape[1]
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)

@@ -33,6 +33,7 @@ import hf_tiny  # noqa: F401  (registers the Auto classes)
 import deepseek_models
 import gpt_oss_models
 import llama4_models
+import smollm3_models
 from causal_helpers import left_padded_batch, official_and_converted, tiny_official
 from hf_tiny import moe
 from fresh_interpreter import clean_env
@@ -147,6 +148,28 @@ def test_moe_decoding_compiles_fullgraph_with_officials_tokens(name, tmp_path):
     assert steps == NEW_TOKENS - 1 and graphs == MOE_GRAPHS[name]
     if name != "llama4_text":
         assert compiled_generate(official, batch, do_sample=False)[1] == graphs
+
+
+def test_a_second_model_with_other_key_value_heads_compiles_its_step_in_the_same_process(tmp_path):
+    """generate's compiled step for Llama (4 heads over 2 key/value heads), then, with no dynamo reset between (a
+    process that evaluates or serves two models), SmolLM3's (6 over 3, NoPE and sliding layers): dynamo then holds the
+    cache's head count as a symbol, and SDPA's enable_gqa must still get a Python bool (it failed with "must be bool,
+    not SymBool"). Both give official's tokens."""
+    batch = left_padded_batch(97, (8, 5, 3), seed=1)
+    short = dict(max_new_tokens=3, min_new_tokens=3, pad_token_id=0, eos_token_id=None, do_sample=False)
+    torch._dynamo.reset()
+    models = {"llama": tiny_official("llama"),
+              "smollm3": smollm3_models.tiny_smollm3("sliding_nope_biases_tied")}
+    for name, model in models.items():
+        folder = official_and_converted(model, tmp_path / name)
+        official, ours = (AutoModelForCausalLM.from_pretrained(folder / side).eval() for side in ("official", "ours"))
+        config = CompileConfig(fullgraph=True, backend=GraphCounter().backend, mode=None)
+        config._compile_all_devices = True
+        with torch.no_grad():
+            expected = official.generate(batch["input_ids"], attention_mask=batch["attention_mask"], **short)
+            produced = ours.generate(batch["input_ids"], attention_mask=batch["attention_mask"],
+                                     cache_implementation="static", compile_config=config, **short)
+        assert torch.equal(produced, expected), name
 
 
 @pytest.mark.slow
