@@ -55,11 +55,13 @@ class SinusoidalPositionTable(nn.Embedding):
 def rotary_embeddings_of(config: TinyEncoderConfig) -> tuple[Optional[RotaryEmbedding], Optional[RotaryEmbedding]]:
     """(rotary_emb, sliding_rotary_emb): the rotary positions of full-attention layers (of every layer when the
     rope parameters are not keyed by layer type), and of sliding layers where theirs differ (ModernBERT's local
-    theta); (None, None) with a position table."""
+    theta); (None, None) with a position table. A bf16 / fp16 model rotates q and k in float32 by cos / sin rounded
+    to its dtype, as official ModernBERT (the encoder with rotary positions) does."""
     if config.position_embedding_type != "rope":
         return None, None
     full, sliding = config.rope_parameters_for("full_attention"), config.rope_parameters_for("sliding_attention")
-    return RotaryEmbedding(config, full), (RotaryEmbedding(config, sliding) if sliding != full else None)
+    return (RotaryEmbedding(config, full, rotate_in_float32=True),
+            RotaryEmbedding(config, sliding, rotate_in_float32=True) if sliding != full else None)
 
 
 def position_table_of(config: TinyEncoderConfig) -> Optional[nn.Embedding]:

@@ -258,12 +258,14 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(self, config, rope_parameters: Optional[dict] = None, head_dim: Optional[int] = None,
-                 float32: bool = False):
+                 float32: bool = False, rotate_in_float32: bool = False):
         """rope_parameters: this module's own (one layer type's); by default config.rope_parameters. head_dim: the
         dimensions the rotation covers when they are not config.head_dim (MLA's qk_rope_head_dim). float32: cos/sin
-        stay float32 whatever x's dtype (OLMo 2: q and k are rotated in float32, then cast back)."""
+        stay float32 whatever x's dtype (OLMo 2: q and k are rotated in float32, then cast back). rotate_in_float32:
+        cos/sin rounded to x's dtype, then returned as float32, so that q and k are rotated in float32 by the rounded
+        values (official ModernBERT's order)."""
         super().__init__()
-        self.float32 = float32
+        self.float32, self.rotate_in_float32 = float32, rotate_in_float32
         self.rope_parameters = standardize_rope_parameters(
             rope_parameters if rope_parameters is not None else getattr(config, "rope_parameters", None),
             max_position_embeddings=config.max_position_embeddings,
@@ -349,6 +351,8 @@ class RotaryEmbedding(nn.Module):
             cos, sin = self._cos_sin(position_ids, x.device)
         if self.float32:
             return cos, sin
+        if self.rotate_in_float32:
+            return cos.to(dtype=x.dtype).float(), sin.to(dtype=x.dtype).float()
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
     def extra_repr(self) -> str:

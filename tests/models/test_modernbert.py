@@ -222,6 +222,25 @@ def test_round_trip_reloads_the_official_class_bit_for_bit(architecture, convert
         LAYER_TYPES, 6, official.config.rope_parameters)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_half_precision_outputs_equal_official_bit_for_bit_with_its_rotation_rounding(converted, dtype):
+    """Official rounds cos / sin to the model's dtype and rotates q / k in float32 (sdpa on both sides: hf_tiny's eager
+    scores are float32, docs/architecture.md). Negative control: rotated in the model's dtype (Llama's rounding), bf16
+    logits were 0.109 off official's."""
+    official, folder = converted("ModernBertForMaskedLM")
+    official = transformers.ModernBertForMaskedLM.from_pretrained(folder / "src", dtype=dtype).eval()
+    official.set_attn_implementation("sdpa")
+    ours = hf_tiny.TinyEncoderForMaskedLM.from_pretrained(folder / "ours", dtype=dtype).eval()
+    batch = padded_batch()
+    with torch.no_grad():
+        expected = official(**batch).logits
+        assert torch.equal(ours(**batch).logits, expected)
+        rotaries = [module for module in ours.modules() if isinstance(module, hf_tiny.layers.RotaryEmbedding)]
+        for module in rotaries:
+            module.rotate_in_float32 = False
+        assert rotaries and not torch.equal(ours(**batch).logits, expected)
+
+
 def test_deterministic_flash_attn_is_kept_for_the_way_back(tmp_path):
     """A hint to official's flash-attn backward that hf_tiny's models do not read: kept in the hf_tiny config as it
     is, and written back (the default, False, where the source said nothing)."""
