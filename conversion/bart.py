@@ -20,7 +20,7 @@ from .keymap import KeyMap, Rule, layer_rules
 from .lazy import LazyTensors, TensorInfo
 from .pipeline import Plan, ReversePlan, Source, entry_points
 from .readers import official_config, source_name
-from .seq2seq_common import LABEL_FIELDS, Seq2SeqFamily, require_style, stack_depths, styled_config
+from .seq2seq_common import SAME_LABEL_FIELDS, Seq2SeqFamily, require_style, stack_depths, styled_config
 from .writer import drop_tied_copies, stores_tied_copy
 
 OFFICIAL_CLASSES = {"bart": "BartForConditionalGeneration", "marian": "MarianMTModel"}
@@ -85,7 +85,7 @@ CONFIG_FIELDS = {
     "bos_token_id": "bos_token_id",
     "eos_token_id": "eos_token_id",
     "decoder_start_token_id": "decoder_start_token_id",
-    **LABEL_FIELDS,
+    **SAME_LABEL_FIELDS,
 }
 
 

@@ -13,7 +13,7 @@ import torch
 from .errors import ConversionError
 from .gguf_files import gguf_special_token_ids, official_meta_model, open_gguf
 from .keymap import KeyMap, Rule
-from .pipeline import Family, Plan, ReversePlan, Source
+from .pipeline import LABEL_FIELDS, Family, Plan, ReversePlan, Source
 from .readers import hub_id_of, official_config, require_model_type, source_name
 from .streamed import Streamed
 from .writer import drop_tied_copies
@@ -30,7 +30,6 @@ OUR_CLASSES = {
 IGNORED_BUFFERS = (r"(model\.)?layers\.\d+\.self_attn\.rotary_emb\.inv_freq", r"(model\.)?rotary_emb\.inv_freq")
 
 
-LABEL_FIELDS = ("id2label", "label2id", "problem_type")
 # Fields with the same name and meaning in TinyCausalConfig and every Llama-style official config (the Llama
 # family's types, Phi-3).
 SHARED_FIELDS = (
@@ -55,11 +54,8 @@ def build_causal_config(values: dict, official, *, src):
         raise ConversionError(f"{src}: this {official.model_type} config has no hf_tiny equivalent: {error}") from error
 
 
-def official_label_fields(config, official_class: str) -> dict:
-    """The label fields of an hf_tiny config, for any official class (a language model's config may name labels too,
-    which its classifier then reads); none when the config has no labels."""
-    if config.id2label is None:
-        return {}
+def label_fields(config) -> dict:
+    """The label fields of an hf_tiny config, for the official config of any class (pipeline.LABEL_FIELDS)."""
     return {name: getattr(config, name) for name in LABEL_FIELDS}
 
 

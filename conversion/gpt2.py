@@ -24,7 +24,7 @@ import torch
 from .errors import ConversionError
 from .keymap import KeyMap, Rule, Transform
 from .causal import (
-    OUR_CLASSES, SingleTypeFamily, build_causal_config, embedding_rule, head_rules, official_label_fields, require_class,
+    OUR_CLASSES, SingleTypeFamily, build_causal_config, embedding_rule, head_rules, label_fields, require_class,
 )
 from .pipeline import Plan, Source, entry_points
 from .readers import official_config, torch_load_weights_only
@@ -161,7 +161,7 @@ def gpt2_config_from_causal(config, official_class: str):
         resid_pdrop=config.hidden_dropout, embd_pdrop=config.embedding_dropout,
         scale_attn_weights=config.query_pre_attn_scalar is None, tie_word_embeddings=config.tie_word_embeddings,
         pad_token_id=config.pad_token_id, bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id,
-        architectures=[official_class], **official_label_fields(config, official_class),
+        architectures=[official_class], **label_fields(config),
     )
     return transformers.GPT2Config(**values)
 

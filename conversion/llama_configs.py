@@ -7,7 +7,7 @@ from __future__ import annotations
 from hf_tiny.rope import rope_parameter_sets, uses_longrope
 
 from . import deepseek, dense, gpt_oss, llama4, moe, olmo2, smollm3
-from .causal import SHARED_FIELDS, build_causal_config, official_label_fields, plain_dict
+from .causal import SHARED_FIELDS, build_causal_config, label_fields, plain_dict
 from .causal_variant import CausalVariant
 from .errors import ConversionError
 from .moe import official_moe_family
@@ -61,7 +61,7 @@ def official_config_from_causal(config, official_class: str, model_type: str | N
     variant = OFFICIAL_TYPES[model_type or official_family(config)]
     values = {name: getattr(config, name) for name in SHARED_FIELDS}
     values.update(hidden_act=config.hidden_act, rope_parameters=plain_dict(config.rope_parameters),
-                  architectures=[official_class], **official_label_fields(config, official_class))
+                  architectures=[official_class], **label_fields(config))
     values.update(variant.official_fields(config))
     for ours, theirs in variant.renamed_fields.items():
         values[theirs] = values.pop(ours)

@@ -19,7 +19,7 @@ from hf_tiny.configuration_causal import field_value
 from .errors import ConversionError
 from .keymap import KeyMap, Rule, Transform
 from .causal import (
-    OUR_CLASSES, SingleTypeFamily, build_causal_config, embedding_rule, head_rules, official_label_fields, require_class,
+    OUR_CLASSES, SingleTypeFamily, build_causal_config, embedding_rule, head_rules, label_fields, require_class,
 )
 from .pipeline import entry_points
 
@@ -140,7 +140,7 @@ def mpt_config_from_causal(config, official_class: str):
         layer_norm_epsilon=config.layer_norm_eps, attn_config={"alibi": True, "attn_pdrop": config.attention_dropout},
         no_bias=True, tie_word_embeddings=True, pad_token_id=config.pad_token_id, bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id, architectures=[official_class],
-        **official_label_fields(config, official_class),
+        **label_fields(config),
     )
     return transformers.MptConfig(**values)
 

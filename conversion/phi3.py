@@ -25,7 +25,7 @@ from .errors import ConversionError
 from .keymap import KeyMap, Rule, Transform
 from .causal import (
     IGNORED_BUFFERS, OUR_CLASSES, SHARED_FIELDS, SingleTypeFamily, build_causal_config, embedding_rule, head_rules,
-    official_label_fields, require_class,
+    label_fields, require_class,
 )
 from .pipeline import Source, entry_points
 
@@ -118,7 +118,7 @@ def phi3_config_from_causal(config, official_class: str):
     values = {name: getattr(config, name) for name in SHARED_FIELDS}
     values.update(hidden_act=config.hidden_act, rope_parameters=rope, sliding_window=config.sliding_window,
                   resid_pdrop=config.hidden_dropout, architectures=[official_class],
-                  **official_label_fields(config, official_class))
+                  **label_fields(config))
     if "original_max_position_embeddings" in rope:
         values["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
     return transformers.Phi3Config(**values)

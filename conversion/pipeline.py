@@ -401,6 +401,9 @@ def _return_dict_refused(source: Source, plan: Plan, error: AttributeError) -> O
 # PretrainedConfig's own switches of what a forward returns by default, which every family's models read as official's
 # do: carried as they are both ways (mosaicml/mpt-* configs say use_cache=false, some BERT-era ones return_dict=false)
 OUTPUT_SWITCHES = ("use_cache", "output_hidden_states", "return_dict")
+# PretrainedConfig's label fields: a language model's config may name labels too, which its official sequence
+# classifier reads (BartConfig's default has three); each family carries them as they are, both ways
+LABEL_FIELDS = ("id2label", "label2id", "problem_type")
 
 
 def carry_output_switches(source: dict, target) -> None:
@@ -410,6 +413,7 @@ def carry_output_switches(source: dict, target) -> None:
 
 
 def carry_fields(source: dict, target, names: tuple[str, ...]) -> None:
+    """The named fields the source config holds (a family's kept_fields), set on the target as they are."""
     for name in names:
         if name in source:
             setattr(target, name, source[name])

@@ -10,12 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import ConversionError
-from .pipeline import Family, Plan, Source
+from .pipeline import LABEL_FIELDS, Family, Plan, Source
 from .writer import write_generation_config
 
-# The label fields, carried both ways as they are: a config of a generating model may name labels, which its official
-# sequence classifier reads (BartConfig's default has three)
-LABEL_FIELDS = {"id2label": "id2label", "label2id": "label2id", "problem_type": "problem_type"}
+# The label fields (pipeline.LABEL_FIELDS) in the families' official field -> hf_tiny field tables
+SAME_LABEL_FIELDS = {name: name for name in LABEL_FIELDS}
 
 
 def stack_depths(config) -> dict[str, int]:

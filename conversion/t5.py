@@ -19,7 +19,7 @@ from .errors import ConversionError
 from .keymap import KeyMap, Rule, layer_rules
 from .pipeline import Plan, ReversePlan, Source, entry_points
 from .readers import official_config, source_name
-from .seq2seq_common import LABEL_FIELDS, Seq2SeqFamily, require_style, stack_depths, styled_config
+from .seq2seq_common import SAME_LABEL_FIELDS, Seq2SeqFamily, require_style, stack_depths, styled_config
 from .writer import drop_tied_copies, stores_tied_copy
 
 ATTENTION = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj"}
@@ -37,7 +37,7 @@ CONFIG_FIELDS = {
     "relative_attention_max_distance": "relative_attention_max_distance",
     "pad_token_id": "pad_token_id",
     "eos_token_id": "eos_token_id",
-    **LABEL_FIELDS,
+    **SAME_LABEL_FIELDS,
 }
 
 

@@ -60,8 +60,8 @@ def rotary_embeddings_of(config: TinyEncoderConfig) -> tuple[Optional[RotaryEmbe
     if config.position_embedding_type != "rope":
         return None, None
     full, sliding = config.rope_parameters_for("full_attention"), config.rope_parameters_for("sliding_attention")
-    return (RotaryEmbedding(config, full, rotate_in_float32=True),
-            RotaryEmbedding(config, sliding, rotate_in_float32=True) if sliding != full else None)
+    return (RotaryEmbedding(config, full, rounded_float32=True),
+            RotaryEmbedding(config, sliding, rounded_float32=True) if sliding != full else None)
 
 
 def position_table_of(config: TinyEncoderConfig) -> Optional[nn.Embedding]:

@@ -111,7 +111,8 @@ def down_input(feed_forward: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
     """The input of a down_in_weight_dtype feed-forward's down projection (T5's) cast to its weight's dtype, as official
     T5DenseActDense casts before `wo`, which from_pretrained(dtype=float16) keeps float32 (official T5's
     _keep_in_fp32_modules); an int8 weight (bitsandbytes) takes the input as it is. down_proj stays a plain nn.Linear,
-    for the quantizers and tools that pick modules by their exact type."""
+    for the quantizers and tools that pick modules by their exact type. Callers test the feed-forward's
+    down_in_weight_dtype first: every other model's feed-forwards then make no call here (host work per step)."""
     weight = feed_forward.down_proj.weight
     if isinstance(weight, torch.Tensor) and hidden.dtype != weight.dtype and weight.dtype != torch.int8:
         return hidden.to(weight.dtype)
@@ -258,14 +259,14 @@ class RotaryEmbedding(nn.Module):
     """
 
     def __init__(self, config, rope_parameters: Optional[dict] = None, head_dim: Optional[int] = None,
-                 float32: bool = False, rotate_in_float32: bool = False):
+                 float32: bool = False, rounded_float32: bool = False):
         """rope_parameters: this module's own (one layer type's); by default config.rope_parameters. head_dim: the
         dimensions the rotation covers when they are not config.head_dim (MLA's qk_rope_head_dim). float32: cos/sin
-        stay float32 whatever x's dtype (OLMo 2: q and k are rotated in float32, then cast back). rotate_in_float32:
-        cos/sin rounded to x's dtype, then returned as float32, so that q and k are rotated in float32 by the rounded
-        values (official ModernBERT's order)."""
+        stay float32 whatever x's dtype (OLMo 2: q and k are rotated in float32, then cast back). rounded_float32:
+        cos/sin rounded to x's dtype first, then returned as float32, so that q and k are rotated in float32 by the
+        rounded values (official ModernBERT's order)."""
         super().__init__()
-        self.float32, self.rotate_in_float32 = float32, rotate_in_float32
+        self.float32, self.rounded_float32 = float32, rounded_float32
         self.rope_parameters = standardize_rope_parameters(
             rope_parameters if rope_parameters is not None else getattr(config, "rope_parameters", None),
             max_position_embeddings=config.max_position_embeddings,
@@ -351,12 +352,13 @@ class RotaryEmbedding(nn.Module):
             cos, sin = self._cos_sin(position_ids, x.device)
         if self.float32:
             return cos, sin
-        if self.rotate_in_float32:
+        if self.rounded_float32:
             return cos.to(dtype=x.dtype).float(), sin.to(dtype=x.dtype).float()
         return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
 
     def extra_repr(self) -> str:
-        return f"rope_type={self.rope_type!r}, head_dim={self.head_dim}, theta={self.rope_parameters['rope_theta']}"
+        rounding = ", float32" if self.float32 else ", rounded_float32" if self.rounded_float32 else ""
+        return f"rope_type={self.rope_type!r}, head_dim={self.head_dim}, theta={self.rope_parameters['rope_theta']}{rounding}"
 
 
 class QueryTemperature(NamedTuple):

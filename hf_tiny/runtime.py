@@ -194,7 +194,8 @@ def _declaring(math: Callable, dispatcher: Callable, declaration: str) -> Callab
     dispatcher = functools.wraps(math)(dispatcher)
     dispatcher.runtime_declaration = declaration
     # The math under a name that finds it (the class attribute is the dispatcher; the math is its __wrapped__): pickle
-    # saves a function as module and qualified name, and vLLM's compile cache pickles the forwards it traced.
+    # saves a function as module and qualified name, and vLLM's compile cache pickles the model forwards it traced. A
+    # GradientCheckpointingLayer's forward is wrapped again by transformers after this, and does not pickle so.
     math.__qualname__ = f"{dispatcher.__qualname__}.__wrapped__"
     return dispatcher
 

@@ -237,17 +237,23 @@ def test_half_precision_outputs_equal_official_bit_for_bit_with_its_rotation_rou
         assert torch.equal(ours(**batch).logits, expected)
         rotaries = [module for module in ours.modules() if isinstance(module, hf_tiny.layers.RotaryEmbedding)]
         for module in rotaries:
-            module.rotate_in_float32 = False
+            module.rounded_float32 = False
         assert rotaries and not torch.equal(ours(**batch).logits, expected)
 
 
 def test_deterministic_flash_attn_is_kept_for_the_way_back(tmp_path):
     """A hint to official's flash-attn backward that hf_tiny's models do not read: kept in the hf_tiny config as it
-    is, and written back (the default, False, where the source said nothing)."""
-    for value, name in ((True, "set"), (None, "default")):
-        fields = {} if value is None else {"deterministic_flash_attn": value}
-        official_model("ModernBertForMaskedLM", **fields).save_pretrained(tmp_path / name / "src")
+    is, and written back; official's default, False, where an hf_tiny config lacks it (converted before, or made
+    from scratch)."""
+    for value, name in ((True, "set"), (None, "absent")):
+        official_model("ModernBertForMaskedLM", deterministic_flash_attn=True).save_pretrained(tmp_path / name / "src")
         modernbert.convert(tmp_path / name / "src", tmp_path / name / "ours")
+        config_file = tmp_path / name / "ours" / "config.json"
+        ours = json.loads(config_file.read_text())
+        assert ours.pop("deterministic_flash_attn") is True
+        if value is not None:
+            ours["deterministic_flash_attn"] = value
+        config_file.write_text(json.dumps(ours))
         modernbert.convert_back(tmp_path / name / "ours", tmp_path / name / "back")
         back = transformers.AutoConfig.from_pretrained(tmp_path / name / "back")
         assert back.deterministic_flash_attn is bool(value), name
