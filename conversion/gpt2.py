@@ -23,6 +23,7 @@ import torch
 
 from .errors import ConversionError
 from .keymap import KeyMap, Rule, Transform
+from .lazy import LazyTensors
 from .causal import (
     OUR_CLASSES, SingleTypeFamily, build_causal_config, embedding_rule, head_rules, label_fields, require_class,
 )
@@ -166,6 +167,24 @@ def gpt2_config_from_causal(config, official_class: str):
     return transformers.GPT2Config(**values)
 
 
+BASE_MODEL_MODULES = ("h", "wte", "wpe", "ln_f")  # GPT2Model's; a head's own (lm_head, score) sit beside it
+
+
+def with_base_prefix(source: Source) -> Source:
+    """A folder of a GPT-2 head class (named, or the default) whose tensors lack the base model's `transformer.`
+    prefix, as openai-community/gpt2 and distilgpt2 store theirs (h.0..., wte, wpe, ln_f): read under the head
+    class's names, as official from_pretrained reads them (its base_model_prefix)."""
+    architectures = list(source.raw_config.get("architectures") or ())
+    if (architectures[:1] == ["GPT2Model"] or "h.0.attn.c_attn.weight" not in source.state
+            or any(key.startswith("transformer.") for key in source.state)):
+        return source
+    source.state = LazyTensors.of(source.state).renamed(
+        lambda key: f"transformer.{key}" if key.split(".")[0] in BASE_MODEL_MODULES else key)
+    source.notes.append("Its tensors are stored without the `transformer.` prefix (as openai-community/gpt2 stores "
+                        "them); read as the head class's, as official `from_pretrained` reads them.")
+    return source
+
+
 # nanoGPT
 NANOGPT_FILE = "ckpt.pt"
 NANOGPT_ARGS = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size")
@@ -242,7 +261,7 @@ class Gpt2Family(SingleTypeFamily):
         if nanogpt is not None:
             raw, state = read_nanogpt(nanogpt)
             return Source(nanogpt, nanogpt.parent, "nanogpt", raw, state, f"the nanoGPT checkpoint `{nanogpt.name}`")
-        return super().read(src, allow_missing_model_type=True)
+        return with_base_prefix(super().read(src, allow_missing_model_type=True))
 
     def plan_notes(self, source: Source, official) -> list[str]:
         if source.kind != "nanogpt":

@@ -138,6 +138,30 @@ def test_base_model_and_sequence_classifier(model_class, ours, tmp_path):
     assert max_diff(produced, expected) <= TOLERANCE
 
 
+def test_a_head_checkpoint_stored_without_the_transformer_prefix_converts_as_official_loads_it(tmp_path):
+    """openai-community/gpt2 and distilgpt2 name GPT2LMHeadModel in config.json but store the base model's names
+    (h.0..., wte, wpe, ln_f; no lm_head, tied; attn.bias buffers): official from_pretrained reads them under its
+    base_model_prefix, and so does the converter (with a card note), with parity and greedy tokens."""
+    official = tiny_gpt2()
+    official.config.architectures = ["GPT2LMHeadModel"]
+    official.config.save_pretrained(tmp_path / "src")
+    state = {key.removeprefix("transformer."): tensor.contiguous() for key, tensor in official.state_dict().items()
+             if key != "lm_head.weight"}
+    positions = official.config.n_positions
+    for i in range(official.config.n_layer):
+        state[f"h.{i}.attn.bias"] = torch.tril(torch.ones(positions, positions)).view(1, 1, positions, positions)
+    save_file(state, tmp_path / "src" / "model.safetensors", metadata={"format": "pt"})
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "src").eval()
+    result = gpt2.convert(tmp_path / "src", tmp_path / "ours")
+    assert result["architecture"] == "GPT2LMHeadModel" and "without the `transformer.` prefix" in (
+        tmp_path / "ours" / "README.md").read_text()
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "ours").eval()
+    batch = left_padded_batch(official.config.vocab_size)
+    assert max_diff(real_logits(ours, batch), real_logits(loaded, batch)) <= TOLERANCE
+    settings = dict(attention_mask=batch["attention_mask"], **GENERATE)
+    assert torch.equal(ours.generate(batch["input_ids"], **settings), loaded.generate(batch["input_ids"], **settings))
+
+
 @pytest.mark.parametrize("tied", [True, False])
 def test_gguf_gpt2_converts_with_parity_against_official_gguf_loading(tied, tmp_path, capsys):
     # transformers reads a GPT-2 GGUF's context length into n_ctx and keeps n_positions at 1024
