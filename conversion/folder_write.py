@@ -30,8 +30,10 @@ class HfTinyFolderWrite:
     (meta) state dict before any tensor is read; tied copies stored once, as save_pretrained stores them.
     `tensors`: the written tensors, each readable once written (a read waits for the writer)."""
 
-    def __init__(self, tmp: Path, model_class, config, state, key_map, num_layers, *, dtype=None,
+    def __init__(self, tmp: Path, model_class, config, state, key_map, num_layers, *, dtype=None, loads_as=None,
                  max_shard_size=None, auto_map=None, progress: bool = False):
+        """dtype: the stored tensors' (None: as the source stores them); loads_as: the dtype config.json names (None:
+        the stored one)."""
         with torch.device("meta"):
             self.model = model_class(config)
         expected = expected_shapes(self.model)
@@ -46,7 +48,7 @@ class HfTinyFolderWrite:
         self.progress = progress
         self.writer = ShardWriter(tmp, self.stored, max_shard_size=max_shard_size,
                                   total_parameters=self.model.num_parameters())
-        write_model_files(tmp, self.model, config, stored_dtype=self.stored_dtype, auto_map=auto_map)
+        write_model_files(tmp, self.model, config, loads_as=loads_as or self.stored_dtype, auto_map=auto_map)
         self.done = _Written()
         written = read_safetensors([tmp / name for name in self.writer.files])
         self.tensors = LazyTensors(

@@ -31,7 +31,7 @@ from .readers import (
 )
 from .shards import parse_max_shard_size
 from .streamed import Streamed, can_stream, streamed_runner
-from .tensors import parse_dtype
+from .tensors import declared_dtype, parse_dtype
 from .writer import (
     atomic_output_dir, copy_tokenizer_files, first_floating, pin_tokenizer_class, stream_official_folder,
     with_tied_copies,
@@ -278,14 +278,28 @@ def convert(family: Family, src: str | os.PathLike, dst: str | os.PathLike, *, f
 
 def _start_write(family: Family, source: Source, plan: Plan, tmp: Path, dtype, max_shard_size) -> HfTinyFolderWrite:
     plan.config.architectures = [plan.our_class]
+    loads_as = None if dtype is not None else loaded_dtype(source, plan)
     try:
-        return HfTinyFolderWrite(
+        write = HfTinyFolderWrite(
             tmp, family.hf_tiny_class(plan.our_class), plan.config, plan.state, plan.key_map, plan.num_layers,
-            dtype=dtype, max_shard_size=max_shard_size, auto_map=family.auto_map(plan.our_class),
+            dtype=dtype, loads_as=loads_as, max_shard_size=max_shard_size, auto_map=family.auto_map(plan.our_class),
             progress=sys.stderr.isatty(),
         )
     except ConversionError as error:
         raise _not_fitting(family, source, plan, error) from error
+    if loads_as is not None and loads_as != write.stored_dtype:
+        plan.notes.append(f"config.json names dtype={str(loads_as).removeprefix('torch.')}, as the source's does: "
+                          "from_pretrained loads the weights in it, as official loads the source's. They are stored "
+                          f"in {str(write.stored_dtype).removeprefix('torch.')} as the source stores them, and parity "
+                          "is measured in that dtype.")
+    return write
+
+
+def loaded_dtype(source: Source, plan: Plan) -> Optional[torch.dtype]:
+    """The dtype the source's config.json names, which official from_pretrained loads its weights in whatever dtype
+    they are stored in (dtype="auto", transformers 5's default): the converted config names it too, so that a default
+    load of either gives the same dtype. None where it names none."""
+    return declared_dtype(source.raw_config) if source.kind == "hf" else None
 
 
 def _write_with_parity(family: Family, source: Source, plan: Plan, tmp: Path, write: HfTinyFolderWrite,
@@ -375,7 +389,7 @@ def convert_back(family: Family, src: str | os.PathLike, dst: str | os.PathLike,
         carry_fields(config.to_dict(), plan.official_config, family.kept_fields)
         official = plan.key_map.lazy_view(state, num_layers=plan.num_layers, forward=False)
         official = family.finish_official_state(official, config, plan)
-        plan.official_config.dtype = dtype
+        plan.official_config.dtype = declared_dtype(config.to_dict()) or dtype  # what the hf_tiny folder loads in
         import transformers
 
         stream_official_folder(

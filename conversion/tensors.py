@@ -22,6 +22,13 @@ def parse_dtype(name: str | torch.dtype | None) -> torch.dtype | None:
     return _DTYPES[name]
 
 
+def declared_dtype(raw_config: dict) -> torch.dtype | None:
+    """The dtype a config.json names (`dtype`, or `torch_dtype` before transformers 5), which from_pretrained loads
+    the weights in by default; None where it names none of float32 / bfloat16 / float16 (absent, "auto")."""
+    name = raw_config.get("dtype") or raw_config.get("torch_dtype")
+    return _DTYPES.get(name) if isinstance(name, str) else None
+
+
 def cast_floating(state_dict: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
     """cast_tensor of every tensor."""
     return {key: cast_tensor(key, value, dtype) for key, value in state_dict.items()}

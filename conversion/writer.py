@@ -387,12 +387,13 @@ def first_floating(infos: Mapping) -> torch.dtype:
     return next((info.dtype for info in infos.values() if info.dtype.is_floating_point), torch.float32)
 
 
-def write_model_files(tmp: Path, model, config, *, stored_dtype: torch.dtype, auto_map=None) -> None:
-    """What save_pretrained writes besides the weights: config.json (dtype, architectures, auto_map), the
-    modeling code of a remote-code class and generation_config.json for a model that generates."""
+def write_model_files(tmp: Path, model, config, *, loads_as: torch.dtype, auto_map=None) -> None:
+    """What save_pretrained writes besides the weights: config.json (dtype: what from_pretrained loads the weights
+    in by default; architectures, auto_map), the modeling code of a remote-code class and generation_config.json for
+    a model that generates."""
     from transformers.dynamic_module_utils import custom_object_save
 
-    config.dtype = str(stored_dtype).removeprefix("torch.")
+    config.dtype = str(loads_as).removeprefix("torch.")
     config.architectures = [type(model).__name__]
     custom_object_save(model, tmp, config=config)
     if auto_map is not None:

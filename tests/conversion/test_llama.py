@@ -651,3 +651,28 @@ def test_a_language_models_label_fields_travel_both_ways(tmp_path):
     assert cli(["llama", str(tmp_path / "ours"), str(tmp_path / "back"), "--reverse"]) == 0
     back = transformers.AutoConfig.from_pretrained(tmp_path / "back")
     assert (back.architectures, back.id2label, back.label2id) == (["LlamaForCausalLM"], labels, label2id)
+
+
+def test_the_dtype_a_source_config_names_is_the_one_the_converted_folder_loads_in(tmp_path):
+    """transformers 5 loads weights in the dtype config.json names (dtype="auto"), whatever they are stored in: a
+    source storing float32 weights under dtype=bfloat16 (or the older torch_dtype) loads in bfloat16 officially, and
+    so does the converted folder, with official's logits; the tensors stay float32 (a card note says so), and the way
+    back names bfloat16 again. --dtype float32 overrides it, as it casts the tensors."""
+    for key in ("dtype", "torch_dtype"):
+        tiny_official("llama").save_pretrained(tmp_path / key / "src")
+        config_file = tmp_path / key / "src" / "config.json"
+        raw = json.loads(config_file.read_text())
+        raw.pop("dtype", None)
+        config_file.write_text(json.dumps({**raw, key: "bfloat16"}))
+        llama.convert(tmp_path / key / "src", tmp_path / key / "ours")
+        official = AutoModelForCausalLM.from_pretrained(tmp_path / key / "src").eval()
+        ours = AutoModelForCausalLM.from_pretrained(tmp_path / key / "ours").eval()
+        assert official.dtype == ours.dtype == torch.bfloat16, key
+        batch = left_padded_batch(official.config.vocab_size)
+        assert torch.equal(real_logits(ours, batch), real_logits(official, batch)), key
+        assert all(t.dtype == torch.float32 for t in load_file(tmp_path / key / "ours" / "model.safetensors").values())
+        assert "names dtype=bfloat16" in (tmp_path / key / "ours" / "README.md").read_text()
+        assert cli(["llama", str(tmp_path / key / "ours"), str(tmp_path / key / "back"), "--reverse"]) == 0
+        assert json.loads((tmp_path / key / "back" / "config.json").read_text())["dtype"] == "bfloat16"
+    llama.convert(tmp_path / "dtype" / "src", tmp_path / "float32", dtype="float32")
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "float32").dtype == torch.float32
