@@ -100,6 +100,7 @@ def test_each_declared_method_and_its_math_pickle_as_themselves():
     again by those names. A layer's forward is wrapped again by transformers' GradientCheckpointingLayer, as
     official's layers are, and pickles as theirs do not."""
     import pickle
+    import sys
 
     from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -107,7 +108,11 @@ def test_each_declared_method_and_its_math_pickle_as_themselves():
     assert {cls.__name__ for cls, _, _ in methods} >= {"TinyCausalModel", "TinyCausalForCausalLM", "TinyEncoderModel"}
     for cls, name, dispatcher in methods:
         for function in (dispatcher, dispatcher.__wrapped__):
-            assert pickle.loads(pickle.dumps(function)) is function, (cls.__name__, name, function.__qualname__)
+            found = sys.modules[function.__module__]
+            for part in function.__qualname__.split("."):
+                found = getattr(found, part)
+            assert found is function, (cls.__name__, name, function.__qualname__)
+            pickle.dumps(function)  # which checks the same: "Can't pickle ...: it's not the same object"
 
 
 def test_negative_control_a_math_under_its_dispatchers_name_does_not_pickle(monkeypatch):
