@@ -205,13 +205,14 @@ def load_hf_tiny_config(src: str | os.PathLike, config_class, *, supported: Iter
 def official_config(raw: Mapping, *, src):
     """The transformers config object of a config.json dict (AutoConfig.for_model, which also standardizes
     fields such as rope_parameters); an invalid config is an error naming the source."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     model_type = raw.get("model_type")
     fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map", "_model_name_or_path")}
     try:
         return AutoConfig.for_model(model_type, **fields)
-    except (TypeError, ValueError, KeyError) as error:
+    except (TypeError, ValueError, KeyError, StrictDataclassError) as error:  # the last: a value official validates
         raise ConversionError(f"{src}: config.json is not a valid {model_type} config: {error}") from error
 
 

@@ -676,3 +676,16 @@ def test_the_dtype_a_source_config_names_is_the_one_the_converted_folder_loads_i
         assert json.loads((tmp_path / key / "back" / "config.json").read_text())["dtype"] == "bfloat16"
     llama.convert(tmp_path / "dtype" / "src", tmp_path / "float32", dtype="float32")
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "float32").dtype == torch.float32
+
+
+def test_a_value_officials_config_validation_refuses_is_a_conversion_error_naming_the_source(tmp_path, capsys):
+    """transformers 5 validates configs (huggingface_hub's strict dataclasses): 5 heads over a width of 32 is refused
+    there; the CLI says so as a one-line error naming the source and config.json, without the --debug hint of an
+    unexpected failure, and writes nothing."""
+    tiny_official("llama").save_pretrained(tmp_path / "src")
+    config_file = tmp_path / "src" / "config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "num_attention_heads": 5}))
+    assert cli(["llama", str(tmp_path / "src"), str(tmp_path / "dst")]) == 1
+    error = capsys.readouterr().err
+    assert f"{tmp_path / 'src'}: config.json is not a valid llama config" in error and "--debug" not in error
+    assert "not a multiple of the number of attention heads (5)" in error and not (tmp_path / "dst").exists()
