@@ -190,6 +190,7 @@ def atomic_directory(
         raise FileExistsError(errno.EEXIST, "destination already exists", str(dst))
     if dst.exists() and not dst.is_dir():
         raise NotADirectoryError(errno.ENOTDIR, "destination exists and is not a folder", str(dst))
+    created = [parent for parent in reversed(dst.parents) if not parent.exists()]  # outermost first
     dst.parent.mkdir(parents=True, exist_ok=True)
     with _sigterm_raises():
         tmp = temp_name(dst)
@@ -201,7 +202,18 @@ def atomic_directory(
             swap_into_place(tmp, dst, exchange=exchange)
         except BaseException:
             remove_entry(tmp)
+            _remove_empty(created)
             raise
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """The folders a failed write created for its destination, innermost first, while they are empty (something
+    else written into one meanwhile keeps it and those above it)."""
+    for folder in reversed(folders):
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def current_umask() -> int:

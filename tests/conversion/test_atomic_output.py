@@ -344,6 +344,21 @@ def test_atomic_directory_refuses_an_existing_destination_unless_replacing(tmp_p
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dst"]
 
 
+def test_a_failed_write_removes_the_parent_folders_it_created_and_keeps_the_others(tmp_path):
+    """A destination under folders that did not exist: a failure leaves the tree as it was (the folders it made for
+    the destination removed); one that existed before, or that something else wrote into meanwhile, stays."""
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(RuntimeError, match="midway"):
+        with io_utils.atomic_directory(tmp_path / "kept" / "a" / "b" / "dst", replace=False):
+            raise RuntimeError("midway")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"] and not any((tmp_path / "kept").iterdir())
+    with pytest.raises(RuntimeError, match="midway"):
+        with io_utils.atomic_directory(tmp_path / "kept" / "a" / "b" / "dst", replace=False):
+            (tmp_path / "kept" / "a" / "other").write_text("someone else's")
+            raise RuntimeError("midway")
+    assert sorted(p.name for p in (tmp_path / "kept" / "a").iterdir()) == ["other"]
+
+
 def test_atomic_directory_two_rename_fallback_replaces_and_restores(tmp_path, monkeypatch):
     dst = existing_destination(tmp_path)
     before = snapshot(dst)
