@@ -278,7 +278,9 @@ def convert(family: Family, src: str | os.PathLike, dst: str | os.PathLike, *, f
 
 def _start_write(family: Family, source: Source, plan: Plan, tmp: Path, dtype, max_shard_size) -> HfTinyFolderWrite:
     plan.config.architectures = [plan.our_class]
-    loads_as = None if dtype is not None else loaded_dtype(source, plan)
+    # Official from_pretrained loads weights in the dtype config.json names, whatever they are stored in (dtype="auto",
+    # transformers 5's default): the converted config names the source's, so a default load of either gives the same.
+    loads_as = declared_dtype(source.raw_config) if dtype is None and source.kind == "hf" else None
     try:
         write = HfTinyFolderWrite(
             tmp, family.hf_tiny_class(plan.our_class), plan.config, plan.state, plan.key_map, plan.num_layers,
@@ -293,13 +295,6 @@ def _start_write(family: Family, source: Source, plan: Plan, tmp: Path, dtype, m
                           f"in {str(write.stored_dtype).removeprefix('torch.')} as the source stores them, and parity "
                           "is measured in that dtype.")
     return write
-
-
-def loaded_dtype(source: Source, plan: Plan) -> Optional[torch.dtype]:
-    """The dtype the source's config.json names, which official from_pretrained loads its weights in whatever dtype
-    they are stored in (dtype="auto", transformers 5's default): the converted config names it too, so that a default
-    load of either gives the same dtype. None where it names none."""
-    return declared_dtype(source.raw_config) if source.kind == "hf" else None
 
 
 def _write_with_parity(family: Family, source: Source, plan: Plan, tmp: Path, write: HfTinyFolderWrite,
