@@ -95,6 +95,8 @@ ESTIMATES = {
     "longest": (90, 40, "measured 35.7-36.4 s on the H200: 11 probes up to 64K tokens, stopped by OOM at 61,440"),
     "liger_paired": (110, 50, "not measured yet: two 1.1B loads, Liger's Triton kernels compiled for both models "
                               "(~20 s in the main stages), then 12 training steps of ~0.13 s"),
+    "eager_paired": (120, 60, "not measured yet: two 1.1B loads (~10 s each in the main stages), then per side 6 "
+                              "prefill calls of 15-90 ms and 4 eager 128-token calls of 2.3-3.4 s at each decode shape"),
     "longest_fit": (120, 50, "measured 48.8 s on the H200 (2026-11-28): start and load, then one probe at 3x "
                              "official's longest (181,248 tokens), which fit"),
 }
@@ -103,7 +105,8 @@ MIN_STAGE_S = 25  # a stage is started only when this much of the budget is left
 
 def stages_of(plan: GpuPlan, folders: dict, args) -> list[Stage]:
     """Every stage after the build, in order of value (what the last run left unsettled first): the eager rows of
-    both sides (training, prefill, decode, host work), batch-1 captured decode, Liger on both sides in one process,
+    both sides (training, prefill, decode, host work), prefill and eager decode again with both models in one process
+    (0.82x-0.99x on the H200, 2026-11-30, against 1.02x-1.09x two days before), batch-1 captured decode, Liger on both sides in one process,
     batch-8 captured decode (0.81x on the H200, 2026-11-28), the longest trainable sequence with the fit_memory
     option (3.00x there) and without it, the runtime-off rows."""
     common = {"model": plan.model, "device": plan.device, "dtype": plan.dtype, "folders": folders,
@@ -129,13 +132,16 @@ def stages_of(plan: GpuPlan, folders: dict, args) -> list[Stage]:
     return [
         stage("main-official", "main", {**main, "side": "official", "ceilings": True}),
         stage("main-hf_tiny", "main", {**main, "side": "hf_tiny", "ceilings": True}),
+        stage("eager-paired", "eager_paired", {**common, "kind": "eager_paired", "prefill": plan.prefill,
+                                               "decode": plan.decode, "sides": ["official", "hf_tiny"]}),
         *captured[0],
         stage("liger-paired", "liger_paired", {**common, "kind": "liger_paired", "train": plan.train,
                                                "sides": ["official", "hf_tiny"]}),
         *[s for later in captured[1:] for s in later],
         stage("longest-official", "longest", {**longest, "side": "official"}),
         stage("longest-hf_tiny_fit", "longest_fit", longest_fit),
-        stage("longest-hf_tiny", "longest", {**longest, "side": "hf_tiny"}),
+        # hf_tiny's default on CUDA has fit_memory on since 2026-11-30: its search also starts at 3x official's
+        stage("longest-hf_tiny", "longest_fit", {**longest_fit, "side": "hf_tiny"}),
         stage("main-hf_tiny_off", "main", {**main, "side": "hf_tiny_off"}),
     ]
 

@@ -11,13 +11,13 @@
 # traceback, written as it fails: a cut-off test run still names them), gpu-check-<device>-<date>.md/.json.
 # No network is needed: nothing is installed; flash-attn and liger-kernel are used where the image has them (the
 # image has neither: carry liger-kernel's wheel, see benchmarks/README.md).
-# Measured on one H200 (2026-11-27, 2026-11-28): the CUDA tests take ~140 s (since then 19 more: captured decoding
-# under CUDA graphs, Liger, the flash-attn package; expect up to 220 s), our Triton kernel's 23 tests more than
-# 80 s (14 had run; a GPU now runs 12 of the property test's 40 draws and 4 of 8 with sinks: not yet timed), the
-# stages after them ~470 s, so one 9-minute call ends after batch-1 captured decode or the stages just after it; a
+# Measured on one H200: the CUDA tests took ~140 s (2026-11-27, 2026-11-28) and ran into their 220 s cap at 90%
+# (2026-11-30, 19 more since: captured decoding under CUDA graphs, Liger, the flash-attn package), our Triton
+# kernel's 24 tests 57 s (a GPU runs 12 of the property test's 40 draws and 4 of 8 with sinks), the stages after
+# them ~470 s, so one 9-minute call ends after batch-1 captured decode or the stages just before it; a
 # second call on the same warm machine finishes the rest, and one page is made of both
 # (name the stages the first call's page lists "not run"; longest-hf_tiny_fit needs longest-official in its call):
-#   GPU_CHECK_SKIP_TESTS=1 GPU_CHECK_ARGS="--stages captured-official-8,captured-hf_tiny-8,longest-official,longest-hf_tiny_fit,longest-hf_tiny,main-hf_tiny_off" bash benchmarks/gpu_check.sh
+#   GPU_CHECK_SKIP_TESTS=1 GPU_CHECK_ARGS="--stages eager-paired,captured-official-8,captured-hf_tiny-8,longest-official,longest-hf_tiny_fit,longest-hf_tiny,main-hf_tiny_off" bash benchmarks/gpu_check.sh
 #   python -m benchmarks.gpu_report --merge FIRST.json SECOND.json --out benchmarks/results/gpu-check-DEVICE-DATE.md
 #
 #   bash benchmarks/gpu_check.sh              on the GPU machine, from the repository root
@@ -46,7 +46,7 @@ fi
 cat "$OUT/device.txt"
 
 # pytest plugins of the image: per-test timeout and parallel workers only where installed
-PYTEST=($PYTHON -m pytest -q -p no:cacheprovider -rfEs)
+PYTEST=($PYTHON -m pytest -p no:cacheprovider -rfEs)
 if $PYTHON -c "import pytest_timeout" 2>/dev/null; then PYTEST+=(--timeout 200); fi
 if $PYTHON -c "import xdist" 2>/dev/null; then PARALLEL=(-n 8); else PARALLEL=(); fi
 export HF_TINY_FAILURE_LOG="$OUT/failures.log"  # tests/conftest.py appends each failure there as it happens
@@ -63,8 +63,9 @@ TEST_LOGS=()
 if [ "${GPU_CHECK_SKIP_TESTS:-0}" != 1 ]; then  # 1: a later session that only finishes benchmark stages
   rm -f "$HF_TINY_FAILURE_LOG"
   TEST_LOGS=(--tests-log "$OUT/cuda_tests.log" --tests-log "$OUT/flash_kernel_tests.log" --failures-log "$HF_TINY_FAILURE_LOG")
-  timeout 220 "${PYTEST[@]}" "${PARALLEL[@]}" -m cuda "${CUDA_MARKED[@]}" 2>&1 | tee "$OUT/cuda_tests.log" | tail -30
-  timeout 120 "${PYTEST[@]}" "${PARALLEL[@]}" tests/models/test_flash_triton.py 2>&1 | tee "$OUT/flash_kernel_tests.log" | tail -15
+  # -v: each test's name as it ends, so a run cut at its cap (the 2026-11-30 H200 run, at 90%) names what it reached
+  timeout 220 "${PYTEST[@]}" -v "${PARALLEL[@]}" -m cuda "${CUDA_MARKED[@]}" 2>&1 | tee "$OUT/cuda_tests.log" | tail -30
+  timeout 120 "${PYTEST[@]}" -q "${PARALLEL[@]}" tests/models/test_flash_triton.py 2>&1 | tee "$OUT/flash_kernel_tests.log" | tail -15
 fi
 
 BENCH_S=$(( $(left) - 15 ))

@@ -115,6 +115,9 @@ def expected_rows(job: dict) -> list[str]:
         return ["longest batch 1"]
     if job["kind"] == "liger_paired":
         return [f"train {shape_of(job['train']).label()} liger paired"]
+    if job["kind"] == "eager_paired":
+        return [*(f"prefill {shape_of(s).label()} paired" for s in job["prefill"]),
+                *(f"decode {shape_of(s).label()} eager paired" for s in job["decode"])]
     train = shape_of(job["train"]).label()
     rows = (["ceilings"] if job.get("ceilings") else []) + [f"prefill {shape_of(s).label()}" for s in job["prefill"]]
     rows += [f"decode {shape_of(s).label()} eager" for s in job["decode"]] + ["host prefill", "host decode step"]
@@ -154,8 +157,7 @@ def job_main(job: dict) -> None:
         guarded(f"prefill {shape.label()}", side, lambda: emit_measured(
             f"prefill {shape.label()}", side, measured(fn, device, warmup=job["warmup"], repeats=job["repeats"])))
     for data in job["decode"]:
-        shape = shape_of(data)
-        guarded(f"decode {shape.label()} eager", side, lambda: decode_row(model, shape, device, job, side))
+        profiled_decode_row(model, shape_of(data), device, job, side)
     for case, data in ((PREFILL, job["prefill"][0]), (DECODE, job["decode"][0])):
         label = "host prefill" if case == PREFILL else "host decode step"
         guarded(label, side, lambda: host_row(model, case, shape_of(data), device, label, side))
@@ -332,13 +334,60 @@ def liger_paired_row(job: dict, shape: Shape, device: torch.device, label: str) 
              **patched[side])
 
 
+def job_eager_paired(job: dict) -> None:
+    """Prefill and eager decode with both models in one process, their calls timed interleaved: the main stages time
+    the sides in two processes minutes apart, and on the H200 (2026-11-30) eager decode spread 2.3-3.1 s a call on
+    official's side and 2.8-3.4 s on hf_tiny's, drift of the host between the stages as much as either side's code."""
+    device = torch.device(job["device"])
+    models = {side: load({**job, "side": side}) for side in PAIRED_SIDES}
+    for data in job["prefill"]:
+        shape = shape_of(data)
+        calls = {side: build_prefill(model, "causal", shape, device, EXTRA_PREFILL) for side, model in models.items()}
+        paired_row(f"prefill {shape.label()} paired", calls, device, warmup=job["warmup"],
+                   repeats=max(job["repeats"], PAIRED_REPEATS))
+    for data in job["decode"]:
+        shape = shape_of(data)
+        calls = {side: build_generate(model, shape, device) for side, model in models.items()}
+        paired_row(f"decode {shape.label()} eager paired", calls, device, warmup=max(job["warmup"], 1),
+                   repeats=job["decode_repeats"], tokens=shape.batch * shape.new_tokens)
+    free()
+
+
+def paired_row(label: str, calls: dict, device: torch.device, *, warmup: int, repeats: int,
+               tokens: int | None = None) -> None:
+    """Both sides' calls timed interleaved, each with its own peak above the memory both models hold (comparable
+    between the sides, not with the separate rows' extra); tokens: a decode row's tokens per call."""
+    cuda = device.type == "cuda"
+    peaks = dict.fromkeys(calls, 0)
+    free()
+    base = torch.cuda.memory_allocated(device) if cuda else None
+    try:
+        timings = time_interleaved({side: peak_kept(call, peaks, side, device) for side, call in calls.items()},
+                                   device=device, warmup=warmup, repeats=repeats)
+    except Exception as error:  # each side's cell says why, as guarded does for one side
+        for side in calls:
+            emit(label, side, status=failure_status(error))
+        return
+    for side, timing in timings.items():
+        extra = {} if tokens is None else {"tokens_per_s": tokens / timing.median}
+        emit(label, side, seconds=timing.median, samples=timing.samples, peak_bytes=peaks[side] if cuda else None,
+             extra_bytes=peaks[side] - base if cuda else None, **extra)
+
+
 def job_captured(job: dict) -> None:
     """One side's captured decode at one shape, in a process of its own (a crash ends this job only)."""
     device, side, shape = torch.device(job["device"]), job["side"], shape_of(job["shape"])
-    model = load(job)
-    label = f"decode {shape.label()} captured"
+    profiled_decode_row(load(job), shape, device, job, side, captured=True)
+
+
+def profiled_decode_row(model, shape: Shape, device: torch.device, job: dict, side: str, *,
+                        captured: bool = False) -> None:
+    """decode_row, then one more call of it under the profiler (kernel_row): where an eager step's host time goes
+    is what the H200 runs could not see (eager decode 0.82x official's there on 2026-11-30, at 0.98x its Python
+    calls and 1.02x its aten calls)."""
+    label = f"decode {shape.label()} {'captured' if captured else 'eager'}"
     calls = []
-    guarded(label, side, lambda: calls.append(decode_row(model, shape, device, job, side, captured=True)))
+    guarded(label, side, lambda: calls.append(decode_row(model, shape, device, job, side, captured=captured)))
     if calls:
         guarded(f"{label} kernels", side, lambda: kernel_row(calls[0], device, f"{label} kernels", side))
 
@@ -449,7 +498,7 @@ def search_longest(fits, *, start: int, cap: int, resolution: int, deadline: flo
 
 
 JOBS = {"build": job_build, "main": job_main, "captured": job_captured, "longest": job_longest,
-        "liger_paired": job_liger_paired}
+        "liger_paired": job_liger_paired, "eager_paired": job_eager_paired}
 
 
 def longest_fit_start(official_longest: int, *, factor: float, resolution: int, cap: int) -> int:

@@ -363,6 +363,12 @@ def word_tokenizer():
                                                 eos_token="</s>")
 
 
+def needs_trl() -> None:
+    """Skips where TRL or datasets is missing (the GPU image has neither), before any pytest.warns block."""
+    pytest.importorskip("trl", reason="TRL is not installed here")
+    pytest.importorskip("datasets", reason="datasets (TRL's dataset type) is not installed here")
+
+
 def sft_losses(model, output_dir, **arguments) -> list[float]:
     from datasets import Dataset
     from trl import SFTConfig, SFTTrainer
@@ -380,6 +386,7 @@ def sft_losses(model, output_dir, **arguments) -> list[float]:
 def test_trl_sft_config_use_liger_kernel_trains_ours_as_official_llama(tmp_path):
     """TRL's SFTConfig(use_liger_kernel=True) passes the switch on, with fused_linear_cross_entropy=False (TRL puts
     its own fused LM head on the model): Liger's RoPE in ours, the losses of official Llama with the same switch."""
+    needs_trl()
     official, ours = pair(layers=1)
     switch = dict(use_liger_kernel=True, liger_kernel_config=CPU_KERNELS, use_cpu=True, bf16=False)
     with pytest.warns(FutureWarning, match="use_liger_kernel"):
@@ -510,6 +517,7 @@ def test_cuda_trainer_use_liger_kernel_bf16_trains_as_official(tmp_path):
 def test_cuda_trl_sft_config_use_liger_kernel_trains_as_official(tmp_path):
     """TRL's default bf16 SFT with use_liger_kernel=True: Liger's RMSNorm, SwiGLU and RoPE in ours (TRL turns the
     fused linear cross-entropy off for its own fused LM head), first loss as official Llama's with the same switch."""
+    needs_trl()
     official, ours = pair()
     with pytest.warns(FutureWarning, match="use_liger_kernel"):
         ours_losses = sft_losses(ours, tmp_path / "ours", use_liger_kernel=True)

@@ -111,7 +111,7 @@ def test_verdicts_of_hand_made_results():
 
 def test_the_fit_memory_option_is_judged_by_its_longest_sequence_and_its_cost_where_the_step_fits():
     results = hand_made_results()
-    fit_target = "With fit_memory on (a named option until both rows below pass): longest >= 3x official's"
+    fit_target = "With fit_memory on (CUDA's default since both rows below passed): longest >= 3x official's"
     cost_target = "With fit_memory on, where the 2x32 step fits: <= 1.02x hf_tiny's time without it"
     verdicts = {name: (text, status) for name, text, status in gpu_report.targets(results)}
     assert verdicts[fit_target] == ("hf_tiny, fit_memory on: not run", "not run")
@@ -170,6 +170,15 @@ def test_liger_on_both_sides_is_judged_from_the_paired_row_where_it_ran():
     verdicts = {name: (text, status) for name, text, status in gpu_report.targets(results)}
     assert verdicts[both] == ("0.98x official's time (interleaved in one process)", "PASS")
     assert verdicts["train 2x32 liger paired: >= 1.0x official's speed at <= 1.0x its memory"][1] == "PASS"
+
+
+def test_a_cut_off_verbose_test_log_says_how_far_it_got(tmp_path):
+    log = tmp_path / "cuda_tests.log"
+    log.write_text("bringing up nodes...\n[gw0] [  1%] PASSED tests/a.py::x \n[gw1] [  2%] FAILED tests/a.py::y\n"
+                   "[gw1] [  3%] PASSED tests/b.py::z\n")
+    assert gpu_report.test_summary(log)["summary"] == "no summary line (cut off?): 2 passed, 1 failed"
+    log.write_text("[gw1] [100%] PASSED tests/b.py::z\n==== 1 failed, 2 passed in 9.1s ====\n")
+    assert gpu_report.test_summary(log)["summary"] == "1 failed, 2 passed in 9.1s"
 
 
 def test_a_gpu_profile_shows_the_hosts_own_calls_beside_the_kernels():
@@ -294,7 +303,8 @@ DRY_RUN_TARGETS = [
     "Host work: prefill Python calls <= 1.0x official's",
     "Host work: decode step Python calls <= 1.0x official's",
     *[f"{row}: >= 1.0x official's speed at <= 1.0x its memory" for row in (
-        "prefill 1x32", "prefill 2x32", "decode 1x8 +4 new eager", "decode 2x8 +4 new eager",
+        "prefill 1x32", "prefill 2x32", "prefill 1x32 paired", "prefill 2x32 paired", "decode 1x8 +4 new eager",
+        "decode 2x8 +4 new eager", "decode 1x8 +4 new eager paired", "decode 2x8 +4 new eager paired",
         "decode 1x8 +4 new captured", "decode 2x8 +4 new captured", "train 2x32", "train 2x32 liger",
         "train 2x32 liger paired")],
     "Batch-1 captured decode >= 40% of the measured HBM read bandwidth",
@@ -303,7 +313,7 @@ DRY_RUN_TARGETS = [
     "Training 2x32: peak memory <= 0.6x official's, Liger on ours, none on official's",
     "Training 2x32, Liger on both sides: no slower than official",
     "Longest trainable sequence at batch 1 >= 3x official's",
-    "With fit_memory on (a named option until both rows below pass): longest >= 3x official's",
+    "With fit_memory on (CUDA's default since both rows below passed): longest >= 3x official's",
     "With fit_memory on, where the 2x32 step fits: <= 1.02x hf_tiny's time without it",
     "With rebuild on (a named option until both rows below pass): Training 2x32: peak memory <= 0.6x official's, "
     "Liger on ours, none on official's",
@@ -317,8 +327,8 @@ def test_dry_run_runs_every_kind_of_job_and_lists_every_target(tmp_path):
     """The script on the CPU, hf_tiny's side of every kind of job (the build, the eager rows, captured decode, the
     longest-sequence search; each a process of its own; the official side runs the same functions): every selected
     stage ends "ok" and measures its rows, the others say they were not selected, and the page and the JSON list
-    every target. (`python -m benchmarks.gpu_check --dry-run` runs all eleven stages: ~5 min on 2 busy cores.)"""
-    stages = "main-hf_tiny,captured-hf_tiny-1,longest-hf_tiny,longest-hf_tiny_fit,liger-paired"
+    every target. (`python -m benchmarks.gpu_check --dry-run` runs all twelve stages: ~5 min on 2 busy cores.)"""
+    stages = "main-hf_tiny,eager-paired,captured-hf_tiny-1,longest-hf_tiny,longest-hf_tiny_fit,liger-paired"
     env = dict(os.environ, HF_TINY_BENCH_CACHE=str(tmp_path / "checkpoints"))
     proc = subprocess.run([sys.executable, "-m", "benchmarks.gpu_check", "--dry-run", "--out", str(tmp_path),
                            "--budget-s", "1200", "--stages", stages], cwd=REPO, env=env, capture_output=True,
@@ -344,17 +354,25 @@ def test_dry_run_runs_every_kind_of_job_and_lists_every_target(tmp_path):
     assert "status" in rows["train 2x32 liger"]["hf_tiny"]  # Liger's Triton kernels need a GPU, or it is absent
     assert "status" in rows["train 2x32 liger rebuild"]["hf_tiny"]
     assert all("status" in rows["train 2x32 liger paired"][side] for side in ("official", "hf_tiny"))
+    # both models in one process, timed interleaved: a measured cell and a ratio on each paired row
+    for row in ("prefill 1x32 paired", "prefill 2x32 paired", "decode 1x8 +4 new eager paired",
+                "decode 2x8 +4 new eager paired"):
+        assert all("seconds" in rows[row][side] for side in ("official", "hf_tiny")), rows[row]
+        assert gpu_report.ratio(results, row, gpu_report.speed) is not None
+    assert rows["decode 2x8 +4 new eager paired"]["hf_tiny"]["tokens_per_s"] > 0
     assert rows["longest batch 1"]["hf_tiny"]["longest"] == 128  # the dry run's cap: no OOM on a CPU
     # set_runtime(fit_memory=True): its row, and its search from the plan's start (official's longest not run)
     assert "seconds" in rows["train 2x32 fit_memory"]["hf_tiny"]
     assert len(rows["train 2x32 fit_memory"]["hf_tiny"]["paired_off_samples"]) == 5  # interleaved, same model
     assert rows["longest batch 1"]["hf_tiny_fit"]["probes"][0] == [16, True]
     assert rows["ceilings"]["hf_tiny"]["bandwidth"]["read_bytes_per_s"] > 0
-    # the captured call's profile: its own time within its wall time, the most expensive first, on the page
-    profile = rows["decode 1x8 +4 new captured kernels"]["hf_tiny"]
-    owns = [own for _, _, own in profile["kernels"]]
-    assert 0 < owns[0] and owns == sorted(owns, reverse=True) and profile["kernel_launches"] >= len(owns)
-    assert f"`{profile['kernels'][0][0]}`" in markdown
+    # each decode call's profile, eager and captured: its own time within its wall time, the most expensive first,
+    # on the page
+    for mode in ("eager", "captured"):
+        profile = rows[f"decode 1x8 +4 new {mode} kernels"]["hf_tiny"]
+        owns = [own for _, _, own in profile["kernels"]]
+        assert 0 < owns[0] and owns == sorted(owns, reverse=True) and profile["kernel_launches"] >= len(owns)
+        assert f"**decode 1x8 +4 new {mode}**" in markdown and f"`{profile['kernels'][0][0]}`" in markdown
 
 
 # ---- the CUDA tests it runs ------------------------------------------------------------------------------------------
