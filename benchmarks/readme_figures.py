@@ -310,9 +310,18 @@ FIGURES = [
            + quotes(SPEED, ("7.16 / 1.78 s", "1,779–7,156 ms"), ("6.27 / 1.91 s", "1,905–6,273 ms"),
                     ("6.96 / 1.77 s", "1,768–6,960 ms"), ("6.59 / 1.84 s", "1,839–6,585 ms"),
                     ("378-456 ms", "378–456 ms"), ("384-413 ms", "384–413 ms"))
-           + quotes(README, ("1.09×", "1.09x"), ("1.04×", "1.04x"), ("1.06×", "1.06x"), ("0.83×", "0.83x"),
-                    ("0.66×", "0.66x"), ("3.00×", "3.00x"), ("181,248", "181,248"), ("0.81×", "0.81x"),
-                    ("0.90×", "0.90x"))),
+           + quotes(README, ("3.00×", "3.00x"), ("181,248", "181,248"))),
+    Figure("gpu-check-h200-3", SPEED, "gpu-check-nvidia-h200-2026-11-30.md", "issue 42's GPU rows on an H200, third "
+           "run: captured decoding ahead at both batches, the eager rows behind, fit_memory's cost, the CUDA tests",
+           "bash benchmarks/gpu_check.sh", 9, "cuda", needs=GPU_CHECK_CALLS, results=("gpu-check-nvidia-h200-2026-11-30.md",),
+           quotes=quotes(SPEED, "15.2 ms", "17.9 ms", "89.8 ms", "90.9 ms", "48.2 tok/s", "39.4 tok/s", "440.9 tok/s",
+                         "390.5 tok/s", "292.4 tok/s", "336.4 tok/s", "2,033.5 tok/s", "2,433.0 tok/s", "166.2 ms",
+                         "165.7 ms", "122.7 ms", "131.5 ms", "1.000045x", ("696.7 of 4,320 GB/s", "696.7 GB/s of 4,320"),
+                         ("3,620 / 3,687", "3,620 / 3,687"), ("4,050 / 4,147", "4,050 / 4,147"),
+                         ("473-531 ms", "473–531 ms"), ("168.2 against 166.4", "168.2 / 166.4 ms"))
+           + quotes(README, ("1.15×", "1.15x"), ("1.20×", "1.20x"), ("0.98×", "0.98x"), ("1.003×", "1.003x"),
+                    ("0.81×", "0.81x"), ("0.66×", "0.66x"), ("1.01×", "1.01x"), ("0.93×)", "0.93x"),
+                    ("(16 %)", "16%"))),
     Figure("gpu-check-h200", SPEED, "gpu-check-nvidia-h200-2026-11-27.md", "issue 42's GPU rows on an H200: prefill, "
            "eager and captured decode, training with and without Liger, the longest sequence, host work",
            "bash benchmarks/gpu_check.sh", 9, "cuda", needs=GPU_CHECK_CALLS, results=("gpu-check-nvidia-h200-2026-11-27.md",),

@@ -1,8 +1,8 @@
 """The runtime's "fit_memory" path: a training forward that would not fit the device's memory keeps less.
 
 Keeping every activation of a training step runs out of device memory at some sequence length. With this path on
-(`model.set_runtime(fit_memory=True)`), a training forward on a device whose memory torch counts (CUDA) plans as it
-goes, cheapest saving first:
+(by default on CUDA; `model.set_runtime(fit_memory=False)` turns it off), a training forward on a device whose memory
+torch counts (CUDA) plans as it goes, cheapest saving first:
 
 1. its first layer runs as written, and what that layer kept (the bytes allocated after it, less those before) stands
    for what each later layer would keep;

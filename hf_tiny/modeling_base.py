@@ -83,8 +83,8 @@ class HfTinyPreTrainedModel(AtomicSaveAndCardMixin, PreTrainedModel):
         set_runtime(True): each path at its device default (runtime.ON_BY_DEFAULT); a path named with True or False
         (recompute=, in_place=, few_rows=, chunked_loss=, fit_memory=) on or off on every device, e.g.
         set_runtime(recompute=True) to recompute training activations on a GPU (a named option there, as gradient
-        checkpointing is), set_runtime(fit_memory=True) to replay only the layers a CUDA training step has no memory
-        for (memory_fit.py)."""
+        checkpointing is), set_runtime(fit_memory=False) to let a CUDA training step that does not fit run out of
+        memory instead of replaying the layers it has no memory for (memory_fit.py, on by default on CUDA)."""
         return configure_runtime(self, enabled, **paths)
 
     @torch.no_grad()

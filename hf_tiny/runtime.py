@@ -76,9 +76,10 @@ ON_BY_DEFAULT = {
     # On a GPU the field's kernel does it through the ecosystem's switch (use_liger_kernel=True: Liger's fused linear
     # cross-entropy); skip_logits=True asks for ours anywhere.
     "chunked_loss": frozenset({"cpu"}),
-    # memory_fit.py: acts only where the alternative is running out of device memory (CUDA). A named option until the
-    # GPU check's longest-sequence and training rows run with it on (benchmarks/gpu_check.py).
-    "fit_memory": frozenset(),
+    # memory_fit.py: acts only where the alternative is running out of device memory (CUDA). On by default there since
+    # the GPU check showed both of its conditions on an H200 (results/gpu-check-nvidia-h200-2026-11-28.md: a 3.00x
+    # longer sequence at batch 1 than official's; ...-2026-11-30.md: 1.01x the time where the 4x2048 step fits).
+    "fit_memory": frozenset({"cuda"}),
     # rebuilt_in_backward: a gated feed-forward's product, not kept for the down projection, rebuilt in backward from
     # what its activation keeps anyway (one element-wise kernel a layer). A named option until the GPU check's
     # Liger row with it on shows its memory saved and its time (benchmarks/gpu_rows.py).
@@ -431,8 +432,10 @@ def runtime_layer(in_place: Optional[str] = None) -> Callable[[Callable], Callab
                 fresh = kwargs.get("cache") is None  # a replay would write a cache twice
                 if fresh and _recomputes(self, hidden_states):
                     return _recomputed(math, self, hidden_states, args, kwargs)
-                # dynamo cannot read a ContextVar without a graph break; no plan exists before a path is chosen
-                plan = current_plan() if _path_chosen_on and not torch.compiler.is_compiling() else None
+                # dynamo cannot read a ContextVar without a graph break; no plan exists before a path is chosen or
+                # on by default somewhere
+                plan_possible = _path_chosen_on or ON_BY_DEFAULT["fit_memory"]
+                plan = current_plan() if plan_possible and not torch.compiler.is_compiling() else None
                 if plan is not None:
                     return plan.run_layer(math, self, hidden_states, args, kwargs,
                                           replayable=lambda: fresh and _replayable(self))
@@ -527,9 +530,9 @@ def _fitted(math: Callable, model: nn.Module, args: tuple, kwargs: dict, *, head
     """A training forward, planned to fit its device's memory (memory_fit.py) where the fit_memory path is on,
     gradients are recorded, no plan is open yet (a language model's opens it for its stack and its head's loss) and
     gradient checkpointing is off."""
-    # fit_memory is on nowhere by default: until a model turns a path on, no call at all
-    if (not _path_chosen_on or torch.compiler.is_compiling() or current_plan() is not None
-            or not torch.is_grad_enabled()):
+    # inference first (one call); then, where no device has the path by default and no model chose a path, no more
+    if (not torch.is_grad_enabled() or not (_path_chosen_on or ON_BY_DEFAULT["fit_memory"])
+            or torch.compiler.is_compiling() or current_plan() is not None):
         return math(model, *args, **kwargs)
     # the inputs' device: a DataParallel replica holds its weights as plain attributes, parameters() gives none
     device = next((v.device for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)

@@ -190,14 +190,36 @@ def test_the_plan_stays_off_by_default_under_checkpointing_in_eval_and_where_mem
     state, replays, reads = counted_memory
     model, inputs = four_layers(), batch(causal_model())
     state["available"] = 0
-    assert not runtime.ON_BY_DEFAULT["fit_memory"]
-    model.set_runtime(True)  # the device defaults: off everywhere
+    assert runtime.ON_BY_DEFAULT["fit_memory"] == {"cuda"}
+    model.set_runtime(True)  # the device defaults: on CUDA only, and these tensors are on the CPU
     training_step(model, inputs)
     assert reads == [] and replays == []
     model.set_runtime(True, **ONLY_FIT)
     with torch.no_grad():
         model.train()(**inputs)
     enable_activation_checkpointing(model, {"use_reentrant": False})
+    training_step(model, inputs)
+    assert reads == [] and replays == []
+
+
+def test_on_by_default_on_its_device_the_plan_is_made_before_any_model_chooses_a_path(counted_memory, monkeypatch):
+    """The device default alone opens the plan (no set_runtime call in this process: no path chosen), and the CPU's
+    stand-in counters play CUDA's; a model that turns the path off keeps every layer as written."""
+    state, replays, reads = counted_memory
+    monkeypatch.setattr(runtime, "_path_chosen_on", False)
+    monkeypatch.setitem(runtime.ON_BY_DEFAULT, "fit_memory", frozenset({"cpu"}))
+    monkeypatch.setitem(runtime.ON_BY_DEFAULT, "recompute", frozenset())  # as on CUDA: the layers run as written
+    model, inputs = four_layers(), batch(causal_model())
+    state["available"] = 0
+    training_step(model, inputs)
+    assert reads and replays  # nothing fits: every layer but the first is replayed
+    reads.clear(), replays.clear()
+    model.set_runtime(fit_memory=False)
+    training_step(model, inputs)
+    assert reads == [] and replays == []
+    monkeypatch.setitem(runtime.ON_BY_DEFAULT, "fit_memory", frozenset())  # the negative control: on nowhere
+    monkeypatch.setattr(runtime, "_path_chosen_on", False)
+    model.set_runtime(True)  # back to the device defaults (this turns no path on)
     training_step(model, inputs)
     assert reads == [] and replays == []
 

@@ -274,12 +274,16 @@ def test_negative_control_without_dropout_the_whole_layer_is_replayed():
 def test_each_path_is_on_by_default_only_on_the_cpu_and_a_named_option_elsewhere():
     """A path earns its place on the device where it runs: only the CPU has benchmarks showing each path winning
     (runtime.ON_BY_DEFAULT); elsewhere it is off unless the model asks for it. Meta tensors stand in for an
-    accelerator's. fit_memory (memory_fit.py) acts on CUDA only, and is a named option until a GPU run measures it."""
+    accelerator's. fit_memory (memory_fit.py) acts on CUDA only, and is on by default there (the H200 runs measured
+    both of its conditions); rebuild is a named option everywhere."""
     model = causal_model().train()
-    layer, cpu, meta = model.model.layers[0], torch.device("cpu"), torch.device("meta")
+    layer, cpu, meta, cuda = model.model.layers[0], torch.device("cpu"), torch.device("meta"), torch.device("cuda")
     cpu_paths = ("recompute", "in_place", "few_rows", "chunked_loss")
     assert all(runtime.path_on(layer, path, cpu) and not runtime.path_on(layer, path, meta) for path in cpu_paths)
+    assert not any(runtime.path_on(layer, path, cuda) for path in cpu_paths)
     assert not runtime.path_on(layer, "fit_memory", cpu) and not runtime.path_on(layer, "fit_memory", meta)
+    assert runtime.path_on(layer, "fit_memory", cuda)  # a device object only: nothing runs on it here
+    assert not any(runtime.path_on(layer, "rebuild", device) for device in (cpu, meta, cuda))
     model.set_runtime(recompute=True)
     assert runtime.path_on(layer, "recompute", meta) and not runtime.path_on(layer, "in_place", meta)
     assert runtime._recomputes(layer, torch.empty(2, 12, 32, device="meta"))
