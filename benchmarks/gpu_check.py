@@ -87,9 +87,9 @@ class Stage:
 ESTIMATES = {
     "build": (150, 35, "measured 28.0-35.4 s on the H200 (three calls): 1.1B random init on the GPU, a 2.2 GB save "
                        "and the production conversion"),
-    "main": (130, 75, "measured 51.7 s (hf_tiny) and 73.3 s (official) on the H200: eager decode is host-bound there "
-                      "(17-27 tok/s at batch 1, 2-12 s a 128-token call) and is most of it; a whole-call warm-up and a third "
-                      "timed call since add ~2 s per decode row and side"),
+    "main": (130, 90, "measured 61.6 s (official) and 73.2 s (hf_tiny) on the H200 (2026-11-30): eager decode is "
+                      "host-bound there (39-48 tok/s at batch 1, 2.3-3.4 s a 128-token call) and is most of it; one "
+                      "profiled eager call per decode shape since adds an estimated 5-8 s per shape"),
     "captured": (110, 55, "measured 38.6-51.5 s on the H200 (four stages): dynamo, inductor and the CUDA graph "
                           "capture of the 22-layer decode step, then 4 calls of ~0.4 s"),
     "longest": (90, 40, "measured 35.7-36.4 s on the H200: 11 probes up to 64K tokens, stopped by OOM at 61,440"),
