@@ -43,3 +43,7 @@ def vllm_environment() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "TRITON_INTERPRET")}
     env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     return env
+
+
+if __name__ == "__main__":  # python tests/helpers/vllm_env.py: build it now (.ci/run does, beside the suite)
+    print(ensure_vllm_venv())
