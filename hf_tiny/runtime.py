@@ -250,6 +250,20 @@ def _replayable(layer: nn.Module) -> bool:
     return True
 
 
+def own_modules_only(layer: nn.Module) -> bool:
+    """Whether every module inside the layer is torch.nn's, one of transformers' activations or the model's own code
+    (hf_tiny's, or the copy a saved folder ships). The recompute keeps the layer's matrix products' outputs (torch's
+    selective checkpoint caches them), so a module that writes into one in place would change what backward reads:
+    PEFT's AdaLoRA, C3A and GraLoRA add their update into the base projection's output (`result += ...`), and so do
+    LoRA's mixed-adapter batches. Any other module (PEFT's, a quantizer's, a tool's) and the layer runs as written."""
+    own = type(layer).__module__.rpartition(".")[0] + "."
+    for module in layer.modules():
+        name = type(module).__module__
+        if not (name.startswith(("torch.nn.", own)) or name == "transformers.activations"):
+            return False
+    return True
+
+
 def under_functorch() -> bool:
     """Inside a torch.func transform (grad, vjp, jacrev, vmap), where saved-tensor hooks (recompute, rebuild) and
     the chunked loss's autograd.Function cannot run: those paths step aside there."""
@@ -264,6 +278,7 @@ def _recomputes(layer: nn.Module, hidden_states) -> bool:
         and torch.is_grad_enabled()
         and not layer.gradient_checkpointing
         and _replayable(layer)
+        and own_modules_only(layer)
         and not under_functorch()
         and not _autocast_caches(hidden_states.device.type)
     )

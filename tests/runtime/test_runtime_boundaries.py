@@ -1,13 +1,16 @@
 """Where the runtime must step aside or say no (an adversarial pass found each of these): second derivatives through
-the chunked loss, torch.func transforms, forwards patched at class level, a wrapped LM head under the MTP loss, and
-a contradictory set_runtime. Each compares with the runtime off, which computes the plain reading."""
+the chunked loss, torch.func transforms, forwards patched at class level, a wrapped LM head under the MTP loss, a
+contradictory set_runtime, and modules of other code inside a recomputed layer (PEFT's in-place adapters). Each
+compares with the runtime off, which computes the plain reading."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import hf_tiny
+from hf_tiny import runtime
 from hf_tiny.layers import Attention, GatedFeedForward
 from runtime_models import SIZES, causal_model
 
@@ -131,3 +134,74 @@ def test_recompute_under_autocast_with_a_weight_used_twice_equals_keeping_everyt
     with_recompute, kept = grads
     assert all(torch.equal(with_recompute[name], kept[name]) for name in kept)
     assert kept["lm_head.weight" if passes == 2 else "lm_head.dense.weight"].abs().max() > 0
+
+
+class AddsIntoItsProduct(nn.Module):
+    """A projection of other code that adds its update into the base product's output in place, as PEFT's AdaLoRA,
+    C3A and GraLoRA layers do (`result += ...`)."""
+
+    def __init__(self, base: nn.Linear):
+        super().__init__()
+        self.base_layer = base
+        self.update = nn.Linear(base.in_features, base.out_features, bias=False)
+
+    def forward(self, x):
+        result = self.base_layer(x)
+        result += self.update(x)
+        return result
+
+
+def _llama(bias: bool):
+    torch.manual_seed(0)
+    config = hf_tiny.TinyCausalConfig(**SIZES, initializer_range=0.3, pad_token_id=0, num_key_value_heads=2,
+                                      attention_bias=bias)
+    return hf_tiny.TinyCausalForCausalLM(config)
+
+
+def _with_foreign_projections(bias: bool):
+    model = _llama(bias)
+    for layer in model.model.layers:
+        layer.self_attn.q_proj = AddsIntoItsProduct(layer.self_attn.q_proj)
+        layer.self_attn.v_proj = AddsIntoItsProduct(layer.self_attn.v_proj)
+    return model
+
+
+def _gradients(model, ids) -> dict:
+    model.zero_grad(set_to_none=True)
+    model.train()(input_ids=ids, labels=ids).loss.backward()
+    return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["no bias", "bias"])
+def test_a_layer_holding_modules_of_other_code_is_not_recomputed(bias):
+    """The recompute keeps a layer's matrix products' outputs; a module that adds into one in place changed what
+    backward read: without a bias, silently wrong gradients (AdaLoRA's off by 5e5 times the tensor's largest
+    gradient); with one, backward raised 'Tensor cached during selective activation checkpoint has been mutated'.
+    A layer holding a module that is not torch's or the model's own runs as written."""
+    model, ids = _with_foreign_projections(bias).set_runtime(chunked_loss=False), batch()
+    on = _gradients(model, ids)
+    model.set_runtime(recompute=False)
+    off = _gradients(model, ids)
+    assert on.keys() == off.keys() and all(torch.equal(on[name], off[name]) for name in on)
+    # the control: the same layers with only their own modules are still recomputed (a replay in backward)
+    plain = _llama(bias).set_runtime(chunked_loss=False)
+    assert runtime.own_modules_only(plain.model.layers[0]) and runtime._recomputes(
+        plain.train().model.layers[0], torch.zeros(1, 2, SIZES["hidden_size"]))
+    assert not runtime.own_modules_only(model.model.layers[0])
+
+
+def test_adalora_trains_with_the_gradients_of_the_runtime_off():
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = peft.AdaLoraConfig(init_r=4, total_step=10, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                task_type="CAUSAL_LM")
+    model = peft.get_peft_model(causal_model().set_runtime(chunked_loss=False), config)
+    for name, parameter in model.named_parameters():  # non-zero updates, as after some training
+        if "lora_" in name:
+            torch.nn.init.normal_(parameter, std=0.3, generator=torch.Generator().manual_seed(len(name)))
+    ids = batch()
+    on = _gradients(model, ids)
+    model.base_model.model.set_runtime(recompute=False)
+    off = _gradients(model, ids)
+    assert any("lora_E" in name for name in on)
+    assert all(torch.equal(on[name], off[name]) for name in on)
