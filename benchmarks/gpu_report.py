@@ -447,10 +447,13 @@ def graph_runs(runs) -> str:
 
 
 def kernel_lines(results: dict) -> list[str]:
-    """Each decode call's profile (gpu_rows.kernel_row): how long the device was busy of the wall time, and the
-    kernels that took most of it, side by side (on a CPU dry run: operators)."""
-    lines = ["## Decode: where one call's time goes (torch.profiler, one call after the timed ones)", ""]
-    for label in [r for r in row_labels(results) if r.startswith("decode") and r.endswith(("eager", "captured"))]:
+    """Each profiled call (gpu_rows.kernel_row: eager and captured decode, the training step with Liger): how long the
+    device was busy of the wall time, and the kernels that took most of it, side by side (on a CPU dry run:
+    operators)."""
+    lines = ["## Where one call's time goes (torch.profiler, one call after the timed ones)", ""]
+    profiled_rows = [r for r in row_labels(results)
+                     if r.startswith("decode") and r.endswith(("eager", "captured")) or r.endswith(" liger")]
+    for label in profiled_rows:
         profiled = {side: cell(results, f"{label} kernels", side) for side in SIDES}
         profiled = {side: entry for side, entry in profiled.items() if "kernels" in entry}
         if not profiled:

@@ -293,7 +293,13 @@ def liger_row(job: dict, shape: Shape, device: torch.device, side: str) -> None:
 
     model = load(job)
     patched = apply_liger(model)
-    train_row(model, shape, device, job, f"train {shape.label()} liger", side, **patched)
+    label = f"train {shape.label()} liger"
+    train_row(model, shape, device, job, label, side, **patched)
+    # one more step under the profiler: with Liger on both sides ours took 1.07x official's time on the H200
+    # (2026-11-30, interleaved), and the kernels each side ran say where
+    step = build_train_step(model, "causal", shape, device)
+    step()  # AdamW's state made outside the profiled step
+    guarded(f"{label} kernels", side, lambda: kernel_row(step, device, f"{label} kernels", side))
 
 
 def job_liger_paired(job: dict) -> None:

@@ -189,10 +189,13 @@ def test_a_gpu_profile_shows_the_hosts_own_calls_beside_the_kernels():
         "official": kernels,
         "hf_tiny": {**kernels, "host_us": 2500.0, "host_calls": [["cudaGraphLaunch", 4, 1200.0], ["aten::copy_", 9, 90.0]]},
     }
+    results["rows"]["train 2x32 liger kernels"] = {"hf_tiny": {**kernels, "kernels": [["liger_rope", 6, 40.0]]}}
     page = "\n".join(gpu_report.kernel_lines(results))
     assert "wall 4.0 ms; GPU kernels' own time 1.0 ms (25% of it), 300 of them; the host's own time 2.5 ms" in page
     assert "| hf_tiny | `cudaGraphLaunch` | 4 | 1.20 |" in page and "| hf_tiny | `gemv_bf16` | 150 | 0.70 |" in page
     assert "host's own time" not in page.split("hf_tiny")[0]  # official's profile has none: no host column for it
+    # the training step with Liger, profiled on its side only
+    assert "**train 2x32 liger**" in page and "| hf_tiny | `liger_rope` | 6 | 0.04 |" in page
 
 
 def test_the_decode_table_shows_how_the_cuda_graphs_ran_and_each_sides_own_agreement():
