@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import weakref
 from pathlib import Path
 
 import torch
@@ -95,8 +96,32 @@ _CARD_CLASS = re.compile(r"^`(?P<name>\w+)` converted from ", re.MULTILINE)
 
 def remember_loaded_weights(model) -> None:
     """Notes each parameter as from_pretrained left it (the object, its in-place version counter and a sample of
-    its elements, which `.to()` keeps and every optimizer step or in-place edit moves), for card_still_holds."""
+    its elements, which `.to()` keeps and an in-place edit moves), for card_still_holds, and watches optimizer
+    steps from now on (an optimizer step over the model's parameters also ends the card)."""
     model._hf_tiny_loaded_weights = _parameter_states(model)
+    _watch_optimizer_steps()
+
+
+# Optimizers that have stepped in this process (torch's global step post-hook, registered once a model with a card
+# is loaded): a fused step writes without bumping _version, and a sparse one (only the rows a batch touched, no
+# weight decay) can miss every sampled element.
+_stepped_optimizers: "weakref.WeakSet" = weakref.WeakSet()
+_step_hook = None
+
+
+def _watch_optimizer_steps() -> None:
+    global _step_hook
+    if _step_hook is None:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        _step_hook = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: _stepped_optimizers.add(optimizer))
+
+
+def _stepped_since_loading(model) -> bool:
+    """Whether an optimizer holding one of the model's parameters has stepped since it was loaded."""
+    ours = {id(p) for p in model.parameters()}
+    return any(id(p) in ours for optimizer in list(_stepped_optimizers)
+               for group in optimizer.param_groups for p in group["params"])
 
 
 def _parameter_states(model) -> dict:
@@ -130,13 +155,14 @@ def card_still_holds(model, card: str) -> bool:
     if getattr(getattr(model, "config", None), "quantization_config", None) is not None:
         return False
     loaded = getattr(model, "_hf_tiny_loaded_weights", None)
-    return loaded == _parameter_states(model)
+    return loaded == _parameter_states(model) and not _stepped_since_loading(model)
 
 
-def carry_model_card(model, folder, *, model_id: str | None = None) -> Path | None:
+def carry_model_card(model, folder, *, model_id: str | None = None, over_any_readme: bool = False) -> Path | None:
     """Writes the model's source card (see module doc) into folder/README.md; returns its path, or None when the
-    model has no hf_tiny card or the card no longer describes it (card_still_holds). Tags of a README already in
-    `folder` (transformers puts push tags there) are kept.
+    model has no hf_tiny card or the card no longer describes it (card_still_holds). A README already in `folder`
+    that is not an hf_tiny card (the user's, Trainer's) is left as it is, as official save_pretrained leaves it;
+    over_any_readme (push_to_hub, where transformers has just written its generic card): replaced, its tags kept.
     """
     found = source_card(model)
     if found is None or not card_still_holds(model, found[1]):
@@ -145,7 +171,10 @@ def carry_model_card(model, folder, *, model_id: str | None = None) -> Path | No
     target = Path(folder) / CARD_FILE
     if target.exists() and target.resolve() == source_path.resolve():
         return target  # saving over the folder it came from: the card is already there
-    existing_tags = card_tags(target.read_text(encoding="utf-8")) if target.is_file() else []
+    existing = target.read_text(encoding="utf-8") if target.is_file() else None
+    if existing is not None and not over_any_readme and not is_hf_tiny_card(existing):
+        return None
+    existing_tags = card_tags(existing) if existing is not None else []
     target.write_text(
         retarget_card(card, model_id if model_id is not None else str(folder), existing_tags), encoding="utf-8"
     )

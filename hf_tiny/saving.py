@@ -63,7 +63,7 @@ class AtomicSaveAndCardMixin:
     def _upload_modified_files(self, working_dir, repo_id, *args, **kwargs):
         # transformers has just written its generic README.md here (after save_pretrained): put our card back,
         # pointed at the repo, before the upload.
-        carry_model_card(self, working_dir, model_id=repo_id)
+        carry_model_card(self, working_dir, model_id=repo_id, over_any_readme=True)
         return super()._upload_modified_files(working_dir, repo_id, *args, **kwargs)
 
 
@@ -121,7 +121,7 @@ def _carry_over_previous_folder(model, destination: Path, tmp: Path, save_direct
         shutil.copy2(previous_card, new_card)  # a copy: carry_model_card may rewrite it (keeping its tags)
     found = source_card(model)
     saving_over_own_folder = found is not None and found[0].resolve() == previous_card.resolve()
-    if not saving_over_own_folder:  # there the card is already in place, unchanged
+    if not saving_over_own_folder:  # there the card is already in place, as official leaves a README
         carry_model_card(model, tmp, model_id=save_directory)
     if not destination.is_dir():
         return

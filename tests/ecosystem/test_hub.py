@@ -258,6 +258,55 @@ def test_a_card_that_no_longer_describes_the_model_is_not_carried(converted_enco
     assert not readme.exists() or "converted from" not in readme.read_text()
 
 
+def test_a_sparse_fused_step_ends_the_card_though_no_sampled_element_moved(converted_encoder, tmp_path):
+    """Trainer's default optimizer (fused AdamW, no weight decay) on the embeddings alone moves only the rows a batch
+    touched, and writes without bumping _version: the card's sampled elements did not move, and it was carried over
+    a fine-tuned model. Any optimizer step over the model's parameters now ends it."""
+    from transformers import AutoModelForMaskedLM
+
+    from hf_tiny.hub import _parameter_states
+
+    converted, _ = converted_encoder
+    model = AutoModelForMaskedLM.from_pretrained(converted)
+    model.requires_grad_(False)
+    embeddings = model.get_input_embeddings().weight.requires_grad_(True)
+    before = embeddings.detach().clone()
+    optimizer = torch.optim.AdamW([embeddings], lr=1e-2, weight_decay=0.0, fused=True)
+    # a loss on the encoder's states: gradients on the rows of these ids only (the tied MLM head would reach all),
+    # rows the card's 16 sampled elements are not in
+    rows, width = embeddings.shape
+    sampled = {int(i) // width for i in torch.arange(16) * (rows * width - 1) // 15}
+    ids = torch.tensor([[row for row in range(3, rows) if row not in sampled][:4]])
+    model.base_model(input_ids=ids)[0].square().sum().backward()
+    optimizer.step()
+    assert not torch.equal(embeddings.detach(), before)  # trained ...
+    assert model._hf_tiny_loaded_weights == _parameter_states(model)  # ... where the sample cannot see it
+    model.save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved" / "README.md").exists()
+    # the control: a model no optimizer stepped keeps its card
+    AutoModelForMaskedLM.from_pretrained(converted).save_pretrained(tmp_path / "unchanged")
+    assert "converted from" in (tmp_path / "unchanged" / "README.md").read_text()
+
+
+def test_a_readme_of_someone_else_in_the_target_folder_is_left_as_it_is(converted_encoder, tmp_path):
+    """Official save_pretrained never writes README.md: a user's or Trainer's card already in the target folder
+    stays. An earlier hf_tiny card there is replaced by this model's (and push_to_hub still replaces transformers'
+    generic card)."""
+    from transformers import AutoModelForMaskedLM
+
+    model = AutoModelForMaskedLM.from_pretrained(converted_encoder[0])
+    theirs = "---\nlicense: mit\ntags:\n- mine\n---\n# my notes on this model\n"
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "README.md").write_text(theirs)
+    model.save_pretrained(tmp_path / "target")
+    assert (tmp_path / "target" / "README.md").read_text() == theirs
+    # an hf_tiny card there (a copy of the source's): this model's card, pointed at the new folder
+    (tmp_path / "ours").mkdir()
+    (tmp_path / "ours" / "README.md").write_text((converted_encoder[0] / "README.md").read_text())
+    model.save_pretrained(tmp_path / "ours")
+    assert f'from_pretrained("{tmp_path / "ours"}"' in (tmp_path / "ours" / "README.md").read_text()
+
+
 def test_model_without_hf_tiny_card_gets_none(tmp_path):
     """A model built from a config has no measured parity: nothing is invented for it."""
     config = hf_tiny.TinyEncoderConfig(
