@@ -102,7 +102,7 @@ def remember_loaded_weights(model) -> None:
     _watch_optimizer_steps()
 
 
-# Optimizers that have stepped in this process (torch's global step post-hook, registered once a model with a card
+# Optimizers that have stepped in this process (torch's global step post-hook, registered when the first hf_tiny model
 # is loaded): a fused step writes without bumping _version, and a sparse one (only the rows a batch touched, no
 # weight decay) can miss every sampled element.
 _stepped_optimizers: "weakref.WeakSet" = weakref.WeakSet()
@@ -114,7 +114,8 @@ def _watch_optimizer_steps() -> None:
     if _step_hook is None:
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        _step_hook = register_optimizer_step_post_hook(lambda optimizer, args, kwargs: _stepped_optimizers.add(optimizer))
+        _step_hook = register_optimizer_step_post_hook(
+            lambda optimizer, args, kwargs: _stepped_optimizers.add(optimizer))
 
 
 def _stepped_since_loading(model) -> bool:
