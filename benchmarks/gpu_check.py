@@ -105,10 +105,10 @@ MIN_STAGE_S = 25  # a stage is started only when this much of the budget is left
 
 def stages_of(plan: GpuPlan, folders: dict, args) -> list[Stage]:
     """Every stage after the build, in order of value (what the last run left unsettled first): the eager rows of
-    both sides (training, prefill, decode, host work), prefill and eager decode again with both models in one process
-    (0.82x-0.99x on the H200, 2026-11-30, against 1.02x-1.09x two days before), batch-1 captured decode, Liger on both sides in one process,
-    batch-8 captured decode (0.81x on the H200, 2026-11-28), the longest trainable sequence with the fit_memory
-    option (3.00x there) and without it, the runtime-off rows."""
+    both sides (training, prefill, decode, host work), prefill and eager decode again with both models in one
+    process (0.82x-0.99x on the H200, 2026-11-30, against 0.93x-1.02x by warm calls two days before), batch-1
+    captured decode, Liger on both sides in one process, batch-8 captured decode (0.81x on the H200, 2026-11-28),
+    the longest trainable sequence with the fit_memory option (3.00x there) and without it, the runtime-off rows."""
     common = {"model": plan.model, "device": plan.device, "dtype": plan.dtype, "folders": folders,
               "warmup": plan.warmup, "repeats": plan.repeats, "decode_repeats": plan.decode_repeats,
               "threads": plan.threads}

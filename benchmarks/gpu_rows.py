@@ -225,13 +225,14 @@ def host_counts(model, case: str, shape: Shape, device: torch.device) -> dict:
     return {kind: counts[kind]["x"] for kind in ("python", "aten")}
 
 
-def train_row(model, shape: Shape, device: torch.device, job: dict, label: str, side: str, **extra) -> None:
-    """forward + backward + AdamW step; the first warm-up step creates AdamW's state, which the peak includes."""
+def train_row(model, shape: Shape, device: torch.device, job: dict, label: str, side: str, **extra):
+    """forward + backward + AdamW step; the first warm-up step creates AdamW's state, which the peak includes.
+    Returns the step (its AdamW state held until the caller drops it)."""
     step = build_train_step(model, "causal", shape, device)
     result = measured(step, device, warmup=max(job["warmup"], 1), repeats=job["repeats"])
     emit_measured(label, side, result, **extra)
-    del step
     model.zero_grad(set_to_none=True)
+    return step
 
 
 def peak_kept(call, peaks: dict, key, device: torch.device):
@@ -294,11 +295,9 @@ def liger_row(job: dict, shape: Shape, device: torch.device, side: str) -> None:
     model = load(job)
     patched = apply_liger(model)
     label = f"train {shape.label()} liger"
-    train_row(model, shape, device, job, label, side, **patched)
+    step = train_row(model, shape, device, job, label, side, **patched)
     # one more step under the profiler: with Liger on both sides ours took 1.07x official's time on the H200
     # (2026-11-30, interleaved), and the kernels each side ran say where
-    step = build_train_step(model, "causal", shape, device)
-    step()  # AdamW's state made outside the profiled step
     guarded(f"{label} kernels", side, lambda: kernel_row(step, device, f"{label} kernels", side))
 
 
@@ -325,19 +324,8 @@ def liger_paired_row(job: dict, shape: Shape, device: torch.device, label: str) 
     models = {side: load({**job, "side": side}) for side in PAIRED_SIDES}
     patched = {side: apply_liger(model) for side, model in models.items()}
     steps = {side: build_train_step(model, "causal", shape, device) for side, model in models.items()}
-    cuda = device.type == "cuda"
-    peaks = dict.fromkeys(PAIRED_SIDES, 0)
-    free()
-    base = torch.cuda.memory_allocated(device) if cuda else None
-    timings = time_interleaved({side: peak_kept(steps[side], peaks, side, device) for side in PAIRED_SIDES},
-                               device=device,
-                               warmup=max(job["warmup"], 1), repeats=max(job["repeats"], PAIRED_REPEATS))
-    for side in PAIRED_SIDES:
-        # the other model's weights, gradients and AdamW state are resident too: the extra memory is what a step
-        # adds above both, comparable between the sides, not with the separate rows' extra
-        emit(label, side, seconds=timings[side].median, samples=timings[side].samples,
-             peak_bytes=peaks[side] if cuda else None, extra_bytes=peaks[side] - base if cuda else None,
-             **patched[side])
+    paired_row(label, steps, device, warmup=max(job["warmup"], 1), repeats=max(job["repeats"], PAIRED_REPEATS),
+               extra=patched)
 
 
 def job_eager_paired(job: dict) -> None:
@@ -360,9 +348,10 @@ def job_eager_paired(job: dict) -> None:
 
 
 def paired_row(label: str, calls: dict, device: torch.device, *, warmup: int, repeats: int,
-               tokens: int | None = None) -> None:
-    """Both sides' calls timed interleaved, each with its own peak above the memory both models hold (comparable
-    between the sides, not with the separate rows' extra); tokens: a decode row's tokens per call."""
+               tokens: int | None = None, extra: dict | None = None) -> None:
+    """Both sides' calls timed interleaved, each with its own peak above the memory both models hold (the other
+    model's weights, and in training its gradients and AdamW state, are resident too: comparable between the sides,
+    not with the separate rows' extra); tokens: a decode row's tokens per call; extra: {side: more fields}."""
     cuda = device.type == "cuda"
     peaks = dict.fromkeys(calls, 0)
     free()
@@ -375,9 +364,9 @@ def paired_row(label: str, calls: dict, device: torch.device, *, warmup: int, re
             emit(label, side, status=failure_status(error))
         return
     for side, timing in timings.items():
-        extra = {} if tokens is None else {"tokens_per_s": tokens / timing.median}
+        rate = {} if tokens is None else {"tokens_per_s": tokens / timing.median}
         emit(label, side, seconds=timing.median, samples=timing.samples, peak_bytes=peaks[side] if cuda else None,
-             extra_bytes=peaks[side] - base if cuda else None, **extra)
+             extra_bytes=peaks[side] - base if cuda else None, **rate, **(extra or {}).get(side, {}))
 
 
 def job_captured(job: dict) -> None:

@@ -235,31 +235,28 @@ def draws_random(module: nn.Module) -> bool:
     return False
 
 
-def _replayable(layer: nn.Module) -> bool:
+def _replayable(layer: nn.Module, *, own_code_only: bool = False) -> bool:
     """Whether replaying the layer's forward in backward would be invisible: no hook inside it (a hook would run
     twice), except the output recorders of step.LayerOutputs, which are removed before backward; no forward set on a
-    submodule by someone else (accelerate's offloading)."""
+    submodule by someone else (accelerate's offloading).
+
+    own_code_only (the recompute): every module inside is also torch.nn's, one of transformers' activations or the
+    model's own code (hf_tiny's, or the copy a saved folder ships). The recompute keeps the layer's matrix products'
+    outputs (torch's selective checkpoint caches them), so a module that writes into one in place would change what
+    backward reads: PEFT's AdaLoRA, C3A and GraLoRA add their update into the base projection's output
+    (`result += ...`), and so do LoRA's mixed-adapter batches. A whole-layer replay (fit_memory's) keeps nothing of
+    the layer and needs no such check."""
     if _any_global_hooks():
         return False
+    own = type(layer).__module__.rpartition(".")[0] + "."
     for module in layer.modules():
         hooks = list(module._forward_hooks.values()) + list(module._forward_pre_hooks.values())
         if any(not getattr(hook, "records_outputs", False) for hook in hooks):
             return False
         if "forward" in vars(module):
             return False
-    return True
-
-
-def own_modules_only(layer: nn.Module) -> bool:
-    """Whether every module inside the layer is torch.nn's, one of transformers' activations or the model's own code
-    (hf_tiny's, or the copy a saved folder ships). The recompute keeps the layer's matrix products' outputs (torch's
-    selective checkpoint caches them), so a module that writes into one in place would change what backward reads:
-    PEFT's AdaLoRA, C3A and GraLoRA add their update into the base projection's output (`result += ...`), and so do
-    LoRA's mixed-adapter batches. Any other module (PEFT's, a quantizer's, a tool's) and the layer runs as written."""
-    own = type(layer).__module__.rpartition(".")[0] + "."
-    for module in layer.modules():
-        name = type(module).__module__
-        if not (name.startswith(("torch.nn.", own)) or name == "transformers.activations"):
+        code = type(module).__module__
+        if own_code_only and not (code.startswith(("torch.nn.", own)) or code == "transformers.activations"):
             return False
     return True
 
@@ -277,8 +274,7 @@ def _recomputes(layer: nn.Module, hidden_states) -> bool:
         and path_on(layer, "recompute", hidden_states.device)
         and torch.is_grad_enabled()
         and not layer.gradient_checkpointing
-        and _replayable(layer)
-        and own_modules_only(layer)
+        and _replayable(layer, own_code_only=True)
         and not under_functorch()
         and not _autocast_caches(hidden_states.device.type)
     )

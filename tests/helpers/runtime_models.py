@@ -27,9 +27,11 @@ CAUSAL_VARIANTS = {
 }
 
 
-def causal_model(variant: str = "llama", seed: int = 0):
+def causal_model(variant: str = "llama", seed: int = 0, **overrides):
+    """A small random causal LM of one variant (overrides: more config fields, e.g. attention_bias=True)."""
     torch.manual_seed(seed)
-    config = hf_tiny.TinyCausalConfig(**SIZES, initializer_range=0.3, pad_token_id=0, **CAUSAL_VARIANTS[variant])
+    config = hf_tiny.TinyCausalConfig(**SIZES, initializer_range=0.3, pad_token_id=0,
+                                      **{**CAUSAL_VARIANTS[variant], **overrides})
     model = hf_tiny.TinyCausalForCausalLM(config)
     with torch.no_grad():  # norms away from 1 / 0 so that a wrong norm gradient shows
         for name, param in model.named_parameters():

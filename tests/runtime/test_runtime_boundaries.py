@@ -151,15 +151,8 @@ class AddsIntoItsProduct(nn.Module):
         return result
 
 
-def _llama(bias: bool):
-    torch.manual_seed(0)
-    config = hf_tiny.TinyCausalConfig(**SIZES, initializer_range=0.3, pad_token_id=0, num_key_value_heads=2,
-                                      attention_bias=bias)
-    return hf_tiny.TinyCausalForCausalLM(config)
-
-
 def _with_foreign_projections(bias: bool):
-    model = _llama(bias)
+    model = causal_model(attention_bias=bias)
     for layer in model.model.layers:
         layer.self_attn.q_proj = AddsIntoItsProduct(layer.self_attn.q_proj)
         layer.self_attn.v_proj = AddsIntoItsProduct(layer.self_attn.v_proj)
@@ -184,10 +177,11 @@ def test_a_layer_holding_modules_of_other_code_is_not_recomputed(bias):
     off = _gradients(model, ids)
     assert on.keys() == off.keys() and all(torch.equal(on[name], off[name]) for name in on)
     # the control: the same layers with only their own modules are still recomputed (a replay in backward)
-    plain = _llama(bias).set_runtime(chunked_loss=False)
-    assert runtime.own_modules_only(plain.model.layers[0]) and runtime._recomputes(
-        plain.train().model.layers[0], torch.zeros(1, 2, SIZES["hidden_size"]))
-    assert not runtime.own_modules_only(model.model.layers[0])
+    plain = causal_model(attention_bias=bias).set_runtime(chunked_loss=False)
+    states = torch.zeros(1, 2, SIZES["hidden_size"])
+    assert runtime._recomputes(plain.train().model.layers[0], states)
+    model.set_runtime(recompute=True)  # asked for: still not for layers holding modules of other code
+    assert not runtime._recomputes(model.train().model.layers[0], states)
 
 
 def test_adalora_trains_with_the_gradients_of_the_runtime_off():
